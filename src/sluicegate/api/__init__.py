@@ -1,0 +1,1 @@
+"""The HTTP layer: OpenAI schemas, SSE, errors, health.  Knows nothing of tensors."""

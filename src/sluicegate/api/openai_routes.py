@@ -1,0 +1,306 @@
+"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from starlette.responses import Response
+
+from sluicegate.api.errors import APIError
+from sluicegate.api.generation import (
+    Generation,
+    abort_generation,
+    build_sampling,
+    engine_failure,
+    finish_reason_text,
+    new_request_id,
+    resolve_max_tokens,
+    start_generation,
+)
+from sluicegate.api.runtime import Runtime, get_runtime
+from sluicegate.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    check_chat,
+    check_completion,
+    completion_prompt,
+    parse_body,
+)
+from sluicegate.api.sse import DONE, EventStreamResponse, sse_data
+from sluicegate.engine.tokenizer import ChatTemplateError
+from sluicegate.scheduler.request import FinishReason
+from sluicegate.stream.output import RequestOutput
+
+router = APIRouter()
+
+ChunkBuilder = Callable[[str, str | None, dict[str, Any] | None], dict[str, Any]]
+
+
+def json_response(payload: object, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
+
+
+async def read_json(request: HTTPRequest, max_bytes: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"Request body is {declared} bytes; the limit is {max_bytes} bytes.")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise APIError(413, f"Request body exceeds the limit of {max_bytes} bytes.")
+    if not body:
+        raise APIError(400, "The request body is empty; send a JSON object.")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}.") from None
+
+
+def check_model(runtime: Runtime, model: str) -> None:
+    if model != runtime.model_name:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{runtime.model_name}' "
+            "(see GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    return {
+        "prompt_tokens": output.num_prompt_tokens,
+        "completion_tokens": output.num_output_tokens,
+        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: HTTPRequest) -> Response:
+    runtime = get_runtime(request)
+    return json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": runtime.model_name,
+                    "object": "model",
+                    "created": int(runtime.started_at),
+                    "owned_by": "sluicegate",
+                    "max_model_len": runtime.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: HTTPRequest) -> Response:
+    runtime = get_runtime(request)
+    body = await read_json(request, runtime.settings.max_request_body_bytes)
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+    check_chat(req)
+    check_model(runtime, req.model)
+    tokenizer = _tokenizer(runtime)
+    try:
+        prompt_ids = tokenizer.encode_chat(chat_messages(req))
+    except ChatTemplateError as exc:
+        raise APIError(400, f"The messages cannot be formatted: {exc}", param="messages") from None
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
+    )
+    max_tokens = resolve_max_tokens(runtime, requested, len(prompt_ids))
+    request_id = new_request_id("chatcmpl")
+    generation = start_generation(runtime, request_id, prompt_ids, build_sampling(req, max_tokens))
+
+    def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
+        delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": generation.created,
+            "model": runtime.model_name,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "usage": use,
+        }
+
+    if req.stream:
+        first = chunk("", None, None)
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return _stream(runtime, generation, req, chunk, first)
+    output = await _collect(runtime, request, generation)
+    return json_response(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": generation.created,
+            "model": runtime.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": output.text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": finish_reason_text(output.finish_reason),
+                }
+            ],
+            "usage": usage(output),
+        }
+    )
+
+
+@router.post("/v1/completions")
+async def completions(request: HTTPRequest) -> Response:
+    runtime = get_runtime(request)
+    body = await read_json(request, runtime.settings.max_request_body_bytes)
+    req: CompletionRequest = parse_body(CompletionRequest, body)
+    check_completion(req)
+    check_model(runtime, req.model)
+    tokenizer = _tokenizer(runtime)
+    prompt = completion_prompt(req)
+    if isinstance(prompt, str):
+        prompt_ids = tokenizer.encode(prompt)
+    else:
+        bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"prompt token ids must be in [0, {tokenizer.vocab_size}); got {bad}",
+                param="prompt",
+            )
+        prompt_ids = prompt
+    if not prompt_ids:
+        raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
+    max_tokens = resolve_max_tokens(runtime, req.max_tokens, len(prompt_ids))
+    request_id = new_request_id("cmpl")
+    generation = start_generation(runtime, request_id, prompt_ids, build_sampling(req, max_tokens))
+
+    def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": generation.created,
+            "model": runtime.model_name,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": use,
+        }
+
+    if req.stream:
+        return _stream(runtime, generation, req, chunk, None)
+    output = await _collect(runtime, request, generation)
+    return json_response(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": generation.created,
+            "model": runtime.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": output.text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason_text(output.finish_reason),
+                }
+            ],
+            "usage": usage(output),
+        }
+    )
+
+
+def _tokenizer(runtime: Runtime) -> Any:
+    if runtime.tokenizer is None or not runtime.ready:
+        raise APIError(
+            503, "The model is still loading; retry shortly.", code="not_ready",
+            headers={"retry-after": "2"},
+        )  # fmt: skip
+    return runtime.tokenizer
+
+
+async def _collect(runtime: Runtime, request: HTTPRequest, generation: Generation) -> RequestOutput:
+    """Wait for the whole answer; abort at once if the client goes away."""
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(wait_disconnect())
+    text: list[str] = []
+    try:
+        while True:
+            getter = asyncio.ensure_future(generation.stream.get())
+            done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                abort_generation(runtime, generation)
+                raise APIError(499, "Client closed the request.")
+            output = getter.result()
+            text.append(output.text)
+            if output.finished:
+                generation.finished = True
+                if output.finish_reason == FinishReason.ERROR:
+                    raise engine_failure(output)
+                output.text = "".join(text)
+                return output
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        abort_generation(runtime, generation)
+
+
+def _stream(
+    runtime: Runtime,
+    generation: Generation,
+    req: ChatCompletionRequest | CompletionRequest,
+    chunk: ChunkBuilder,
+    first: dict[str, Any] | None,
+) -> Response:
+    options = req.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+
+    async def events() -> AsyncIterator[bytes]:
+        if first is not None:
+            if continuous:
+                first["usage"] = {
+                    "prompt_tokens": generation.request.num_prompt_tokens,
+                    "completion_tokens": 0,
+                    "total_tokens": generation.request.num_prompt_tokens,
+                }
+            yield sse_data(first)
+        while True:
+            output = await generation.stream.get()
+            use = usage(output) if continuous else None
+            if output.finished:
+                generation.finished = True
+                if output.finish_reason == FinishReason.ERROR:
+                    err = engine_failure(output)
+                    yield sse_data(err.body())
+                    yield DONE
+                    return
+                if output.text:
+                    yield sse_data(chunk(output.text, None, use))
+                yield sse_data(chunk("", finish_reason_text(output.finish_reason), use))
+                if include_usage:
+                    final = chunk("", None, usage(output))
+                    final["choices"] = []
+                    yield sse_data(final)
+                yield DONE
+                return
+            if output.text or continuous:
+                yield sse_data(chunk(output.text, None, use))
+
+    return EventStreamResponse(
+        events(),
+        on_disconnect=lambda: abort_generation(runtime, generation),
+        headers={"x-request-id": generation.request_id},
+    )

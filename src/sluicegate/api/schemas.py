@@ -1,0 +1,231 @@
+"""OpenAI request bodies, and their translation into what the scheduler needs.
+
+Unknown fields are ignored (clients send many); known fields we do not support are
+rejected with a 400 that names them, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sluicegate.api.errors import APIError, invalid_param
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    priority: Literal["interactive", "batch"] | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+def parse_body(model: type[_Common], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        param = ".".join(p for p in loc if not p.isdigit()) or None
+        where = "".join(
+            f"[{p}]" if p.isdigit() else ("." if i else "") + p for i, p in enumerate(loc)
+        )
+        if err.get("type") == "missing":
+            raise APIError(400, f"Missing required parameter: '{where}'.", param=param,
+                           code="missing_required_parameter") from None  # fmt: skip
+        raise APIError(
+            400, f"Invalid value for '{where}': {err.get('msg')}; got {err.get('input')!r}.",
+            param=param, code="invalid_value",
+        ) from None  # fmt: skip
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return APIError(
+        400, f"'{param}' is not supported by this server: {what}.", param=param,
+        code="unsupported_parameter",
+    )  # fmt: skip
+
+
+def check_common(req: _Common) -> None:
+    if req.n is not None and req.n != 1:
+        raise _unsupported("n", f"only n=1 is supported; got {req.n}")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise invalid_param(
+            "temperature", f"temperature must be between 0 and 2; got {req.temperature}"
+        )
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise invalid_param("top_p", f"top_p must be in (0, 1]; got {req.top_p}")
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid_param("top_k", f"top_k must be -1 or 0 (off) or positive; got {req.top_k}")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise invalid_param("seed", f"seed must be a 64-bit signed integer; got {req.seed}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and value != 0:
+            raise _unsupported(name, f"only 0 is supported; got {value}")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit bias is not implemented")
+    stops = stop_sequences(req.stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise invalid_param(
+            "stop", f"at most {MAX_STOP_SEQUENCES} stop sequences; got {len(stops)}"
+        )
+    for s in stops:
+        if not s:
+            raise invalid_param("stop", "stop sequences must not be empty")
+        if len(s) > MAX_STOP_LENGTH:
+            raise invalid_param(
+                "stop", f"stop sequences must be at most {MAX_STOP_LENGTH} characters; "
+                f"got {len(s)}",
+            )  # fmt: skip
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.tools or req.functions:
+        raise _unsupported("tools" if req.tools else "functions", "tool calling is not implemented")
+    for name in ("tool_choice", "function_call"):
+        value = getattr(req, name)
+        if value is not None and value != "none":
+            raise _unsupported(name, "tool calling is not implemented")
+    if req.logprobs:
+        raise _unsupported("logprobs", "log probabilities are not returned")
+    if req.top_logprobs:
+        raise _unsupported("top_logprobs", "log probabilities are not returned")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise _unsupported(
+            "response_format", f"only type 'text'; got {req.response_format.get('type')!r}"
+        )
+    if req.modalities and any(m != "text" for m in req.modalities):
+        raise _unsupported("modalities", "only text output")
+    if req.audio is not None:
+        raise _unsupported("audio", "only text output")
+    if not req.messages:
+        raise invalid_param("messages", "messages must hold at least one message")
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type != "text":
+                    raise _unsupported(
+                        f"messages[{i}].content[{j}].type",
+                        f"only text content parts; got {part.type!r}",
+                    )
+                if part.text is None:
+                    raise invalid_param(
+                        f"messages[{i}].content[{j}].text", "a text part needs 'text'"
+                    )
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.logprobs is not None:
+        raise _unsupported("logprobs", "log probabilities are not returned")
+    if req.echo:
+        raise _unsupported("echo", "echoing the prompt is not implemented")
+    if req.best_of is not None and req.best_of != 1:
+        raise _unsupported("best_of", f"only best_of=1; got {req.best_of}")
+    if req.suffix:
+        raise _unsupported("suffix", "insertion is not implemented")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages flattened to ``{"role", "content"}`` strings for the chat template."""
+    out = []
+    for message in req.messages:
+        if isinstance(message.content, list):
+            text = "".join(part.text or "" for part in message.content)
+        else:
+            text = message.content or ""
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": text})
+    return out
+
+
+def stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop)
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """One prompt, as text or token ids; several prompts are rejected (n=1 only)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise invalid_param("prompt", "prompt must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [int(p) for p in prompt]  # type: ignore[arg-type]
+    if len(prompt) != 1:
+        raise _unsupported("prompt", f"one prompt per request; got {len(prompt)}")
+    only = prompt[0]
+    if isinstance(only, str):
+        return only
+    return [int(p) for p in only]  # type: ignore[union-attr]

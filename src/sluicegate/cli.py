@@ -1,0 +1,112 @@
+"""The ``sluicegate`` command.
+
+``serve`` exposes every field of :class:`sluicegate.config.Settings` as a flag, generated
+from the settings object itself so that flags, ``SLUICEGATE_*`` env vars and the YAML
+file never drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, get_args, get_origin
+
+import typer
+from pydantic.fields import FieldInfo
+
+from sluicegate.config import Settings
+
+app = typer.Typer(
+    name="sluicegate",
+    help="An OpenAI-compatible streaming LLM server with backpressure end to end.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command("version")
+def version() -> None:
+    """Print the version."""
+    from sluicegate import __version__
+
+    typer.echo(__version__)
+
+
+def _cli_type(name: str, annotation: Any) -> Any | None:
+    """The type typer should parse for a settings annotation, or None if not a CLI scalar."""
+    origin = get_origin(annotation)
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType):
+        return _cli_type(name, args[0]) if len(args) == 1 else None
+    if origin is Literal:
+        choices = [str(a) for a in get_args(annotation)]
+        return enum.Enum(f"{name}_choice", {c: c for c in choices}, type=str)
+    if annotation in (bool, int, float, str):
+        return annotation
+    return None
+
+
+def _serve(**kwargs: Any) -> None:
+    from sluicegate.config import load_settings
+    from sluicegate.server import run_server
+
+    config = kwargs.pop("config", None)
+    flags = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in kwargs.items()}
+    try:
+        settings = load_settings(config, **flags)
+    except Exception as exc:  # a pydantic ValidationError or a YAML error: say it plainly
+        raise typer.BadParameter(str(exc)) from exc
+    run_server(settings)
+
+
+def _serve_signature() -> inspect.Signature:
+    params = [
+        inspect.Parameter(
+            "config",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                Optional[Path],  # noqa: UP045 - typer inspects this at run time
+                typer.Option(
+                    "--config",
+                    exists=True,
+                    dir_okay=False,
+                    help="YAML file of settings (flags and env vars override it).",
+                ),
+            ],
+        )
+    ]
+    for name, field in Settings.model_fields.items():
+        assert isinstance(field, FieldInfo)
+        cli_type = _cli_type(name, field.annotation)
+        if cli_type is None:
+            continue
+        default_text = "none" if field.default is None else str(field.default)
+        option = typer.Option(
+            help=f"{field.description or ''} (env SLUICEGATE_{name.upper()})",
+            show_default=default_text,
+        )
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[Optional[cli_type], option],  # noqa: UP045
+            )
+        )
+    return inspect.Signature(params)
+
+
+_serve.__signature__ = _serve_signature()  # type: ignore[attr-defined]
+app.command(
+    "serve",
+    help="Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000).",
+)(_serve)
+
+
+def main() -> None:
+    app(prog_name="sluicegate")

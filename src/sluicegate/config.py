@@ -1,0 +1,136 @@
+"""One typed settings object: YAML file, ``SLUICEGATE_*`` env vars and CLI flags map to it.
+
+Precedence, highest first: CLI flags, environment, config file, defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+EngineKind = Literal["torch", "sim", "upstream"]
+
+
+class Settings(BaseSettings):
+    """Every knob of the server, with a default that works on a laptop."""
+
+    model_config = SettingsConfigDict(env_prefix="SLUICEGATE_", extra="forbid")
+
+    # --- server ---
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 = any free).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+    max_request_body_bytes: int = Field(
+        1_048_576, ge=1024, description="Larger request bodies get 413."
+    )
+
+    # --- engine ---
+    engine: EngineKind = Field(
+        "sim", description="Engine: torch (embedded model), sim or upstream."
+    )
+    model: str | None = Field(
+        None,
+        description="Model path (GGUF file or Hugging Face directory); "
+        "default: SmolLM2-135M-Instruct.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name in /v1/models and responses; default: derived from the engine."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Torch engine dtype.")
+    cache_dir: str | None = Field(
+        None, description="Converted-weights cache (default ~/.cache/sluicegate)."
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
+    )
+    upstream_url: str | None = Field(None, description="Base URL of the upstream engine.")
+
+    # --- sim engine ---
+    sim_step_base_ms: float = Field(5.0, ge=0.0, description="Sim step time: fixed part (ms).")
+    sim_step_per_token_ms: float = Field(
+        0.1, ge=0.0, description="Sim step time: per batched token (ms)."
+    )
+
+    # --- scheduler ---
+    max_num_seqs: int = Field(32, ge=1, description="Sequences running at once (KV slots).")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Token budget of one engine step (chunked prefill beyond it)."
+    )
+    max_model_len: int = Field(
+        2048, ge=16, description="Context length: prompt + generated tokens per sequence."
+    )
+    kv_block_size: int = Field(16, ge=1, description="Tokens per KV block (accounting unit).")
+    num_kv_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="KV blocks in the pool (default max_num_seqs*max_model_len/kv_block_size).",
+    )
+    default_max_tokens: int = Field(
+        512, ge=1, description="max_tokens when a request gives none (capped by the context)."
+    )
+
+    @field_validator("model", "upstream_url", "served_model_name", "cache_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.engine == "upstream" and not self.upstream_url:
+            raise ValueError("engine 'upstream' needs upstream_url (--upstream-url URL)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
+            )
+        return self
+
+    @property
+    def total_kv_blocks(self) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return -(-self.max_num_seqs * self.max_model_len // self.kv_block_size)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init (CLI flags and the file loaded by load_settings) above env; the file's
+        # values are passed separately so that env beats the file.
+        return (init_settings, env_settings)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file; keys are setting names (dashes or underscores)."""
+    text = Path(path).read_text(encoding="utf-8")
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build settings: ``overrides`` (CLI) > env > ``config_file`` > defaults."""
+    file_values = read_config_file(config_file) if config_file else {}
+    # Env must beat the file: drop file values whose env var is set.
+    file_values = {
+        k: v for k, v in file_values.items() if f"SLUICEGATE_{k.upper()}" not in os.environ
+    }
+    merged = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
+    return Settings(**merged)

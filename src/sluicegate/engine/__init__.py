@@ -1,0 +1,1 @@
+"""Engines: run one step for a planned batch and return sampled tokens."""

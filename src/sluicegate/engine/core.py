@@ -1,0 +1,254 @@
+"""The engine loop: one thread that plans, computes and hands results back.
+
+The event loop never blocks on the engine.  It talks to this thread through a command
+queue (add, abort) that is drained before every step, so an abort takes effect before
+the next step is planned; results come back once per step through
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sluicegate.engine.base import Engine
+from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
+from sluicegate.scheduler.scheduler import Scheduler, SchedulerStats, TokenEvent
+from sluicegate.stream.output import RequestOutput, RequestStream
+from sluicegate.stream.text import TextAssembler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    request: Request
+    stream: RequestStream
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+    requested_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Figures of one engine step, for metrics."""
+
+    step_seconds: float
+    num_seqs: int
+    num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class EngineCoreStats:
+    scheduler: SchedulerStats
+    num_steps: int
+    engine_up: bool
+
+
+class EngineCore:
+    """Owns the scheduler and the engine; runs them on a dedicated thread."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: TextTokenizer,
+        scheduler: Scheduler,
+        loop: asyncio.AbstractEventLoop,
+        on_step: Callable[[StepStats], None] | None = None,
+        on_abort: Callable[[float], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self._loop = loop
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._assemblers: dict[str, TextAssembler] = {}
+        self._on_step = on_step
+        self._on_abort = on_abort
+        self._thread = threading.Thread(target=self._run, name="sluicegate-engine", daemon=True)
+        self._num_steps = 0
+        self.engine_up = True
+        self._stats_lock = threading.Lock()
+        self._stats = EngineCoreStats(scheduler.make_stats(), 0, True)
+
+    # ----------------------------------------------------- event-loop side API
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_request(self, request: Request, stream: RequestStream) -> None:
+        self._commands.put(_Add(request, stream))
+
+    def abort_request(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+        self.engine.close()
+
+    def stats(self) -> EngineCoreStats:
+        with self._stats_lock:
+            return self._stats
+
+    # ------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        running = True
+        while running:
+            block = not self.scheduler.has_unfinished_requests
+            running = self._drain_commands(block)
+            if not running or not self.scheduler.has_unfinished_requests:
+                self._publish_stats()
+                continue
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                # Waiting work that cannot be admitted yet (e.g. no free KV): wait briefly
+                # for a command rather than spin.
+                running = self._drain_commands(block=True, timeout=0.005)
+                continue
+            started = time.perf_counter()
+            try:
+                result = self.engine.step(plan)
+            except Exception:
+                logger.exception("engine step failed; failing the batch")
+                self._fail_batch([s.request_id for s in plan.sequences])
+                continue
+            elapsed = time.perf_counter() - started
+            self._num_steps += 1
+            events = self.scheduler.update_from_output(plan, result)
+            outputs = self._assemble(events)
+            if outputs:
+                self._post(outputs)
+            if self._on_step is not None:
+                self._on_step(StepStats(elapsed, len(plan.sequences), plan.num_batched_tokens))
+            self._publish_stats()
+        self._fail_batch(list(self.scheduler.requests), reason="server shutting down")
+
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> bool:
+        first = True
+        while True:
+            try:
+                if first and block:
+                    command = self._commands.get(timeout=timeout)
+                else:
+                    command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            first = False
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command)
+
+    def _add(self, command: _Add) -> None:
+        request = command.request
+        self._streams[request.request_id] = command.stream
+        decoder = self.tokenizer.decode_stream(request.prompt_token_ids)
+        self._assemblers[request.request_id] = TextAssembler(decoder, request.sampling.stop)
+        self.scheduler.add_request(request)
+
+    def _abort(self, command: _Abort) -> None:
+        request = self.scheduler.finish_request(command.request_id, RequestStatus.FINISHED_ABORTED)
+        self._assemblers.pop(command.request_id, None)
+        stream = self._streams.pop(command.request_id, None)
+        if request is not None and self._on_abort is not None:
+            self._on_abort(time.monotonic() - command.requested_at)
+        if stream is not None and request is not None:
+            out = RequestOutput(
+                request.request_id, "", 0, request.num_prompt_tokens,
+                request.num_output_tokens, FinishReason.ABORT,
+            )  # fmt: skip
+            self._post([(stream, out)])
+
+    def _assemble(self, events: list[TokenEvent]) -> list[tuple[RequestStream, RequestOutput]]:
+        outputs: list[tuple[RequestStream, RequestOutput]] = []
+        for event in events:
+            request = event.request
+            token_id = event.new_token_id
+            rid = request.request_id
+            assembler = self._assemblers.get(rid)
+            stream = self._streams.get(rid)
+            if assembler is None or stream is None:
+                continue
+            text = ""
+            if token_id is not None:
+                is_eos = request.finish_reason == FinishReason.STOP and (
+                    token_id in self.scheduler.eos_token_ids
+                    or token_id in request.sampling.stop_token_ids
+                )
+                text = assembler.push(token_id, skip=is_eos)
+                if assembler.stopped and not request.status.is_finished:
+                    request.finish_reason = FinishReason.STOP
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            if request.status.is_finished:
+                text += assembler.flush()
+                del self._assemblers[rid]
+                del self._streams[rid]
+            outputs.append(
+                (
+                    stream,
+                    RequestOutput(
+                        request_id=rid,
+                        text=text,
+                        num_new_tokens=1 if token_id is not None else 0,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_output_tokens=request.num_output_tokens,
+                        finish_reason=request.finish_reason if request.status.is_finished else None,
+                    ),
+                )
+            )
+        return outputs
+
+    def _fail_batch(self, request_ids: list[str], reason: str = "engine step failed") -> None:
+        failed: list[tuple[RequestStream, RequestOutput]] = []
+        for rid in request_ids:
+            request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+            stream = self._streams.pop(rid, None)
+            self._assemblers.pop(rid, None)
+            if request is not None and stream is not None:
+                failed.append(
+                    (
+                        stream,
+                        RequestOutput(
+                            rid, "", 0, request.num_prompt_tokens, request.num_output_tokens,
+                            FinishReason.ERROR, error=reason,
+                        ),
+                    )
+                )  # fmt: skip
+        if failed:
+            self._post(failed)
+
+    def _post(self, outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+        # A closed event loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    @staticmethod
+    def _dispatch(outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+        for stream, output in outputs:
+            stream.put(output)
+
+    def _publish_stats(self) -> None:
+        stats = EngineCoreStats(self.scheduler.make_stats(), self._num_steps, self.engine_up)
+        with self._stats_lock:
+            self._stats = stats

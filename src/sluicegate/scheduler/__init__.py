@@ -1,0 +1,1 @@
+"""Queue and scheduler: pure-Python bookkeeping, no torch import."""

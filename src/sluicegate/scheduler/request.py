@@ -1,0 +1,103 @@
+"""The request as the scheduler sees it: token ids, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status above ``PREEMPTED`` is finished."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class FinishReason(enum.StrEnum):
+    """OpenAI's finish reasons, plus the ones only our server produces."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-request sampling.
+
+    ``seed`` is always set (a random one is drawn at arrival when the client gives none):
+    the engine derives each sampled token's random numbers from ``(seed, position)``, so
+    the same seed gives the same text whatever shares the batch, and a preempted or
+    resumed sequence continues exactly as it would have.
+    """
+
+    max_tokens: int
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence.  ``all_token_ids`` is prompt + generated output, appended in place.
+
+    Invariant: ``num_computed_tokens <= len(all_token_ids)``; the scheduler hands out
+    the missing tokens under the step budget, which gives chunked prefill for free.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    kv_slot: int | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Worst-case context length: prompt plus every token it may still generate."""
+        return self.num_prompt_tokens + self.sampling.max_tokens

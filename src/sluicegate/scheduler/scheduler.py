@@ -1,0 +1,237 @@
+"""Continuous batching under a token budget.
+
+There are no prefill and decode phases: each request has ``num_computed_tokens`` and a
+target (all of its known tokens), and every step hands out tokens under
+``max_num_batched_tokens``, running sequences first, then waiting ones.  A prompt longer
+than the remaining budget is prefilled in chunks over several steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sluicegate.engine.base import ScheduledSequence, StepPlan, StepResult
+from sluicegate.scheduler.kv_cache import KVCacheManager, KVCacheStats
+from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
+from sluicegate.scheduler.waiting import WaitingQueue
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None
+
+    @property
+    def total_kv_blocks(self) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return -(-self.max_num_seqs * self.max_model_len // self.kv_block_size)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """A request that gained a token and/or finished in a step."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache: KVCacheStats
+    num_preemptions_total: int
+
+
+@dataclass(slots=True)
+class _Counters:
+    preemptions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    """CPU-only bookkeeping; single-threaded (the engine thread owns it)."""
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = KVCacheManager(config.max_num_seqs, config.total_kv_blocks, config.kv_block_size)
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._freed_slots: list[int] = []
+        self._counters = _Counters()
+        self._finished_since_last_step: list[Request] = []
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("a request needs at least one prompt token")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (e.g. abort) a request wherever it is; frees its slot and blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status)
+        return request
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # --------------------------------------------------------------- planning
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        plan = StepPlan(freed_kv_slots=self._freed_slots)
+        self._freed_slots = []
+        scheduled: set[str] = set()
+
+        # Running first, oldest first; when KV blocks run out, preempt from the back.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while not self.kv.ensure_capacity(
+                request.request_id, request.num_computed_tokens + num_new
+            ):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # the request preempted itself: nothing smaller fits
+            plan.sequences.append(self._scheduled(request, num_new))
+            scheduled.add(request.request_id)
+            budget -= num_new
+            idx += 1
+
+        # Then waiting, by priority then arrival, while slots, blocks and budget last.
+        while budget > 0 and len(self.waiting) > 0 and self.kv.num_free_slots > 0:
+            candidate = self.waiting.peek()
+            assert candidate is not None
+            request = candidate
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.ensure_capacity(
+                request.request_id, request.num_computed_tokens + num_new
+            ):
+                break
+            self.waiting.pop()
+            slot = self.kv.allocate_slot()
+            assert slot is not None
+            request.kv_slot = slot
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            plan.sequences.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        self._counters.steps += 1
+        return plan
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        assert request.kv_slot is not None
+        return ScheduledSequence(
+            request_id=request.request_id,
+            kv_slot=request.kv_slot,
+            all_token_ids=request.all_token_ids,
+            start_position=request.num_computed_tokens,
+            num_new_tokens=num_new,
+            sample=request.num_computed_tokens + num_new == request.num_tokens,
+            sampling=request.sampling,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running sequence's KV; keep its tokens; it re-prefills when re-admitted."""
+        self.running.remove(request)
+        self.kv.free(request.request_id, request.kv_slot)
+        if request.kv_slot is not None:
+            self._freed_slots.append(request.kv_slot)
+        request.kv_slot = None
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._counters.preemptions += 1
+        self.waiting.push(request, front=True)
+
+    # ---------------------------------------------------------------- results
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
+        """Advance each planned sequence; append sampled tokens; finish on EOS or length."""
+        events: list[TokenEvent] = []
+        for seq in plan.sequences:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += seq.num_new_tokens
+            if not seq.sample:
+                continue
+            token_id = result.sampled_token_ids[seq.request_id]
+            request.all_token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                request.finish_reason = reason
+                self._finish(
+                    request,
+                    RequestStatus.FINISHED_STOPPED
+                    if reason == FinishReason.STOP
+                    else RequestStatus.FINISHED_LENGTH,
+                )
+            events.append(TokenEvent(request, token_id, reason is not None))
+        return events
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        sampling = request.sampling
+        if not sampling.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request.request_id)
+        self.kv.free(request.request_id, request.kv_slot)
+        if request.kv_slot is not None:
+            self._freed_slots.append(request.kv_slot)
+        request.kv_slot = None
+        request.status = status
+        if request.finish_reason is None:
+            request.finish_reason = {
+                RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+                RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+            }.get(status, FinishReason.ERROR)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------ stats
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache=self.kv.stats(),
+            num_preemptions_total=self._counters.preemptions,
+        )

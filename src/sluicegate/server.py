@@ -1,0 +1,43 @@
+"""Run the app under uvicorn (uvloop, httptools) on a socket we create ourselves."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+
+from sluicegate.api.app import create_app
+from sluicegate.config import Settings
+
+
+def make_listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def run_server(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    sock = make_listen_socket(settings.host, settings.port)
+    logging.getLogger("sluicegate").info(
+        "listening on http://%s:%d (engine %s)", settings.host, sock.getsockname()[1],
+        settings.engine,
+    )  # fmt: skip
+    server.run(sockets=[sock])

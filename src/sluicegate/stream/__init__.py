@@ -1,0 +1,1 @@
+"""Per-request output: text assembly, stop strings, buffering toward the client."""

@@ -1,0 +1,171 @@
+"""Scheduler tests with a fake engine: no model, no threads, no sockets."""
+
+from __future__ import annotations
+
+import random
+
+from sluicegate.engine.base import StepPlan, StepResult
+from sluicegate.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+
+EOS = 0
+
+
+class FakeEngine:
+    """Samples token ``7`` unless told otherwise; records every plan."""
+
+    def __init__(self, eos_after: dict[str, int] | None = None) -> None:
+        self.plans: list[StepPlan] = []
+        self.eos_after = eos_after or {}
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        result = StepResult()
+        for seq in plan.sequences:
+            if seq.sample:
+                stop_at = self.eos_after.get(seq.request_id)
+                result.sampled_token_ids[seq.request_id] = (
+                    EOS if stop_at is not None and seq.output_index >= stop_at else 7
+                )
+        return result
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling=SamplingParams(max_tokens=max_tokens, seed=1),
+        priority=priority,
+    )
+
+
+def run_to_completion(sched: Scheduler, engine: FakeEngine, max_steps: int = 10_000) -> int:
+    steps = 0
+    while sched.has_unfinished_requests:
+        plan = sched.schedule()
+        sched.update_from_output(plan, engine.step(plan))
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def config(**kw: int) -> SchedulerConfig:
+    base = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 512}
+    base.update(kw)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def test_budget_and_seq_limit_never_exceeded() -> None:
+    rng = random.Random(0)
+    sched = Scheduler(config(max_num_seqs=5, max_num_batched_tokens=48), eos_token_ids=(EOS,))
+    engine = FakeEngine()
+    reqs = [make_request(f"r{i}", rng.randint(1, 200), rng.randint(1, 40)) for i in range(30)]
+    for r in reqs:
+        sched.add_request(r)
+    run_to_completion(sched, engine)
+    for plan in engine.plans:
+        assert plan.num_batched_tokens <= 48
+        assert len(plan.sequences) <= 5
+        assert len({s.kv_slot for s in plan.sequences}) == len(plan.sequences)
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.num_output_tokens == r.sampling.max_tokens
+
+
+def test_chunked_prefill_covers_long_prompt_exactly_once() -> None:
+    sched = Scheduler(config(max_num_batched_tokens=32), eos_token_ids=(EOS,))
+    engine = FakeEngine()
+    req = make_request("long", 100, 3)
+    sched.add_request(req)
+    run_to_completion(sched, engine)
+    chunks = [
+        (s.start_position, s.num_new_tokens, s.sample) for p in engine.plans for s in p.sequences
+    ]
+    # 100 prompt tokens in chunks of 32: 32, 32, 32, 4 (the last one samples), then decodes.
+    assert chunks[:4] == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True)]
+    assert chunks[4:] == [(100, 1, True), (101, 1, True)]
+    assert req.num_output_tokens == 3
+
+
+def test_running_sequences_decode_while_a_long_prompt_prefills() -> None:
+    sched = Scheduler(config(max_num_batched_tokens=16), eos_token_ids=(EOS,))
+    engine = FakeEngine()
+    short = make_request("short", 4, 20)
+    sched.add_request(short)
+    sched.update_from_output(plan := sched.schedule(), engine.step(plan))
+    sched.add_request(make_request("long", 200, 2))
+    for _ in range(5):
+        plan = sched.schedule()
+        ids = [s.request_id for s in plan.sequences]
+        assert ids[0] == "short"  # running first, every step
+        sched.update_from_output(plan, engine.step(plan))
+
+
+def test_finished_and_aborted_release_slots_and_blocks() -> None:
+    sched = Scheduler(config(max_num_seqs=2), eos_token_ids=(EOS,))
+    engine = FakeEngine(eos_after={"a": 2})
+    a, b, c = make_request("a", 10, 50), make_request("b", 10, 50), make_request("c", 10, 5)
+    for r in (a, b, c):
+        sched.add_request(r)
+    plan = sched.schedule()
+    assert {s.request_id for s in plan.sequences} == {"a", "b"}  # only 2 slots
+    sched.update_from_output(plan, engine.step(plan))
+    sched.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert b.finish_reason == FinishReason.ABORT and b.kv_slot is None
+    run_to_completion(sched, engine)
+    assert a.finish_reason == FinishReason.STOP and a.num_output_tokens == 3
+    assert c.status == RequestStatus.FINISHED_LENGTH
+    stats = sched.make_stats()
+    assert stats.kv_cache.num_used_blocks == 0
+    assert stats.kv_cache.num_free_slots == 2
+    assert not sched.requests
+
+
+def test_abort_while_waiting() -> None:
+    sched = Scheduler(config(max_num_seqs=1), eos_token_ids=(EOS,))
+    sched.add_request(make_request("a", 4, 5))
+    sched.add_request(make_request("b", 4, 5))
+    sched.schedule()
+    assert sched.finish_request("b", RequestStatus.FINISHED_ABORTED) is not None
+    assert len(sched.waiting) == 0
+
+
+def test_priority_orders_admission() -> None:
+    sched = Scheduler(config(max_num_seqs=1), eos_token_ids=(EOS,))
+    sched.add_request(make_request("batch", 4, 1, priority=1))
+    sched.add_request(make_request("interactive", 4, 1, priority=0))
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.sequences] == ["interactive"]
+
+
+def test_kv_pressure_preempts_newest_and_it_resumes_with_same_tokens() -> None:
+    # 6 blocks of 16 tokens: two sequences growing to 60 tokens each cannot both fit.
+    sched = Scheduler(
+        config(max_num_seqs=2, num_kv_blocks=6, kv_block_size=16, max_num_batched_tokens=64),
+        eos_token_ids=(EOS,),
+    )
+    engine = FakeEngine()
+    a, b = make_request("a", 20, 40), make_request("b", 20, 40)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_to_completion(sched, engine)
+    assert sched.make_stats().num_preemptions_total >= 1
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert a.num_output_tokens == 40 and b.num_output_tokens == 40
+    # After preemption the whole sequence (prompt + generated) was recomputed from 0.
+    restarts = [
+        s
+        for p in engine.plans
+        for s in p.sequences
+        if s.request_id == "b" and s.start_position == 0
+    ]
+    assert len(restarts) == 1 + b.num_preemptions
+    assert sched.make_stats().kv_cache.num_used_blocks == 0
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    sched = Scheduler(config(max_model_len=12), eos_token_ids=(EOS,))
+    req = make_request("a", 10, 100)
+    sched.add_request(req)
+    run_to_completion(sched, FakeEngine())
+    assert req.finish_reason == FinishReason.LENGTH and req.num_tokens == 12
