@@ -80,6 +80,41 @@ class Settings(BaseSettings):
         512, ge=1, description="max_tokens when a request gives none (capped by the context)."
     )
 
+    # --- flow control ---
+    pause: bool = Field(
+        True, description="Pause a slow reader's sequence (--no-pause: it keeps decoding)."
+    )
+    high_water_tokens: int = Field(
+        128, ge=1, description="Pause a stream when this many tokens are not yet received."
+    )
+    low_water_tokens: int = Field(
+        32, ge=0, description="Resume a paused stream when its backlog falls to this."
+    )
+    high_water_bytes: int = Field(
+        65536, ge=1024, description="Also pause when this many bytes wait in the buffer."
+    )
+    pause_preempt_seconds: float = Field(
+        5.0, ge=0.0, description="Free a paused sequence's KV cache after this long."
+    )
+    stall_timeout_seconds: float = Field(
+        30.0, ge=0.0, description="Evict a client that accepts no bytes this long (0 = never)."
+    )
+    flush_interval_ms: float = Field(
+        40.0, ge=0.0, description="Coalesce tokens for this long per write (0 = every token)."
+    )
+    flush_max_tokens: int = Field(24, ge=1, description="Write at once when this many wait.")
+    heartbeat_seconds: float = Field(
+        15.0, gt=0.0, description="SSE comment when nothing else was sent for this long."
+    )
+    socket_send_buffer_bytes: int = Field(
+        16384,
+        ge=0,
+        description="SO_SNDBUF of client sockets, so slow readers are seen early (0 = kernel).",
+    )
+    transport_write_buffer_bytes: int = Field(
+        16384, ge=1024, description="High-water mark of each connection's write buffer."
+    )
+
     @field_validator("model", "upstream_url", "served_model_name", "cache_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
@@ -89,6 +124,11 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.engine == "upstream" and not self.upstream_url:
             raise ValueError("engine 'upstream' needs upstream_url (--upstream-url URL)")
+        if self.low_water_tokens >= self.high_water_tokens:
+            raise ValueError(
+                f"low_water_tokens ({self.low_water_tokens}) must be below "
+                f"high_water_tokens ({self.high_water_tokens})"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

@@ -8,13 +8,21 @@ import socket
 import uvicorn
 
 from sluicegate.api.app import create_app
+from sluicegate.api.sse import TransportCapture
 from sluicegate.config import Settings
 
 
-def make_listen_socket(host: str, port: int) -> socket.socket:
+def make_listen_socket(host: str, port: int, send_buffer_bytes: int = 0) -> socket.socket:
+    """The listening socket; accepted sockets inherit its SO_SNDBUF on Linux.
+
+    A small send buffer keeps the distance between what we wrote and what the reader
+    received short, so a slow reader is seen after kilobytes, not megabytes.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)
@@ -25,7 +33,7 @@ def run_server(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    app = TransportCapture(create_app(settings), settings.transport_write_buffer_bytes)
     config = uvicorn.Config(
         app,
         loop="uvloop",
@@ -35,7 +43,7 @@ def run_server(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
-    sock = make_listen_socket(settings.host, settings.port)
+    sock = make_listen_socket(settings.host, settings.port, settings.socket_send_buffer_bytes)
     logging.getLogger("sluicegate").info(
         "listening on http://%s:%d (engine %s)", settings.host, sock.getsockname()[1],
         settings.engine,

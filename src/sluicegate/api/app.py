@@ -9,15 +9,17 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from sluicegate import __version__
 from sluicegate.api.errors import APIError, install_error_handlers
 from sluicegate.api.openai_routes import json_response, router
-from sluicegate.api.runtime import Runtime, get_runtime
+from sluicegate.api.runtime import PRIORITY_NAMES, Runtime, get_runtime
 from sluicegate.config import Settings
-from sluicegate.engine.core import EngineCore
+from sluicegate.engine.core import EngineCore, StepStats
 from sluicegate.engine.factory import build_engine
+from sluicegate.metrics.registry import Metrics
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("sluicegate")
@@ -43,32 +45,68 @@ async def load_engine(runtime: Runtime) -> None:
         ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
     )
-    core = EngineCore(loaded.engine, loaded.tokenizer, scheduler, asyncio.get_running_loop())
+    metrics = runtime.metrics
+
+    def on_step(step: StepStats) -> None:
+        metrics.engine_step_seconds.observe(step.step_seconds)
+        metrics.batch_size.observe(step.num_seqs)
+        metrics.batch_tokens.observe(step.num_batched_tokens)
+
+    core = EngineCore(
+        loaded.engine,
+        loaded.tokenizer,
+        scheduler,
+        asyncio.get_running_loop(),
+        on_step=on_step,
+        on_abort=metrics.cancel_latency_seconds.observe,
+    )
     core.start()
     runtime.core = core
     runtime.tokenizer = loaded.tokenizer
     runtime.model_name = loaded.model_name
     runtime.max_model_len = max_model_len
     runtime.ready = True
+    metrics.engine_up.labels(metrics.engine).set(1)
     logger.info(
         "engine %s ready: model %s, max_model_len %d",
         settings.engine, loaded.model_name, max_model_len,
     )  # fmt: skip
 
 
+def refresh_state_metrics(runtime: Runtime) -> None:
+    """Copy the engine's latest state into gauges and counters (at scrape time)."""
+    if runtime.core is None:
+        return
+    metrics = runtime.metrics
+    stats = runtime.core.stats()
+    sched = stats.scheduler
+    metrics.requests_running.set(sched.num_running)
+    for priority, name in PRIORITY_NAMES.items():
+        metrics.requests_waiting.labels(name).set(sched.num_waiting_by_priority.get(priority, 0))
+    metrics.kv_cache_usage_ratio.set(sched.kv_cache.usage_ratio)
+    metrics.engine_up.labels(metrics.engine).set(1 if stats.engine_up and runtime.ready else 0)
+    for reason, count in sched.preemptions_by_reason.items():
+        seen = runtime.preemptions_seen.get(reason, 0)
+        if count > seen:
+            metrics.preemptions_total.labels(reason).inc(count - seen)
+            runtime.preemptions_seen[reason] = count
+
+
 def create_app(settings: Settings) -> FastAPI:
-    runtime = Runtime(settings=settings)
+    runtime = Runtime(settings=settings, metrics=Metrics(settings.engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(load_engine(runtime))
         runtime.tasks.add(task)
         task.add_done_callback(runtime.tasks.discard)
+        runtime.flow.start()
         try:
             yield
         finally:
             runtime.ready = False
             task.cancel()
+            await runtime.flow.stop()
             if runtime.core is not None:
                 await asyncio.to_thread(runtime.core.shutdown)
 
@@ -98,6 +136,12 @@ def create_app(settings: Settings) -> FastAPI:
             503, "The engine is loading.", code="not_ready", headers={"retry-after": "2"}
         )
 
+    @app.get("/metrics")
+    async def metrics_endpoint(request: HTTPRequest) -> Response:
+        rt = get_runtime(request)
+        refresh_state_metrics(rt)
+        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/stats")
     async def stats(request: HTTPRequest) -> Response:
         rt = get_runtime(request)
@@ -118,7 +162,11 @@ def create_app(settings: Settings) -> FastAPI:
                     "free_slots": kv.num_free_slots,
                     "total_slots": kv.num_slots,
                 },
+                "requests_paused": core.scheduler.num_paused,
+                "streams_paused": rt.flow.num_paused,
+                "streams": rt.flow.snapshot(),
                 "preemptions_total": core.scheduler.num_preemptions_total,
+                "preemptions_by_reason": core.scheduler.preemptions_by_reason,
                 "engine_steps_total": core.num_steps,
             }
         )

@@ -16,13 +16,41 @@ from sluicegate.stream.output import RequestOutput, RequestStream
 
 @dataclass(slots=True)
 class Generation:
-    """One accepted request: its id, sequence and output stream."""
+    """One accepted request: its id, sequence, output stream and delivery timings."""
 
     request_id: str
     request: Request
     stream: RequestStream
+    priority_label: str = "interactive"
     created: int = field(default_factory=lambda: int(time.time()))
     finished: bool = False
+    recorded: bool = False
+    first_write_time: float | None = None
+    last_write_time: float | None = None
+    num_tokens_written: int = 0
+
+    def record_write(self, runtime: Runtime, num_tokens: int) -> None:
+        """Delivery timing of one write carrying ``num_tokens`` tokens."""
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        metrics = runtime.metrics
+        if self.first_write_time is None:
+            self.first_write_time = now
+            metrics.time_to_first_token_seconds.labels(self.priority_label).observe(
+                now - self.request.arrival_time
+            )
+            gap_tokens = num_tokens - 1
+        else:
+            assert self.last_write_time is not None
+            # As delivered: the first token of this write waited the whole gap, the
+            # others arrived with it.
+            metrics.inter_token_latency_seconds.observe(now - self.last_write_time)
+            gap_tokens = num_tokens - 1
+        for _ in range(gap_tokens):
+            metrics.inter_token_latency_seconds.observe(0.0)
+        self.last_write_time = now
+        self.num_tokens_written += num_tokens
 
 
 def new_request_id(prefix: str) -> str:
@@ -73,7 +101,11 @@ def build_sampling(req: _Common, max_tokens: int) -> SamplingParams:
 
 
 def start_generation(
-    runtime: Runtime, request_id: str, prompt_ids: list[int], sampling: SamplingParams
+    runtime: Runtime,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    max_tokens_per_second: float | None = None,
 ) -> Generation:
     if runtime.core is None or not runtime.ready:
         raise APIError(
@@ -83,15 +115,52 @@ def start_generation(
             headers={"retry-after": "2"},
         )
     request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
+    if max_tokens_per_second:
+        request.min_token_interval_seconds = 1.0 / max_tokens_per_second
     stream = RequestStream(request_id)
     runtime.core.add_request(request, stream)
+    runtime.metrics.prompt_tokens_total.inc(len(prompt_ids))
     return Generation(request_id, request, stream)
 
 
 def abort_generation(runtime: Runtime, generation: Generation) -> None:
+    """The client went away (or cancelled): abort the sequence before the next step."""
     if not generation.finished and runtime.core is not None:
         generation.finished = True
         runtime.core.abort_request(generation.request_id)
+        runtime.metrics.cancellations_total.inc()
+        record_finish(runtime, generation, "cancelled")
+
+
+def record_finish(runtime: Runtime, generation: Generation, status: str) -> None:
+    """Per-request metrics, once, when the request ends for whatever reason."""
+    if generation.recorded:
+        return
+    generation.recorded = True
+    metrics = runtime.metrics
+    request = generation.request
+    now = time.monotonic()
+    metrics.requests_total.labels(status).inc()
+    metrics.generation_tokens_total.inc(request.num_output_tokens)
+    metrics.e2e_request_latency_seconds.labels(generation.priority_label).observe(
+        now - request.arrival_time
+    )
+    if request.first_scheduled_time is not None:
+        metrics.queue_wait_seconds.labels(generation.priority_label).observe(
+            request.first_scheduled_time - request.arrival_time
+        )
+        first_token = generation.stream.timings.first_token_time
+        if first_token is not None:
+            metrics.prefill_seconds.observe(max(0.0, first_token - request.first_scheduled_time))
+    timings = generation.stream.timings
+    if (
+        timings.first_token_time is not None
+        and timings.finish_time is not None
+        and request.num_output_tokens > 1
+    ):
+        metrics.time_per_output_token_seconds.observe(
+            (timings.finish_time - timings.first_token_time) / (request.num_output_tokens - 1)
+        )
 
 
 def engine_failure(output: RequestOutput) -> APIError:

@@ -20,6 +20,7 @@ from sluicegate.api.generation import (
     engine_failure,
     finish_reason_text,
     new_request_id,
+    record_finish,
     resolve_max_tokens,
     start_generation,
 )
@@ -33,10 +34,11 @@ from sluicegate.api.schemas import (
     completion_prompt,
     parse_body,
 )
-from sluicegate.api.sse import DONE, EventStreamResponse, sse_data
+from sluicegate.api.sse import DONE, EventStreamResponse, sse_comment, sse_data
 from sluicegate.engine.tokenizer import ChatTemplateError
 from sluicegate.scheduler.request import FinishReason
-from sluicegate.stream.output import RequestOutput
+from sluicegate.stream.flow import StreamFlow
+from sluicegate.stream.output import FlushPolicy, RequestOutput
 
 router = APIRouter()
 
@@ -119,7 +121,9 @@ async def chat_completions(request: HTTPRequest) -> Response:
     )
     max_tokens = resolve_max_tokens(runtime, requested, len(prompt_ids))
     request_id = new_request_id("chatcmpl")
-    generation = start_generation(runtime, request_id, prompt_ids, build_sampling(req, max_tokens))
+    generation = start_generation(
+        runtime, request_id, prompt_ids, build_sampling(req, max_tokens), req.max_tokens_per_second
+    )
 
     def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
         delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
@@ -180,7 +184,9 @@ async def completions(request: HTTPRequest) -> Response:
         raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
     max_tokens = resolve_max_tokens(runtime, req.max_tokens, len(prompt_ids))
     request_id = new_request_id("cmpl")
-    generation = start_generation(runtime, request_id, prompt_ids, build_sampling(req, max_tokens))
+    generation = start_generation(
+        runtime, request_id, prompt_ids, build_sampling(req, max_tokens), req.max_tokens_per_second
+    )
 
     def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
         return {
@@ -247,7 +253,10 @@ async def _collect(runtime: Runtime, request: HTTPRequest, generation: Generatio
             if output.finished:
                 generation.finished = True
                 if output.finish_reason == FinishReason.ERROR:
+                    record_finish(runtime, generation, "error")
                     raise engine_failure(output)
+                generation.record_write(runtime, output.num_output_tokens)
+                record_finish(runtime, generation, finish_reason_text(output.finish_reason) or "")
                 output.text = "".join(text)
                 return output
     finally:
@@ -267,8 +276,24 @@ def _stream(
     options = req.stream_options
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
+    policy = runtime.flush_policy
+    if options is not None and (
+        options.flush_interval_ms is not None or options.flush_max_tokens is not None
+    ):
+        policy = FlushPolicy(
+            interval_seconds=(
+                policy.interval_seconds
+                if options.flush_interval_ms is None
+                else options.flush_interval_ms / 1000.0
+            ),
+            max_tokens=options.flush_max_tokens or policy.max_tokens,
+            heartbeat_seconds=policy.heartbeat_seconds,
+        )
+    stream = generation.stream
+    metrics = runtime.metrics
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncIterator[tuple[bytes, int]]:
+        carried = 0
         if first is not None:
             if continuous:
                 first["usage"] = {
@@ -276,31 +301,76 @@ def _stream(
                     "completion_tokens": 0,
                     "total_tokens": generation.request.num_prompt_tokens,
                 }
-            yield sse_data(first)
+            yield sse_data(first), 0
         while True:
-            output = await generation.stream.get()
+            output = await stream.next(policy)
+            if output is None:
+                yield sse_comment("keep-alive"), 0
+                continue
+            generation.record_write(runtime, output.num_new_tokens)
+            metrics.stream_buffer_tokens.observe(stream_flow.unreceived_tokens)
             use = usage(output) if continuous else None
             if output.finished:
                 generation.finished = True
                 if output.finish_reason == FinishReason.ERROR:
-                    err = engine_failure(output)
-                    yield sse_data(err.body())
-                    yield DONE
+                    record_finish(runtime, generation, "error")
+                    yield sse_data(engine_failure(output).body()), 0
+                    yield DONE, 0
                     return
+                record_finish(runtime, generation, finish_reason_text(output.finish_reason) or "")
+                num_tokens = output.num_new_tokens + carried
                 if output.text:
-                    yield sse_data(chunk(output.text, None, use))
-                yield sse_data(chunk("", finish_reason_text(output.finish_reason), use))
+                    yield sse_data(chunk(output.text, None, use)), num_tokens
+                    yield sse_data(chunk("", finish_reason_text(output.finish_reason), use)), 0
+                else:
+                    yield (
+                        sse_data(chunk("", finish_reason_text(output.finish_reason), use)),
+                        num_tokens,
+                    )
                 if include_usage:
                     final = chunk("", None, usage(output))
                     final["choices"] = []
-                    yield sse_data(final)
-                yield DONE
+                    yield sse_data(final), 0
+                yield DONE, 0
                 return
             if output.text or continuous:
-                yield sse_data(chunk(output.text, None, use))
+                yield sse_data(chunk(output.text, None, use)), output.num_new_tokens + carried
+                carried = 0
+            else:
+                # Tokens with no text yet (part of a UTF-8 character) ride with the next
+                # write, so delivery accounting counts every token exactly once.
+                carried += output.num_new_tokens
 
+    def eviction_event() -> bytes:
+        record_finish(runtime, generation, "evicted")
+        return sse_data(
+            {
+                "error": {
+                    "message": (
+                        f"The client accepted no data for "
+                        f"{runtime.settings.stall_timeout_seconds:g} seconds; the stream was "
+                        "closed and its generation cancelled."
+                    ),
+                    "type": "stream_stalled",
+                    "param": None,
+                    "code": "stream_stalled",
+                }
+            }
+        )
+
+    def on_close() -> None:
+        if stream_flow.evicted and not generation.finished:
+            generation.finished = True  # evicted: the controller aborted the sequence
+            return
+        abort_generation(runtime, generation)
+
+    stream_flow = StreamFlow(stream)
     return EventStreamResponse(
         events(),
-        on_disconnect=lambda: abort_generation(runtime, generation),
+        stream_flow,
+        runtime.flow,
+        on_close=on_close,
+        eviction_event=eviction_event,
         headers={"x-request-id": generation.request_id},
+        on_send_blocked=metrics.stream_send_blocked_seconds.observe,
     )

@@ -1,4 +1,4 @@
-"""What the HTTP handlers share: settings, the engine core, and readiness."""
+"""What the HTTP handlers share: settings, the engine core, flow control, metrics."""
 
 from __future__ import annotations
 
@@ -11,11 +11,44 @@ from fastapi import Request as HTTPRequest
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
 from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.metrics.registry import Metrics
+from sluicegate.stream.flow import FlowConfig, FlowController
+from sluicegate.stream.output import FlushPolicy
+
+PRIORITY_NAMES = {0: "interactive", 1: "batch"}
+
+
+class EngineFlowActions:
+    """Flow-control decisions, carried to the engine thread and counted."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def pause(self, request_id: str) -> None:
+        if self._runtime.core is not None:
+            self._runtime.core.pause_request(request_id)
+        self._runtime.metrics.streams_paused.inc()
+
+    def resume(self, request_id: str, paused_seconds: float) -> None:
+        if self._runtime.core is not None:
+            self._runtime.core.resume_request(request_id)
+        self._runtime.metrics.streams_paused.dec()
+        self._runtime.metrics.stream_pause_seconds.observe(paused_seconds)
+
+    def preempt(self, request_id: str) -> None:
+        if self._runtime.core is not None:
+            self._runtime.core.preempt_request(request_id)
+
+    def evicted(self, request_id: str) -> None:
+        if self._runtime.core is not None:
+            self._runtime.core.abort_request(request_id)
+        self._runtime.metrics.streams_evicted_total.inc()
 
 
 @dataclass
 class Runtime:
     settings: Settings
+    metrics: Metrics
     core: EngineCore | None = None
     tokenizer: TextTokenizer | None = None
     model_name: str = ""
@@ -24,6 +57,28 @@ class Runtime:
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    preemptions_seen: dict[str, int] = field(default_factory=dict)
+    flow: FlowController = field(init=False)
+    flush_policy: FlushPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.flow = FlowController(
+            FlowConfig(
+                enabled=s.pause,
+                high_water_tokens=s.high_water_tokens,
+                low_water_tokens=s.low_water_tokens,
+                high_water_bytes=s.high_water_bytes,
+                pause_preempt_seconds=s.pause_preempt_seconds,
+                stall_timeout_seconds=s.stall_timeout_seconds,
+            ),
+            EngineFlowActions(self),
+        )
+        self.flush_policy = FlushPolicy(
+            interval_seconds=s.flush_interval_ms / 1000.0,
+            max_tokens=s.flush_max_tokens,
+            heartbeat_seconds=s.heartbeat_seconds,
+        )
 
 
 def get_runtime(request: HTTPRequest) -> Runtime:

@@ -23,6 +23,9 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    #: Sluicegate extensions: per-request flush policy (0 ms = every token its own event).
+    flush_interval_ms: float | None = None
+    flush_max_tokens: int | None = None
 
 
 class _Common(BaseModel):
@@ -44,6 +47,8 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     priority: Literal["interactive", "batch"] | None = None
+    #: Sluicegate extension: cap this request's generation pace.
+    max_tokens_per_second: float | None = None
 
 
 class ContentPart(BaseModel):
@@ -130,6 +135,23 @@ def check_common(req: _Common) -> None:
             raise _unsupported(name, f"only 0 is supported; got {value}")
     if req.logit_bias:
         raise _unsupported("logit_bias", "logit bias is not implemented")
+    if req.max_tokens_per_second is not None and req.max_tokens_per_second <= 0:
+        raise invalid_param(
+            "max_tokens_per_second",
+            f"max_tokens_per_second must be positive; got {req.max_tokens_per_second}",
+        )
+    options = req.stream_options
+    if options is not None:
+        if options.flush_interval_ms is not None and not 0 <= options.flush_interval_ms <= 1000:
+            raise invalid_param(
+                "stream_options.flush_interval_ms",
+                f"flush_interval_ms must be between 0 and 1000; got {options.flush_interval_ms}",
+            )
+        if options.flush_max_tokens is not None and not 1 <= options.flush_max_tokens <= 1024:
+            raise invalid_param(
+                "stream_options.flush_max_tokens",
+                f"flush_max_tokens must be between 1 and 1024; got {options.flush_max_tokens}",
+            )
     stops = stop_sequences(req.stop)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise invalid_param(

@@ -40,11 +40,19 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _Flow:
+    """Flow control from the stream side: pause, resume or preempt (long pause)."""
+
+    request_id: str
+    action: str
+
+
+@dataclass(slots=True)
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _Flow | _Stop
 
 
 @dataclass(slots=True)
@@ -100,6 +108,16 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def pause_request(self, request_id: str) -> None:
+        self._commands.put(_Flow(request_id, "pause"))
+
+    def resume_request(self, request_id: str) -> None:
+        self._commands.put(_Flow(request_id, "resume"))
+
+    def preempt_request(self, request_id: str) -> None:
+        """Free a paused sequence's KV cache (it keeps its tokens)."""
+        self._commands.put(_Flow(request_id, "preempt"))
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._commands.put(_Stop())
         self._thread.join(timeout)
@@ -113,9 +131,10 @@ class EngineCore:
     def _run(self) -> None:
         running = True
         while running:
-            block = not self.scheduler.has_unfinished_requests
+            # Nothing to compute (idle, or every sequence paused): sleep until a command.
+            block = not self.scheduler.has_schedulable_work
             running = self._drain_commands(block)
-            if not running or not self.scheduler.has_unfinished_requests:
+            if not running or not self.scheduler.has_schedulable_work:
                 self._publish_stats()
                 continue
             plan = self.scheduler.schedule()
@@ -157,8 +176,14 @@ class EngineCore:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
-            else:
+            elif isinstance(command, _Abort):
                 self._abort(command)
+            elif command.action == "pause":
+                self.scheduler.pause(command.request_id)
+            elif command.action == "resume":
+                self.scheduler.resume(command.request_id)
+            else:
+                self.scheduler.preempt_paused(command.request_id)
 
     def _add(self, command: _Add) -> None:
         request = command.request

@@ -76,6 +76,11 @@ class Request:
     kv_slot: int | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    #: Paused for a slow reader: not scheduled (keeps its KV unless preempted).
+    paused: bool = False
+    #: Token-level throttle: at most one output token per this many seconds (0 = off).
+    min_token_interval_seconds: float = 0.0
+    next_token_time: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

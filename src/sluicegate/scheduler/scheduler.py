@@ -8,8 +8,10 @@ than the remaining budget is prefilled in chunks over several steps.
 
 from __future__ import annotations
 
+import enum
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from sluicegate.engine.base import ScheduledSequence, StepPlan, StepResult
 from sluicegate.scheduler.kv_cache import KVCacheManager, KVCacheStats
@@ -41,25 +43,41 @@ class TokenEvent:
     finished: bool
 
 
+class PreemptReason(enum.StrEnum):
+    KV_PRESSURE = "kv_pressure"
+    LONG_PAUSE = "long_pause"
+
+
 @dataclass(slots=True, frozen=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
+    num_paused: int
     kv_cache: KVCacheStats
     num_preemptions_total: int
+    preemptions_by_reason: dict[str, int]
+    num_waiting_by_priority: dict[int, int]
 
 
 @dataclass(slots=True)
 class _Counters:
-    preemptions: int = 0
+    preemptions: dict[str, int] = field(default_factory=dict)
     steps: int = 0
 
 
 class Scheduler:
     """CPU-only bookkeeping; single-threaded (the engine thread owns it)."""
 
-    def __init__(self, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self._clock = clock
+        #: Paused sequences whose KV was freed: out of the waiting line until resumed.
+        self.parked: dict[str, Request] = {}
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(config.max_num_seqs, config.total_kv_blocks, config.kv_block_size)
         self.waiting = WaitingQueue()
@@ -89,7 +107,12 @@ class Scheduler:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.parked)
+
+    @property
+    def has_schedulable_work(self) -> bool:
+        """False when everything left is paused: the engine thread may sleep."""
+        return len(self.waiting) > 0 or any(not r.paused for r in self.running)
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
@@ -98,21 +121,25 @@ class Scheduler:
         self._freed_slots = []
         scheduled: set[str] = set()
 
-        # Running first, oldest first; when KV blocks run out, preempt from the back.
+        now = self._clock()
+        # Running first, oldest first; a paused or throttled sequence costs nothing this
+        # step.  When KV blocks run out, preempt (paused sequences first, then newest).
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or request.paused or self._throttled(request, now):
                 idx += 1
                 continue
             while not self.kv.ensure_capacity(
                 request.request_id, request.num_computed_tokens + num_new
             ):
-                victim = self.running[-1]
-                self._preempt(victim)
+                victim = self._pick_victim()
+                self._preempt(victim, PreemptReason.KV_PRESSURE)
                 if victim is request:
                     break
+                if self.running.index(request) < idx:
+                    idx -= 1  # a paused sequence before us left the list
             if request.status != RequestStatus.RUNNING:
                 break  # the request preempted itself: nothing smaller fits
             plan.sequences.append(self._scheduled(request, num_new))
@@ -157,7 +184,45 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _throttled(self, request: Request, now: float) -> bool:
+        return (
+            request.min_token_interval_seconds > 0
+            and request.num_computed_tokens + 1 >= request.num_tokens  # decoding, not prefill
+            and now < request.next_token_time
+        )
+
+    def _pick_victim(self) -> Request:
+        paused = next((r for r in reversed(self.running) if r.paused), None)
+        return paused if paused is not None else self.running[-1]
+
+    # ------------------------------------------------------------ flow control
+    def pause(self, request_id: str) -> bool:
+        """Stop scheduling a sequence (its reader is behind); it keeps its KV."""
+        request = self.requests.get(request_id)
+        if request is None or request.paused:
+            return False
+        request.paused = True
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or not request.paused:
+            return False
+        request.paused = False
+        parked = self.parked.pop(request_id, None)
+        if parked is not None:
+            self.waiting.push(parked, front=True)
+        return True
+
+    def preempt_paused(self, request_id: str) -> bool:
+        """Free a long-paused sequence's KV now; it re-prefills when its reader catches up."""
+        request = self.requests.get(request_id)
+        if request is None or not request.paused or request.status != RequestStatus.RUNNING:
+            return False
+        self._preempt(request, PreemptReason.LONG_PAUSE)
+        return True
+
+    def _preempt(self, request: Request, reason: PreemptReason) -> None:
         """Free a running sequence's KV; keep its tokens; it re-prefills when re-admitted."""
         self.running.remove(request)
         self.kv.free(request.request_id, request.kv_slot)
@@ -167,8 +232,13 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self._counters.preemptions += 1
-        self.waiting.push(request, front=True)
+        self._counters.preemptions[reason.value] = (
+            self._counters.preemptions.get(reason.value, 0) + 1
+        )
+        if request.paused:
+            self.parked[request.request_id] = request
+        else:
+            self.waiting.push(request, front=True)
 
     # ---------------------------------------------------------------- results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
@@ -183,6 +253,11 @@ class Scheduler:
                 continue
             token_id = result.sampled_token_ids[seq.request_id]
             request.all_token_ids.append(token_id)
+            if request.min_token_interval_seconds > 0:
+                request.next_token_time = (
+                    max(request.next_token_time, self._clock() - request.min_token_interval_seconds)
+                    + request.min_token_interval_seconds
+                )
             reason = self._check_stop(request, token_id)
             if reason is not None:
                 request.finish_reason = reason
@@ -214,6 +289,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request.request_id)
+            self.parked.pop(request.request_id, None)
         self.kv.free(request.request_id, request.kv_slot)
         if request.kv_slot is not None:
             self._freed_slots.append(request.kv_slot)
@@ -229,9 +305,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stats
     def make_stats(self) -> SchedulerStats:
+        by_priority: dict[int, int] = {}
+        for request in self.waiting:
+            by_priority[request.priority] = by_priority.get(request.priority, 0) + 1
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            num_paused=sum(1 for r in self.running if r.paused) + len(self.parked),
             kv_cache=self.kv.stats(),
-            num_preemptions_total=self._counters.preemptions,
+            num_preemptions_total=sum(self._counters.preemptions.values()),
+            preemptions_by_reason=dict(self._counters.preemptions),
+            num_waiting_by_priority=by_priority,
         )

@@ -1,9 +1,11 @@
 """What the engine side hands to one request's stream, and the stream itself.
 
 The engine thread produces :class:`RequestOutput` deltas; the event loop receives them
-in one batch per step and appends them to each request's :class:`RequestStream`, which
-the HTTP writer drains.  Deltas waiting in a stream are merged when the writer reads, so
-a slow writer reads fewer, larger deltas instead of queueing one object per token.
+in one batch per step and appends them to each request's :class:`RequestStream`.  The
+writer takes them out according to the flush policy: the first token at once (TTFT
+never waits for a chunk), then coalesced every ``flush_interval`` or
+``flush_max_tokens``, whichever comes first.  Deltas waiting in a stream are merged, so
+a slow writer reads fewer, larger deltas instead of one object per token.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluicegate.scheduler.request import FinishReason
@@ -40,8 +43,17 @@ class StreamTimings:
     finish_time: float | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class FlushPolicy:
+    """When the writer takes tokens out: first at once, then by time or by count."""
+
+    interval_seconds: float = 0.040
+    max_tokens: int = 24
+    heartbeat_seconds: float = 15.0
+
+
 class RequestStream:
-    """The event-loop side of one request's output.  Single consumer."""
+    """The event-loop side of one request's output.  One consumer (the writer)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -49,6 +61,14 @@ class RequestStream:
         self._ready = asyncio.Event()
         self.finished = False
         self.timings = StreamTimings()
+        #: Tokens put but not yet taken by the writer, and their text's UTF-8 size.
+        self.pending_tokens = 0
+        self.pending_bytes = 0
+        self.total_tokens = 0
+        self._first_taken = False
+        self._last_take_time = 0.0
+        #: Called after every put (flow control checks the water marks there).
+        self.on_put: Callable[[RequestStream], None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         if self.finished:
@@ -59,27 +79,64 @@ class RequestStream:
             self.finished = True
             self.timings.finish_time = time.monotonic()
         self._pending.append(output)
+        self.pending_tokens += output.num_new_tokens
+        self.pending_bytes += len(output.text.encode())
+        self.total_tokens += output.num_new_tokens
         self._ready.set()
-
-    @property
-    def num_buffered_tokens(self) -> int:
-        return sum(o.num_new_tokens for o in self._pending)
+        if self.on_put is not None:
+            self.on_put(self)
 
     async def get(self) -> RequestOutput:
         """Wait for output; return everything pending merged into one delta."""
         while not self._pending:
             self._ready.clear()
             await self._ready.wait()
+        return self._take()
+
+    async def next(self, policy: FlushPolicy) -> RequestOutput | None:
+        """The next flush by ``policy``; None when a heartbeat is due instead."""
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), policy.heartbeat_seconds)
+            except TimeoutError:
+                return None
+        if self._first_taken and policy.interval_seconds > 0:
+            deadline = self._last_take_time + policy.interval_seconds
+            while (
+                not self.finished
+                and self.pending_tokens < policy.max_tokens
+                and (remaining := deadline - loop.time()) > 0
+            ):
+                self._ready.clear()
+                try:
+                    await asyncio.wait_for(self._ready.wait(), remaining)
+                except TimeoutError:
+                    break
+        self._first_taken = True
+        self._last_take_time = loop.time()
+        return self._take()
+
+    def _take(self) -> RequestOutput:
         first = self._pending.popleft()
-        while self._pending:
-            nxt = self._pending.popleft()
+        if self._pending:
+            parts = [first.text]
+            num_new = first.num_new_tokens
+            last = first
+            while self._pending:
+                last = self._pending.popleft()
+                parts.append(last.text)
+                num_new += last.num_new_tokens
             first = RequestOutput(
                 request_id=first.request_id,
-                text=first.text + nxt.text,
-                num_new_tokens=first.num_new_tokens + nxt.num_new_tokens,
-                num_prompt_tokens=nxt.num_prompt_tokens,
-                num_output_tokens=nxt.num_output_tokens,
-                finish_reason=nxt.finish_reason,
-                error=nxt.error,
+                text="".join(parts),
+                num_new_tokens=num_new,
+                num_prompt_tokens=last.num_prompt_tokens,
+                num_output_tokens=last.num_output_tokens,
+                finish_reason=last.finish_reason,
+                error=last.error,
             )
+        self.pending_tokens = 0
+        self.pending_bytes = 0
         return first

@@ -1,0 +1,372 @@
+"""The admission decision for one request: every limit checked, cheapest first.
+
+:meth:`AdmissionController.admit` checks, in order: the draining flag, the circuit
+breaker, the tenant's request bucket, its token bucket (prompt + ``max_tokens``
+reserved), its concurrency cap, the global concurrency cap.  A later refusal gives back
+what earlier checks took, so a refused request costs its tenant nothing.  An admitted
+request holds an :class:`AdmissionHandle`; releasing it (exactly once, however often it
+is called) reconciles the token bucket with the real usage and frees both concurrency
+slots.
+
+Refusals allocate one small :class:`Rejection` and its message; nothing else.
+Not thread-safe: the event loop owns it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from sluicegate.admission.breaker import BreakerState, CircuitBreaker
+from sluicegate.admission.concurrency import ConcurrencyLimiter, ConcurrencySlot
+from sluicegate.admission.decision import RateLimitSnapshot, Rejection, RejectReason
+from sluicegate.admission.retry_after import ServiceRateEstimator
+from sluicegate.admission.tenants import Tenant, TenantRegistry
+from sluicegate.admission.token_bucket import TokenBucket
+from sluicegate.admission.types import Clock, PriorityClass
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionConfig:
+    """Server-wide admission limits (per-tenant ones live on each :class:`Tenant`)."""
+
+    #: Requests in flight across all tenants (``None``: unlimited).
+    max_concurrent_requests: int | None = None
+    #: While the breaker is OPEN, interactive requests are admitted only below this many in
+    #: flight (``None``: ``max_concurrent_requests``; both ``None``: OPEN sheds batch only).
+    open_max_in_flight: int | None = None
+    max_retry_after_seconds: float = 60.0
+    draining_retry_after_seconds: float = 1.0
+
+
+class AdmissionHandle:
+    """What an admitted request holds until it finishes.  Release it in a ``finally``."""
+
+    __slots__ = ("_global_slot", "_reserved_tokens", "_tenant_slot", "_token_bucket")
+
+    def __init__(
+        self,
+        token_bucket: TokenBucket | None,
+        reserved_tokens: int,
+        tenant_slot: ConcurrencySlot,
+        global_slot: ConcurrencySlot,
+    ) -> None:
+        self._token_bucket = token_bucket
+        self._reserved_tokens = reserved_tokens
+        self._tenant_slot = tenant_slot
+        self._global_slot = global_slot
+
+    @property
+    def released(self) -> bool:
+        return self._global_slot.released
+
+    def release(self, actual_prompt_tokens: int, actual_output_tokens: int) -> bool:
+        """Reconcile the token bucket with real usage and free the slots, once.
+
+        Returns ``True`` the first time, ``False`` after.  Call ``release(0, 0)`` for a
+        request that never ran (refused by the queue, say): its whole reservation is
+        refunded.  Using more than reserved puts the bucket in debt.
+        """
+        if self._global_slot.released:
+            return False
+        # Slots first: capacity must never leak, whatever happens below.
+        self._tenant_slot.release()
+        self._global_slot.release()
+        bucket = self._token_bucket
+        if bucket is not None:
+            unused = self._reserved_tokens - (actual_prompt_tokens + actual_output_tokens)
+            if unused > 0:
+                bucket.refund(unused)
+            elif unused < 0:
+                bucket.charge(-unused)
+        return True
+
+
+@dataclass(slots=True)
+class Admitted:
+    """An admitted request: the tenant's limits as they stand, and the release handle."""
+
+    tenant: Tenant
+    priority_class: PriorityClass
+    reserved_tokens: int
+    rate_limits: RateLimitSnapshot
+    handle: AdmissionHandle
+
+    def release(self, actual_prompt_tokens: int, actual_output_tokens: int) -> bool:
+        """See :meth:`AdmissionHandle.release`."""
+        return self.handle.release(actual_prompt_tokens, actual_output_tokens)
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for the response."""
+        return self.rate_limits.headers()
+
+
+class _TenantLimits:
+    """One tenant's buckets and cap, with its refusal messages written once up front."""
+
+    __slots__ = (
+        "concurrency",
+        "concurrency_message",
+        "requests",
+        "requests_message",
+        "tokens",
+        "tokens_message",
+    )
+
+    def __init__(self, tenant: Tenant, clock: Clock) -> None:
+        # Bursts: one second's worth of requests (at least one), one minute's of tokens.
+        rps = tenant.requests_per_second
+        tpm = tenant.tokens_per_minute
+        self.requests = TokenBucket(rps, max(1.0, rps), clock) if rps else None
+        self.tokens = TokenBucket(tpm / 60.0, tpm, clock) if tpm else None
+        self.concurrency = ConcurrencyLimiter(tenant.max_concurrent, tenant.name)
+        # Refusals must be cheap: only the retry time is formatted per refusal.
+        name = tenant.name
+        self.requests_message = (
+            f"Rate limit reached for tenant {name!r}: requests_per_second limit of {rps:g} "
+            f"(burst {max(1.0, rps):g}). Retry after "
+            if rps
+            else ""
+        )
+        self.tokens_message = (
+            f"Rate limit reached for tenant {name!r}: tokens_per_minute limit of {tpm:g} "
+            "(prompt + max_tokens per request). Lower max_tokens, or retry after "
+            if tpm
+            else ""
+        )
+        self.concurrency_message = (
+            f"Too many concurrent requests for tenant {name!r}: max_concurrent limit of "
+            f"{tenant.max_concurrent} reached. Retry when one of them finishes."
+        )
+
+
+class AdmissionController:
+    """Composes the per-tenant buckets and caps, the global cap and the breaker."""
+
+    def __init__(
+        self,
+        registry: TenantRegistry,
+        config: AdmissionConfig | None = None,
+        *,
+        breaker: CircuitBreaker | None = None,
+        estimator: ServiceRateEstimator | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.config = config or AdmissionConfig()
+        self.breaker = breaker
+        self.estimator = estimator
+        self._clock = clock
+        self._global = ConcurrencyLimiter(self.config.max_concurrent_requests, "global")
+        open_cap = self.config.open_max_in_flight
+        self._open_max_in_flight = (
+            open_cap if open_cap is not None else self.config.max_concurrent_requests
+        )
+        self._limits: dict[str, _TenantLimits] = {
+            t.name: _TenantLimits(t, clock) for t in registry.tenants
+        }
+        self._draining = False
+        self._global_message = (
+            f"The server is at its max_concurrent_requests limit of {self._global.limit}. "
+            "Retry when capacity frees up."
+        )
+        self._open_message = (
+            f"The server is overloaded (circuit breaker open) and already runs "
+            f"{self._open_max_in_flight} requests, its capacity while overloaded. Retry later."
+        )
+
+    # --- state ---
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def start_draining(self) -> None:
+        """Refuse every new request with 503 from now on (shutdown)."""
+        self._draining = True
+
+    def stop_draining(self) -> None:
+        self._draining = False
+
+    @property
+    def in_flight(self) -> int:
+        return self._global.in_flight
+
+    def tenant_in_flight(self, tenant_name: str) -> int:
+        limits = self._limits.get(tenant_name)
+        return limits.concurrency.in_flight if limits is not None else 0
+
+    def rate_limits(self, tenant: Tenant) -> RateLimitSnapshot:
+        """The tenant's buckets now, for ``x-ratelimit-*`` headers."""
+        return self._snapshot(self._limits_for(tenant))
+
+    # --- the decision ---
+
+    def admit(
+        self,
+        tenant: Tenant,
+        priority_class: PriorityClass | None,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> Admitted | Rejection:
+        """Admit one request or say why not (``priority_class`` ``None``: the tenant's)."""
+        pc = tenant.priority_class if priority_class is None else priority_class
+        if self._draining:
+            return Rejection(
+                RejectReason.DRAINING,
+                503,
+                "The server is shutting down and accepts no new requests. "
+                "Retry; another replica will take the request.",
+                self.config.draining_retry_after_seconds,
+            )
+        if self.breaker is not None:
+            refusal = self._check_breaker(self.breaker, pc)
+            if refusal is not None:
+                return refusal
+
+        limits = self._limits_for(tenant)
+        requests = limits.requests
+        if requests is not None:
+            got = requests.try_acquire(1.0)
+            if not got.admitted:
+                retry_after_seconds = self._clamp(got.retry_after_seconds)
+                return Rejection(
+                    RejectReason.RATE_LIMITED_REQUESTS,
+                    429,
+                    f"{limits.requests_message}{retry_after_seconds:.2f}s.",
+                    retry_after_seconds,
+                    self._snapshot(limits),
+                )
+
+        cost = prompt_tokens + max_tokens
+        tokens = limits.tokens
+        if tokens is not None:
+            got = tokens.try_acquire(cost)
+            if not got.admitted:
+                if requests is not None:
+                    requests.refund(1.0)
+                if got.exceeds_burst:
+                    return self._too_large(tenant, limits, tokens, prompt_tokens, max_tokens)
+                retry_after_seconds = self._clamp(got.retry_after_seconds)
+                return Rejection(
+                    RejectReason.RATE_LIMITED_TOKENS,
+                    429,
+                    f"{limits.tokens_message}{retry_after_seconds:.2f}s.",
+                    retry_after_seconds,
+                    self._snapshot(limits),
+                )
+
+        tenant_slot = limits.concurrency.try_acquire()
+        if tenant_slot is None:
+            self._refund(limits, cost)
+            return Rejection(
+                RejectReason.CONCURRENCY,
+                429,
+                limits.concurrency_message,
+                self._completion_wait_seconds(),
+                self._snapshot(limits),
+            )
+        global_slot = self._global.try_acquire()
+        if global_slot is None:
+            tenant_slot.release()
+            self._refund(limits, cost)
+            return Rejection(
+                RejectReason.CONCURRENCY,
+                429,
+                self._global_message,
+                self._completion_wait_seconds(),
+                self._snapshot(limits),
+            )
+        handle = AdmissionHandle(tokens, cost, tenant_slot, global_slot)
+        return Admitted(tenant, pc, cost, self._snapshot(limits), handle)
+
+    # --- internals ---
+
+    def _check_breaker(self, breaker: CircuitBreaker, pc: PriorityClass) -> Rejection | None:
+        state = breaker.state
+        if state is BreakerState.CLOSED:
+            return None
+        if pc is PriorityClass.BATCH:
+            message = _SHED_BATCH_MESSAGES[state]
+        elif (
+            state is BreakerState.OPEN
+            and self._open_max_in_flight is not None
+            and self._global.in_flight >= self._open_max_in_flight
+        ):
+            message = self._open_message
+        else:
+            return None
+        return Rejection(
+            RejectReason.CIRCUIT_OPEN, 503, message, self._clamp(breaker.retry_after_seconds)
+        )
+
+    def _too_large(
+        self,
+        tenant: Tenant,
+        limits: _TenantLimits,
+        tokens: TokenBucket,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> Rejection:
+        return Rejection(
+            RejectReason.RATE_LIMITED_TOKENS,
+            400,
+            f"Request too large for tenant {tenant.name!r}: prompt ({prompt_tokens}) + "
+            f"max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} tokens exceeds the "
+            f"tokens_per_minute limit of {tokens.burst:g}. Lower max_tokens or shorten the "
+            "prompt; waiting will not help.",
+            None,
+            self._snapshot(limits),
+            code="request_too_large",
+        )
+
+    def _limits_for(self, tenant: Tenant) -> _TenantLimits:
+        limits = self._limits.get(tenant.name)
+        if limits is None:
+            # A tenant the registry does not list (tests, a custom default): limits on demand.
+            limits = self._limits[tenant.name] = _TenantLimits(tenant, self._clock)
+        return limits
+
+    @staticmethod
+    def _refund(limits: _TenantLimits, cost: int) -> None:
+        if limits.requests is not None:
+            limits.requests.refund(1.0)
+        if limits.tokens is not None:
+            limits.tokens.refund(cost)
+
+    def _clamp(self, seconds: float) -> float:
+        return min(seconds, self.config.max_retry_after_seconds)
+
+    def _completion_wait_seconds(self) -> float:
+        """Until some in-flight request is likely to finish: one completion's worth."""
+        if self.estimator is None:
+            return 1.0
+        return self.estimator.retry_after_seconds(1)
+
+    @staticmethod
+    def _snapshot(limits: _TenantLimits) -> RateLimitSnapshot:
+        requests = limits.requests
+        tokens = limits.tokens
+        if requests is None and tokens is None:
+            return RateLimitSnapshot()
+        snapshot = RateLimitSnapshot()
+        if requests is not None:
+            available, reset_seconds = requests.peek()
+            snapshot.limit_requests = math.floor(requests.burst)
+            snapshot.remaining_requests = max(0, math.floor(available + 1e-9))
+            snapshot.reset_requests_seconds = reset_seconds
+        if tokens is not None:
+            available, reset_seconds = tokens.peek()
+            snapshot.limit_tokens = math.floor(tokens.burst)
+            snapshot.remaining_tokens = max(0, math.floor(available + 1e-9))
+            snapshot.reset_tokens_seconds = reset_seconds
+        return snapshot
+
+
+_SHED_BATCH_MESSAGES = {
+    state: "The server is overloaded and is refusing batch-class requests until it recovers "
+    f"(circuit breaker {state.label}). Retry later, or send fewer requests."
+    for state in (BreakerState.SHED_BATCH, BreakerState.OPEN)
+}
+_NO_LIMITS = RateLimitSnapshot()

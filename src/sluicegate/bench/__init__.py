@@ -1,0 +1,1 @@
+"""Load generation and measurement: slow readers, disconnects, overload."""

@@ -1,0 +1,1 @@
+"""Prometheus metrics, the sliding-window summaries behind /v1/stats."""

@@ -1,0 +1,142 @@
+"""Every Prometheus metric the server exports, in one place, prefixed ``sluicegate_``.
+
+Labels are low-cardinality on purpose (tenant, priority class, reason, status, engine):
+never a request id.  Each app builds its own :class:`Metrics` on its own registry, so
+two apps in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+# Latency buckets from 1 ms to 2 min; token-count buckets by powers of two.
+_LATENCY = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+_FAST = (
+    0.0002, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04,
+    0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+)  # fmt: skip
+_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_PAUSE = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Metrics:
+    """The server's metrics.  Updated from the event loop and the engine thread."""
+
+    def __init__(self, engine: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        r = self.registry
+        p = "sluicegate_"
+
+        # --- per request ---
+        self.time_to_first_token_seconds = Histogram(
+            p + "time_to_first_token_seconds",
+            "Arrival to first token sent to the client.",
+            ["priority"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.time_per_output_token_seconds = Histogram(
+            p + "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            buckets=_FAST, registry=r,
+        )  # fmt: skip
+        self.inter_token_latency_seconds = Histogram(
+            p + "inter_token_latency_seconds",
+            "Gap between consecutive writes to the client, per token (after chunking).",
+            buckets=_FAST, registry=r,
+        )  # fmt: skip
+        self.e2e_request_latency_seconds = Histogram(
+            p + "e2e_request_latency_seconds", "Arrival to the last byte of the answer.",
+            ["priority"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.queue_wait_seconds = Histogram(
+            p + "queue_wait_seconds", "Arrival to first scheduled by the engine.",
+            ["priority"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.prefill_seconds = Histogram(
+            p + "prefill_seconds", "First scheduled to first token (prompt processing).",
+            buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.requests_total = Counter(
+            p + "requests", "Finished requests by outcome.", ["status"], registry=r
+        )
+        self.rejections_total = Counter(
+            p + "rejections", "Requests refused before any engine work, by reason.",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens_total = Counter(
+            p + "prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
+        self.generation_tokens_total = Counter(
+            p + "generation_tokens", "Tokens generated.", registry=r
+        )
+        self.cancellations_total = Counter(
+            p + "cancellations", "Sequences aborted because the client went away or cancelled.",
+            registry=r,
+        )  # fmt: skip
+        self.cancel_latency_seconds = Histogram(
+            p + "cancel_latency_seconds", "Disconnect or cancel to the sequence's abort.",
+            buckets=_FAST, registry=r,
+        )  # fmt: skip
+
+        # --- per engine step ---
+        self.engine_step_seconds = Histogram(
+            p + "engine_step_seconds", "Wall time of one engine step.", buckets=_FAST, registry=r
+        )
+        self.batch_size = Histogram(
+            p + "batch_size", "Sequences in one engine step.", buckets=_COUNTS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            p + "batch_tokens", "Tokens computed in one engine step.", buckets=_COUNTS, registry=r
+        )
+        self.preemptions_total = Counter(
+            p + "preemptions", "Sequences whose KV cache was freed, by reason.", ["reason"],
+            registry=r,
+        )  # fmt: skip
+
+        # --- flow control ---
+        self.streams_paused = Gauge(
+            p + "streams_paused", "Streams whose sequence is paused for a slow reader.", registry=r
+        )
+        self.stream_pause_seconds = Histogram(
+            p + "stream_pause_seconds", "Duration of each pause.", buckets=_PAUSE, registry=r
+        )
+        self.streams_evicted_total = Counter(
+            p + "streams_evicted", "Streams closed because the client stopped reading.",
+            registry=r,
+        )  # fmt: skip
+        self.stream_buffer_tokens = Histogram(
+            p + "stream_buffer_tokens",
+            "Tokens produced but not yet received by the client, sampled at each flush.",
+            buckets=_COUNTS, registry=r,
+        )  # fmt: skip
+        self.stream_send_blocked_seconds = Histogram(
+            p + "stream_send_blocked_seconds", "Time one write to the client socket blocked.",
+            buckets=_FAST, registry=r,
+        )  # fmt: skip
+
+        # --- state ---
+        self.requests_running = Gauge(
+            p + "requests_running", "Sequences in the running batch.", registry=r
+        )
+        self.requests_waiting = Gauge(
+            p + "requests_waiting", "Requests waiting for the engine.", ["priority"], registry=r
+        )
+        self.kv_cache_usage_ratio = Gauge(
+            p + "kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r
+        )
+        self.engine_up = Gauge(
+            p + "engine_up", "1 when the engine is loaded and stepping.", ["engine"], registry=r
+        )
+        self.engine_up.labels(engine).set(0)
+        self.engine = engine

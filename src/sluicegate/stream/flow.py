@@ -1,0 +1,235 @@
+"""Flow control: a slow reader pauses only its own sequence.
+
+For each stream we count the tokens the client has not yet *received*: tokens still in
+the stream's buffer, plus tokens written to the socket whose bytes are still in the
+transport's buffer or the kernel's send queue (``ioctl(SIOCOUTQ)``: bytes not yet
+acknowledged by the peer).  Counting only what we have not yet written would notice a
+slow reader megabytes too late (see DESIGN.md, "Seeing a slow reader early").
+
+At ``high_water_tokens`` the sequence is paused (the scheduler skips it; it keeps its
+KV cache); at ``low_water_tokens`` it resumes.  Paused longer than
+``pause_preempt_seconds``, its KV cache is freed (it re-prefills on resume).  When the
+client accepts no bytes for ``stall_timeout_seconds``, the stream is evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import struct
+import termios
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sluicegate.stream.output import RequestStream
+
+logger = logging.getLogger(__name__)
+
+_SIOCOUTQ = termios.TIOCOUTQ  # same request number on Linux
+
+
+def unsent_socket_bytes(transport: Any) -> int:
+    """Bytes in the transport buffer plus the kernel send queue (not yet acked)."""
+    buffered = 0
+    with contextlib.suppress(Exception):
+        buffered = int(transport.get_write_buffer_size())
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return buffered
+    try:
+        raw = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):  # closed socket (fileno -1) or not a TCP socket
+        return buffered
+    return buffered + int(struct.unpack("i", raw)[0])
+
+
+@dataclass(slots=True, frozen=True)
+class FlowConfig:
+    enabled: bool = True
+    high_water_tokens: int = 128
+    low_water_tokens: int = 32
+    high_water_bytes: int = 65536
+    pause_preempt_seconds: float = 5.0
+    stall_timeout_seconds: float = 30.0
+    check_interval_seconds: float = 0.02
+
+
+class FlowActions(Protocol):
+    """What flow control asks of the engine side and the metrics."""
+
+    def pause(self, request_id: str) -> None: ...
+    def resume(self, request_id: str, paused_seconds: float) -> None: ...
+    def preempt(self, request_id: str) -> None: ...
+    def evicted(self, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class StreamFlow:
+    """One stream's delivery accounting.  Written by its writer, read by the controller."""
+
+    stream: RequestStream
+    transport: Any = None
+    #: (cumulative socket bytes, cumulative tokens) at the end of each write.
+    writes: deque[tuple[int, int]] = field(default_factory=deque)
+    bytes_written: int = 0
+    tokens_written: int = 0
+    tokens_received: int = 0
+    last_progress_time: float = field(default_factory=time.monotonic)
+    last_acked_bytes: int = 0
+    sending: bool = False
+    paused: bool = False
+    paused_since: float = 0.0
+    preempted: bool = False
+    evicted: bool = False
+    on_evict: Callable[[], None] | None = None
+
+    def record_write(self, num_bytes: int, num_tokens: int) -> None:
+        self.bytes_written += num_bytes
+        self.tokens_written += num_tokens
+        self.writes.append((self.bytes_written, self.tokens_written))
+
+    def refresh_received(self) -> int:
+        """Update and return the tokens whose bytes the peer has acknowledged."""
+        if self.transport is None:
+            acked = self.bytes_written
+        else:
+            acked = self.bytes_written - unsent_socket_bytes(self.transport)
+        if acked > self.last_acked_bytes:
+            self.last_acked_bytes = acked
+            self.last_progress_time = time.monotonic()
+        while self.writes and self.writes[0][0] <= acked:
+            self.tokens_received = self.writes.popleft()[1]
+        return self.tokens_received
+
+    @property
+    def unreceived_tokens(self) -> int:
+        return self.stream.total_tokens - self.tokens_received
+
+    @property
+    def waiting_on_client(self) -> bool:
+        """Something is produced that the client has not taken."""
+        return self.stream.pending_tokens > 0 or self.last_acked_bytes < self.bytes_written
+
+
+class FlowController:
+    """Watches every live stream; pauses, resumes, preempts and evicts."""
+
+    def __init__(self, config: FlowConfig, actions: FlowActions) -> None:
+        self.config = config
+        self.actions = actions
+        self._flows: dict[str, StreamFlow] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_paused(self) -> int:
+        return sum(1 for f in self._flows.values() if f.paused)
+
+    def snapshot(self, limit: int = 20) -> list[dict[str, object]]:
+        """The streams furthest behind, for /v1/stats (operators, not Prometheus labels)."""
+        flows = sorted(self._flows.values(), key=lambda f: f.unreceived_tokens, reverse=True)
+        return [
+            {
+                "request_id": f.stream.request_id,
+                "unreceived_tokens": f.unreceived_tokens,
+                "buffered_tokens": f.stream.pending_tokens,
+                "buffered_bytes": f.stream.pending_bytes,
+                "tokens_produced": f.stream.total_tokens,
+                "tokens_written": f.tokens_written,
+                "tokens_received": f.tokens_received,
+                "bytes_written": f.bytes_written,
+                "bytes_acked": f.last_acked_bytes,
+                "sending": f.sending,
+                "paused": f.paused,
+                "preempted": f.preempted,
+            }
+            for f in flows[:limit]
+        ]
+
+    def register(self, flow: StreamFlow) -> None:
+        self._flows[flow.stream.request_id] = flow
+        flow.stream.on_put = lambda _stream: self.check(flow)
+
+    def unregister(self, request_id: str) -> None:
+        flow = self._flows.pop(request_id, None)
+        if flow is not None:
+            flow.stream.on_put = None
+            if flow.paused:
+                self._resume(flow)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._monitor(), name="sluicegate-flow-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def check(self, flow: StreamFlow, now: float | None = None) -> None:
+        """Apply the water marks, long-pause preemption and stall eviction to one stream."""
+        if flow.evicted:
+            return
+        now = time.monotonic() if now is None else now
+        cfg = self.config
+        flow.refresh_received()
+        if (
+            cfg.stall_timeout_seconds > 0
+            and flow.waiting_on_client
+            and now - flow.last_progress_time > cfg.stall_timeout_seconds
+        ):
+            self._evict(flow)
+            return
+        if not cfg.enabled or flow.stream.finished:
+            if flow.paused:
+                self._resume(flow, now)
+            return
+        backlog = flow.unreceived_tokens
+        if not flow.paused:
+            if (
+                backlog >= cfg.high_water_tokens
+                or flow.stream.pending_bytes >= cfg.high_water_bytes
+            ):
+                flow.paused = True
+                flow.paused_since = now
+                self.actions.pause(flow.stream.request_id)
+        elif backlog <= cfg.low_water_tokens and flow.stream.pending_bytes < cfg.high_water_bytes:
+            self._resume(flow, now)
+        elif (
+            not flow.preempted
+            and cfg.pause_preempt_seconds >= 0
+            and now - flow.paused_since >= cfg.pause_preempt_seconds
+        ):
+            flow.preempted = True
+            self.actions.preempt(flow.stream.request_id)
+
+    def _resume(self, flow: StreamFlow, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        flow.paused = False
+        flow.preempted = False
+        self.actions.resume(flow.stream.request_id, now - flow.paused_since)
+
+    def _evict(self, flow: StreamFlow) -> None:
+        flow.evicted = True
+        if flow.paused:
+            self._resume(flow)
+        self.actions.evicted(flow.stream.request_id)
+        if flow.on_evict is not None:
+            flow.on_evict()
+
+    async def _monitor(self) -> None:
+        # A reader that catches up gives no event (the kernel drains its queue silently),
+        # so paused and lagging streams are polled.
+        while True:
+            await asyncio.sleep(self.config.check_interval_seconds)
+            now = time.monotonic()
+            for flow in list(self._flows.values()):
+                if flow.paused or flow.waiting_on_client:
+                    try:
+                        self.check(flow, now)
+                    except Exception:  # one broken stream must not stop the monitor
+                        logger.exception("flow check failed for %s", flow.stream.request_id)
