@@ -17,6 +17,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from sluicegate.admission.tenants import TenantConfig, validate_tenants
+
 EngineKind = Literal["torch", "sim", "upstream"]
 
 
@@ -115,7 +117,56 @@ class Settings(BaseSettings):
         16384, ge=1024, description="High-water mark of each connection's write buffer."
     )
 
-    @field_validator("model", "upstream_url", "served_model_name", "cache_dir", mode="before")
+    # --- front door ---
+    tenants: list[TenantConfig] = Field(
+        default_factory=list,
+        description="API keys and per-tenant limits (config file); none = open mode.",
+    )
+    max_queued_requests: int | None = Field(
+        256, ge=1, description="Requests waiting per priority class before the policy applies."
+    )
+    max_queued_tokens: int | None = Field(
+        None, ge=1, description="Tokens (prompt + max_tokens) waiting per class."
+    )
+    queue_policy: Literal["reject", "block", "drop-oldest", "spill-to-disk"] = Field(
+        "reject", description="What a full queue does with a new request."
+    )
+    batch_queue_policy: Literal["reject", "block", "drop-oldest", "spill-to-disk"] | None = Field(
+        None, description="Policy of the batch class (default: queue_policy)."
+    )
+    max_queue_wait_seconds: float = Field(
+        30.0, gt=0.0, description="Longest wait for the engine before a 503."
+    )
+    max_concurrent_requests: int | None = Field(
+        None, ge=1, description="Requests admitted at once, queued or running (all tenants)."
+    )
+    max_retry_after_seconds: float = Field(60.0, ge=1.0, description="Cap on Retry-After.")
+    breaker: bool = Field(True, description="Shed load when queue wait or step time degrade.")
+    breaker_queue_wait_shed_seconds: float = Field(
+        2.0, gt=0.0, description="p95 queue wait at which the batch class is shed."
+    )
+    breaker_queue_wait_open_seconds: float = Field(
+        10.0, gt=0.0, description="p95 queue wait at which interactive work is limited too."
+    )
+    breaker_step_shed_seconds: float = Field(
+        1.0, gt=0.0, description="p95 engine step time at which the batch class is shed."
+    )
+    breaker_step_open_seconds: float = Field(
+        4.0, gt=0.0, description="p95 engine step time at which interactive work is limited."
+    )
+    breaker_min_dwell_seconds: float = Field(
+        5.0, ge=0.0, description="Least time in a breaker state before it changes."
+    )
+    journal_path: str | None = Field(
+        None, description="SQLite journal of background jobs (default in the cache dir)."
+    )
+    max_background_jobs_in_memory: int = Field(
+        64, ge=1, description="Background jobs held in memory; the rest wait in the journal."
+    )
+
+    @field_validator(
+        "model", "upstream_url", "served_model_name", "cache_dir", "journal_path", mode="before"
+    )
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
@@ -124,6 +175,11 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.engine == "upstream" and not self.upstream_url:
             raise ValueError("engine 'upstream' needs upstream_url (--upstream-url URL)")
+        validate_tenants(self.tenants)
+        if self.breaker_queue_wait_open_seconds < self.breaker_queue_wait_shed_seconds:
+            raise ValueError("breaker_queue_wait_open_seconds must be >= the shed threshold")
+        if self.breaker_step_open_seconds < self.breaker_step_shed_seconds:
+            raise ValueError("breaker_step_open_seconds must be >= the shed threshold")
         if self.low_water_tokens >= self.high_water_tokens:
             raise ValueError(
                 f"low_water_tokens ({self.low_water_tokens}) must be below "

@@ -267,6 +267,21 @@ class FairQueue:
 
     def pop_next(self) -> QueueItem | None:
         """The next item to serve: highest class first, then the fairest tenant."""
+        chosen = self._select()
+        if chosen is None:
+            return None
+        best, virtual = chosen
+        self._classes[best.priority_class].last_virtual_tokens = virtual
+        self._remove(best)
+        self._notify()
+        return best
+
+    def peek_next(self) -> QueueItem | None:
+        """The item :meth:`pop_next` would return, left in the queue."""
+        chosen = self._select()
+        return None if chosen is None else chosen[0]
+
+    def _select(self) -> tuple[QueueItem, float] | None:
         for pc in _CLASS_ORDER:
             cq = self._classes[pc]
             if not cq.tenants:
@@ -280,10 +295,7 @@ class FairQueue:
                 if best is None or key < best_key:
                     best, best_key = head, key
             assert best is not None
-            cq.last_virtual_tokens = best_key[0]
-            self._remove(best)
-            self._notify()
-            return best
+            return best, best_key[0]
         return None
 
     def remove(self, item_id: str) -> QueueItem | None:

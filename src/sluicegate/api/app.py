@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from sluicegate import __version__
 from sluicegate.api.errors import APIError, install_error_handlers
+from sluicegate.api.front_door import FrontDoor
 from sluicegate.api.openai_routes import json_response, router
 from sluicegate.api.runtime import PRIORITY_NAMES, Runtime, get_runtime
 from sluicegate.config import Settings
@@ -47,10 +48,15 @@ async def load_engine(runtime: Runtime) -> None:
     )
     metrics = runtime.metrics
 
-    def on_step(step: StepStats) -> None:
+    loop = asyncio.get_running_loop()
+    front_door_ref: list[FrontDoor] = []
+
+    def on_step(step: StepStats) -> None:  # the engine thread
         metrics.engine_step_seconds.observe(step.step_seconds)
         metrics.batch_size.observe(step.num_seqs)
         metrics.batch_tokens.observe(step.num_batched_tokens)
+        if front_door_ref:
+            loop.call_soon_threadsafe(front_door_ref[0].record_step, step.step_seconds)
 
     core = EngineCore(
         loaded.engine,
@@ -61,6 +67,10 @@ async def load_engine(runtime: Runtime) -> None:
         on_abort=metrics.cancel_latency_seconds.observe,
     )
     core.start()
+    front_door = FrontDoor(settings, metrics, core.add_request, max_model_len)
+    front_door.start()
+    front_door_ref.append(front_door)
+    runtime.front_door = front_door
     runtime.core = core
     runtime.tokenizer = loaded.tokenizer
     runtime.model_name = loaded.model_name
@@ -81,8 +91,11 @@ def refresh_state_metrics(runtime: Runtime) -> None:
     stats = runtime.core.stats()
     sched = stats.scheduler
     metrics.requests_running.set(sched.num_running)
+    queued = runtime.front_door.queued_by_class() if runtime.front_door is not None else {}
     for priority, name in PRIORITY_NAMES.items():
-        metrics.requests_waiting.labels(name).set(sched.num_waiting_by_priority.get(priority, 0))
+        metrics.requests_waiting.labels(name).set(
+            sched.num_waiting_by_priority.get(priority, 0) + queued.get(name, 0)
+        )
     metrics.kv_cache_usage_ratio.set(sched.kv_cache.usage_ratio)
     metrics.engine_up.labels(metrics.engine).set(1 if stats.engine_up and runtime.ready else 0)
     for reason, count in sched.preemptions_by_reason.items():
@@ -90,6 +103,28 @@ def refresh_state_metrics(runtime: Runtime) -> None:
         if count > seen:
             metrics.preemptions_total.labels(reason).inc(count - seen)
             runtime.preemptions_seen[reason] = count
+
+
+def _front_door_stats(runtime: Runtime) -> dict[str, object]:
+    front_door = runtime.front_door
+    if front_door is None:
+        return {}
+    breaker = front_door.breaker
+    return {
+        "queue": {
+            "queued": front_door.num_queued,
+            "queued_by_class": front_door.queued_by_class(),
+            "service_rate_requests_per_second": front_door.estimator.requests_per_second(),
+            "service_rate_tokens_per_second": front_door.estimator.tokens_per_second(),
+        },
+        "breaker_state": breaker.state.label if breaker is not None else "disabled",
+        "rejections_by_reason": {
+            sample.labels["reason"]: sample.value
+            for metric in runtime.metrics.rejections_total.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        },
+    }
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -107,6 +142,8 @@ def create_app(settings: Settings) -> FastAPI:
             runtime.ready = False
             task.cancel()
             await runtime.flow.stop()
+            if runtime.front_door is not None:
+                await runtime.front_door.stop()
             if runtime.core is not None:
                 await asyncio.to_thread(runtime.core.shutdown)
 
@@ -154,7 +191,8 @@ def create_app(settings: Settings) -> FastAPI:
                 "ready": rt.ready,
                 "model": rt.model_name,
                 "requests_running": core.scheduler.num_running,
-                "requests_waiting": core.scheduler.num_waiting,
+                "requests_waiting": core.scheduler.num_waiting
+                + (rt.front_door.num_queued if rt.front_door is not None else 0),
                 "kv_cache": {
                     "usage_ratio": kv.usage_ratio,
                     "used_blocks": kv.num_used_blocks,
@@ -167,6 +205,7 @@ def create_app(settings: Settings) -> FastAPI:
                 "streams": rt.flow.snapshot(),
                 "preemptions_total": core.scheduler.num_preemptions_total,
                 "preemptions_by_reason": core.scheduler.preemptions_by_reason,
+                **_front_door_stats(rt),
                 "engine_steps_total": core.num_steps,
             }
         )

@@ -7,7 +7,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from sluicegate.admission.tenants import Tenant
 from sluicegate.api.errors import APIError, invalid_param
+from sluicegate.api.front_door import Ticket, rejection_error
 from sluicegate.api.runtime import Runtime
 from sluicegate.api.schemas import _Common, stop_sequences
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
@@ -28,6 +30,19 @@ class Generation:
     first_write_time: float | None = None
     last_write_time: float | None = None
     num_tokens_written: int = 0
+    ticket: Ticket | None = None
+
+    @property
+    def dispatched(self) -> bool:
+        return self.ticket is None or self.ticket.dispatched
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers: the request id and the tenant's rate-limit state."""
+        out = {"x-request-id": self.request_id}
+        if self.ticket is not None:
+            out.update(self.ticket.admitted.headers())
+        return out
 
     def record_write(self, runtime: Runtime, num_tokens: int) -> None:
         """Delivery timing of one write carrying ``num_tokens`` tokens."""
@@ -100,14 +115,18 @@ def build_sampling(req: _Common, max_tokens: int) -> SamplingParams:
     )
 
 
-def start_generation(
+async def start_generation(
     runtime: Runtime,
+    tenant: Tenant,
+    priority: str | None,
     request_id: str,
     prompt_ids: list[int],
     sampling: SamplingParams,
     max_tokens_per_second: float | None = None,
 ) -> Generation:
-    if runtime.core is None or not runtime.ready:
+    """Admit and queue a request; it reaches the engine when the front door dispatches it."""
+    front_door = runtime.front_door
+    if front_door is None or not runtime.ready:
         raise APIError(
             503,
             "The model is still loading; retry shortly.",
@@ -115,21 +134,31 @@ def start_generation(
             headers={"retry-after": "2"},
         )
     request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
-    if max_tokens_per_second:
-        request.min_token_interval_seconds = 1.0 / max_tokens_per_second
+    pace = max_tokens_per_second or tenant.max_tokens_per_second
+    if tenant.max_tokens_per_second and max_tokens_per_second:
+        pace = min(max_tokens_per_second, tenant.max_tokens_per_second)
+    if pace:
+        request.min_token_interval_seconds = 1.0 / pace
     stream = RequestStream(request_id)
-    runtime.core.add_request(request, stream)
+    priority_class = front_door.priority_of(tenant, priority)
+    ticket = await front_door.enter(tenant, priority_class, request, stream)
     runtime.metrics.prompt_tokens_total.inc(len(prompt_ids))
-    return Generation(request_id, request, stream)
+    return Generation(request_id, request, stream, priority_class.value, ticket=ticket)
 
 
 def abort_generation(runtime: Runtime, generation: Generation) -> None:
     """The client went away (or cancelled): abort the sequence before the next step."""
-    if not generation.finished and runtime.core is not None:
-        generation.finished = True
+    if generation.finished:
+        return
+    generation.finished = True
+    ticket = generation.ticket
+    if ticket is not None and not ticket.dispatched:
+        if runtime.front_door is not None:
+            runtime.front_door.cancel(ticket)
+    elif runtime.core is not None:
         runtime.core.abort_request(generation.request_id)
-        runtime.metrics.cancellations_total.inc()
-        record_finish(runtime, generation, "cancelled")
+    runtime.metrics.cancellations_total.inc()
+    record_finish(runtime, generation, "cancelled")
 
 
 def record_finish(runtime: Runtime, generation: Generation, status: str) -> None:
@@ -137,6 +166,8 @@ def record_finish(runtime: Runtime, generation: Generation, status: str) -> None
     if generation.recorded:
         return
     generation.recorded = True
+    if generation.ticket is not None and runtime.front_door is not None:
+        runtime.front_door.finished(generation.ticket)
     metrics = runtime.metrics
     request = generation.request
     now = time.monotonic()
@@ -163,7 +194,10 @@ def record_finish(runtime: Runtime, generation: Generation, status: str) -> None
         )
 
 
-def engine_failure(output: RequestOutput) -> APIError:
+def engine_failure(generation: Generation, output: RequestOutput) -> APIError:
+    ticket = generation.ticket
+    if ticket is not None and ticket.rejection is not None:
+        return rejection_error(ticket.rejection)  # refused after queueing (dropped, expired)
     return APIError(
         500,
         f"The engine failed while generating: {output.error or 'unknown error'}. "

@@ -12,6 +12,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
+from sluicegate.admission.tenants import Tenant
 from sluicegate.api.errors import APIError
 from sluicegate.api.generation import (
     Generation,
@@ -45,8 +46,13 @@ router = APIRouter()
 ChunkBuilder = Callable[[str, str | None, dict[str, Any] | None], dict[str, Any]]
 
 
-def json_response(payload: object, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
+def json_response(
+    payload: object, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        orjson.dumps(payload), status_code=status_code, media_type="application/json",
+        headers=headers,
+    )  # fmt: skip
 
 
 async def read_json(request: HTTPRequest, max_bytes: int) -> Any:
@@ -107,6 +113,7 @@ async def list_models(request: HTTPRequest) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: HTTPRequest) -> Response:
     runtime = get_runtime(request)
+    tenant = _authenticate(runtime, request)
     body = await read_json(request, runtime.settings.max_request_body_bytes)
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     check_chat(req)
@@ -121,9 +128,10 @@ async def chat_completions(request: HTTPRequest) -> Response:
     )
     max_tokens = resolve_max_tokens(runtime, requested, len(prompt_ids))
     request_id = new_request_id("chatcmpl")
-    generation = start_generation(
-        runtime, request_id, prompt_ids, build_sampling(req, max_tokens), req.max_tokens_per_second
-    )
+    generation = await start_generation(
+        runtime, tenant, req.priority, request_id, prompt_ids, build_sampling(req, max_tokens),
+        req.max_tokens_per_second,
+    )  # fmt: skip
 
     def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
         delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
@@ -156,13 +164,15 @@ async def chat_completions(request: HTTPRequest) -> Response:
                 }
             ],
             "usage": usage(output),
-        }
+        },
+        headers=generation.headers,
     )
 
 
 @router.post("/v1/completions")
 async def completions(request: HTTPRequest) -> Response:
     runtime = get_runtime(request)
+    tenant = _authenticate(runtime, request)
     body = await read_json(request, runtime.settings.max_request_body_bytes)
     req: CompletionRequest = parse_body(CompletionRequest, body)
     check_completion(req)
@@ -184,9 +194,10 @@ async def completions(request: HTTPRequest) -> Response:
         raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
     max_tokens = resolve_max_tokens(runtime, req.max_tokens, len(prompt_ids))
     request_id = new_request_id("cmpl")
-    generation = start_generation(
-        runtime, request_id, prompt_ids, build_sampling(req, max_tokens), req.max_tokens_per_second
-    )
+    generation = await start_generation(
+        runtime, tenant, req.priority, request_id, prompt_ids, build_sampling(req, max_tokens),
+        req.max_tokens_per_second,
+    )  # fmt: skip
 
     def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
         return {
@@ -216,8 +227,18 @@ async def completions(request: HTTPRequest) -> Response:
                 }
             ],
             "usage": usage(output),
-        }
+        },
+        headers=generation.headers,
     )
+
+
+def _authenticate(runtime: Runtime, request: HTTPRequest) -> Tenant:
+    if runtime.front_door is None:
+        raise APIError(
+            503, "The model is still loading; retry shortly.", code="not_ready",
+            headers={"retry-after": "2"},
+        )  # fmt: skip
+    return runtime.front_door.authenticate(request.headers.get("authorization"))
 
 
 def _tokenizer(runtime: Runtime) -> Any:
@@ -254,7 +275,7 @@ async def _collect(runtime: Runtime, request: HTTPRequest, generation: Generatio
                 generation.finished = True
                 if output.finish_reason == FinishReason.ERROR:
                     record_finish(runtime, generation, "error")
-                    raise engine_failure(output)
+                    raise engine_failure(generation, output)
                 generation.record_write(runtime, output.num_output_tokens)
                 record_finish(runtime, generation, finish_reason_text(output.finish_reason) or "")
                 output.text = "".join(text)
@@ -291,6 +312,9 @@ def _stream(
         )
     stream = generation.stream
     metrics = runtime.metrics
+    queued_policy = FlushPolicy(
+        policy.interval_seconds, policy.max_tokens, min(1.0, policy.heartbeat_seconds)
+    )
 
     async def events() -> AsyncIterator[tuple[bytes, int]]:
         carried = 0
@@ -302,8 +326,20 @@ def _stream(
                     "total_tokens": generation.request.num_prompt_tokens,
                 }
             yield sse_data(first), 0
+        if not generation.dispatched and runtime.front_door is not None:
+            assert generation.ticket is not None
+            position, eta = runtime.front_door.position(generation.ticket)
+            yield sse_comment(f"queued position={position} eta_ms={eta * 1000:.0f}"), 0
         while True:
-            output = await stream.next(policy)
+            if not generation.dispatched and runtime.front_door is not None:
+                # Queued: tell the client where it stands, once a second, until it starts.
+                output = await stream.next(queued_policy)
+                if output is None and generation.ticket is not None:
+                    position, eta = runtime.front_door.position(generation.ticket)
+                    yield sse_comment(f"queued position={position} eta_ms={eta * 1000:.0f}"), 0
+                    continue
+            else:
+                output = await stream.next(policy)
             if output is None:
                 yield sse_comment("keep-alive"), 0
                 continue
@@ -314,7 +350,7 @@ def _stream(
                 generation.finished = True
                 if output.finish_reason == FinishReason.ERROR:
                     record_finish(runtime, generation, "error")
-                    yield sse_data(engine_failure(output).body()), 0
+                    yield sse_data(engine_failure(generation, output).body()), 0
                     yield DONE, 0
                     return
                 record_finish(runtime, generation, finish_reason_text(output.finish_reason) or "")
@@ -371,6 +407,6 @@ def _stream(
         runtime.flow,
         on_close=on_close,
         eviction_event=eviction_event,
-        headers={"x-request-id": generation.request_id},
+        headers=generation.headers,
         on_send_blocked=metrics.stream_send_blocked_seconds.observe,
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 
+from sluicegate.api.front_door import FrontDoor
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
 from sluicegate.engine.tokenizer import TextTokenizer
@@ -32,12 +33,17 @@ class EngineFlowActions:
     def resume(self, request_id: str, paused_seconds: float) -> None:
         if self._runtime.core is not None:
             self._runtime.core.resume_request(request_id)
+        if self._runtime.front_door is not None:
+            self._runtime.front_door.set_parked(request_id, False)
         self._runtime.metrics.streams_paused.dec()
         self._runtime.metrics.stream_pause_seconds.observe(paused_seconds)
 
     def preempt(self, request_id: str) -> None:
         if self._runtime.core is not None:
             self._runtime.core.preempt_request(request_id)
+        if self._runtime.front_door is not None:
+            # Its KV is freed: the engine has room for another request meanwhile.
+            self._runtime.front_door.set_parked(request_id, True)
 
     def evicted(self, request_id: str) -> None:
         if self._runtime.core is not None:
@@ -50,6 +56,7 @@ class Runtime:
     settings: Settings
     metrics: Metrics
     core: EngineCore | None = None
+    front_door: FrontDoor | None = None
     tokenizer: TextTokenizer | None = None
     model_name: str = ""
     max_model_len: int = 0
