@@ -249,7 +249,11 @@ class FrontDoor:
         self._close(ticket, request.num_prompt_tokens, request.num_output_tokens)
         if completed:
             self.estimator.record_completion(request.num_tokens)
-            self.queue.record_served(ticket.tenant.name, request.num_output_tokens)
+        if ticket.dispatched:
+            # Dispatch charged the worst case; give back what was not generated.
+            unused = request.sampling.max_tokens - request.num_output_tokens
+            if unused > 0:
+                self.queue.record_served(ticket.tenant.name, -unused)
 
     def set_parked(self, request_id: str, parked: bool) -> None:
         ticket = self._active.get(request_id)
@@ -355,7 +359,9 @@ class FrontDoor:
         waited = now - ticket.enqueued_at
         if self.breaker is not None:
             self.breaker.record_queue_wait(waited)
-        self.queue.record_served(ticket.tenant.name, ticket.request.num_prompt_tokens)
+        # Charged at dispatch (prompt + max_tokens), refunded at the end: a tenant's share
+        # counts from the moment its work takes engine capacity, not when it finishes.
+        self.queue.record_served(ticket.tenant.name, ticket.request.max_total_tokens)
         self._submit(ticket.request, ticket.stream)
 
 

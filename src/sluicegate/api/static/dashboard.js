@@ -1,0 +1,365 @@
+// The live dashboard: polls GET /v1/stats once a second and draws the last two minutes.
+//
+// Each card and chart reads its numbers from the snapshot and stays hidden until the
+// server reports them, so a server with fewer fields (or a newer one with more) works.
+
+import { ApiError, authHeaders, errorFromResponse } from "./api.js";
+import { LineChart, PALETTE } from "./chart.js";
+
+const POLL_MS = 1000;
+const WINDOW_MS = 120_000;
+const BREAKER_STATES = ["closed", "shed_batch", "open"]; // by severity, as the server's enum
+const TTFT = ["ttft", "time_to_first_token"];
+const TPOT = ["tpot", "time_per_output_token"];
+
+// --- reading a snapshot ---
+
+const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : undefined);
+const at = (obj, path) => path.split(".").reduce((o, k) => (o == null ? undefined : o[k]), obj);
+
+function firstNum(stats, paths) {
+  for (const path of paths) {
+    const v = num(at(stats, path));
+    if (v !== undefined) return v;
+  }
+  return undefined;
+}
+
+/** A latency percentile in ms, from `ttft_seconds.p50`, `ttft.p50_ms` and the like. */
+function latencyMs(stats, names, q) {
+  for (const n of names) {
+    const s = firstNum(stats, [`${n}_seconds.${q}`, `${n}.${q}_seconds`, `${n}_${q}_seconds`, `${n}.${q}`]);
+    if (s !== undefined) return s * 1000;
+    const ms = firstNum(stats, [`${n}_ms.${q}`, `${n}.${q}_ms`, `${n}_${q}_ms`]);
+    if (ms !== undefined) return ms;
+  }
+  return undefined;
+}
+
+function batchSize(s) {
+  return firstNum(s, ["batch_size", "batch_size.last", "batch_size.current", "batch_size.mean"]);
+}
+
+function kvPercent(s) {
+  const ratio = firstNum(s, ["kv_cache.usage_ratio", "kv_cache_usage_ratio"]);
+  return ratio === undefined ? undefined : ratio * 100;
+}
+
+/** {reason: count} from the first of `keys` that holds one (a bare number counts as "all"). */
+function countsByReason(s, keys) {
+  for (const key of keys) {
+    const v = s[key];
+    if (num(v) !== undefined) return { all: v };
+    if (v && typeof v === "object") {
+      const out = {};
+      for (const [reason, count] of Object.entries(v)) if (num(count) !== undefined) out[reason] = count;
+      return out;
+    }
+  }
+  return undefined;
+}
+const rejections = (s) => countsByReason(s, ["rejections_by_reason", "rejections", "rejections_total"]);
+const preemptions = (s) => countsByReason(s, ["preemptions_by_reason", "preemptions_total"]);
+
+function breakerState(s) {
+  const v = at(s, "breaker.state") ?? s.breaker_state ?? s.breaker;
+  if (typeof v === "number") return BREAKER_STATES[v] ?? String(v);
+  return typeof v === "string" ? v.toLowerCase() : undefined;
+}
+
+/** Per-second rate of a counter between two samples (0 across a server restart). */
+function rate(cur, prev, read) {
+  if (!prev) return undefined;
+  const a = read(prev.stats);
+  const b = read(cur.stats);
+  const dt = (cur.t - prev.t) / 1000;
+  if (a === undefined || b === undefined || dt <= 0) return undefined;
+  return Math.max(0, (b - a) / dt);
+}
+
+/** Rate per reason; while the server reports the counts but none is set yet, one flat line. */
+function ratesByReason(cur, prev, read) {
+  const counts = read(cur.stats);
+  if (counts === undefined) return {};
+  const reasons = Object.keys(counts);
+  if (reasons.length === 0) return { none: ["none so far", prev ? 0 : undefined] };
+  const out = {};
+  for (const reason of reasons) {
+    out[reason] = [reason, rate(cur, prev, (s) => read(s)?.[reason] ?? 0)];
+  }
+  return out;
+}
+
+const sum = (counts) => (counts ? Object.values(counts).reduce((a, b) => a + b, 0) : undefined);
+
+// --- formatting ---
+
+const fmtCount = (v) => (v === undefined ? undefined : String(Math.round(v * 10) / 10));
+const fmtRate = (v) => (v === undefined ? undefined : v < 10 ? v.toFixed(1) : String(Math.round(v)));
+const fmtPercent = (v) => (v === undefined ? undefined : `${v < 10 ? v.toFixed(1) : Math.round(v)}%`);
+function fmtMs(v) {
+  if (v === undefined) return undefined;
+  if (v >= 1000) return `${(v / 1000).toFixed(2)} s`;
+  return `${v < 10 ? v.toFixed(1) : Math.round(v)} ms`;
+}
+function pair(a, b) {
+  return a === undefined && b === undefined ? undefined : `${fmtMs(a) ?? "–"} / ${fmtMs(b) ?? "–"}`;
+}
+function topReasons(counts) {
+  const entries = Object.entries(counts ?? {}).filter(([, c]) => c > 0).sort((x, y) => y[1] - x[1]);
+  return entries.slice(0, 3).map(([r, c]) => `${r} ${c}`).join(" · ");
+}
+
+// --- what is shown: value(cur, prev) returns undefined while the server does not report it ---
+
+const CARDS = [
+  { id: "running", label: "Running", value: (c) => fmtCount(num(c.stats.requests_running)) },
+  {
+    id: "waiting",
+    label: "Waiting for the engine",
+    value: (c) => fmtCount(num(c.stats.requests_waiting)),
+    sub: (c) => {
+      const queued = num(at(c.stats, "queue.queued"));
+      return queued === undefined ? "" : `+ ${queued} queued at admission`;
+    },
+  },
+  {
+    id: "paused",
+    label: "Paused sequences",
+    value: (c) => fmtCount(num(c.stats.requests_paused)),
+    sub: (c) => (num(c.stats.streams_paused) === undefined ? "" : `${c.stats.streams_paused} streams paused`),
+  },
+  { id: "batch", label: "Batch size", value: (c) => fmtCount(batchSize(c.stats)) },
+  {
+    id: "kv",
+    label: "KV cache",
+    value: (c) => fmtPercent(kvPercent(c.stats)),
+    sub: (c) => {
+      const kv = c.stats.kv_cache;
+      return kv && num(kv.used_blocks) !== undefined ? `${kv.used_blocks} / ${kv.total_blocks} blocks` : "";
+    },
+  },
+  { id: "ttft", label: "TTFT p50 / p99", value: (c) => pair(latencyMs(c.stats, TTFT, "p50"), latencyMs(c.stats, TTFT, "p99")) },
+  { id: "tpot", label: "TPOT p50 / p99", value: (c) => pair(latencyMs(c.stats, TPOT, "p50"), latencyMs(c.stats, TPOT, "p99")) },
+  {
+    id: "rejections",
+    label: "Rejections",
+    value: (c) => fmtCount(sum(rejections(c.stats))),
+    sub: (c) => topReasons(rejections(c.stats)),
+  },
+  { id: "breaker", label: "Circuit breaker", badge: true, value: (c) => breakerState(c.stats) },
+  {
+    id: "preemptions",
+    label: "Preemptions",
+    value: (c) => fmtCount(num(c.stats.preemptions_total) ?? sum(preemptions(c.stats))),
+    sub: (c) => topReasons(c.stats.preemptions_by_reason),
+  },
+  {
+    id: "steps",
+    label: "Engine steps / s",
+    value: (c, p) => fmtRate(rate(c, p, (s) => num(s.engine_steps_total))),
+  },
+];
+
+const CHARTS = [
+  {
+    id: "requests",
+    title: "Requests",
+    options: { minMax: 2, format: fmtCount },
+    series: (c) => ({
+      running: ["running", num(c.stats.requests_running)],
+      waiting: ["waiting", num(c.stats.requests_waiting)],
+      queued: ["queued at admission", num(at(c.stats, "queue.queued"))],
+      paused: ["paused sequences", num(c.stats.requests_paused)],
+      streams_paused: ["paused streams", num(c.stats.streams_paused)],
+    }),
+  },
+  {
+    id: "batch",
+    title: "Batch size (sequences per engine step)",
+    options: { minMax: 2, format: fmtCount },
+    series: (c) => ({ batch: ["batch size", batchSize(c.stats)] }),
+  },
+  {
+    id: "kv",
+    title: "KV cache usage",
+    options: { fixedMax: 100, format: fmtPercent },
+    series: (c) => ({ kv: ["blocks in use", kvPercent(c.stats)] }),
+  },
+  {
+    id: "ttft",
+    title: "Time to first token",
+    options: { format: fmtMs },
+    series: (c) => ({
+      p50: ["p50", latencyMs(c.stats, TTFT, "p50")],
+      p99: ["p99", latencyMs(c.stats, TTFT, "p99")],
+    }),
+  },
+  {
+    id: "tpot",
+    title: "Time per output token",
+    options: { format: fmtMs },
+    series: (c) => ({
+      p50: ["p50", latencyMs(c.stats, TPOT, "p50")],
+      p99: ["p99", latencyMs(c.stats, TPOT, "p99")],
+    }),
+  },
+  {
+    id: "rejections",
+    title: "Rejections / s by reason",
+    options: { minMax: 1, format: fmtRate },
+    series: (c, p) => ratesByReason(c, p, rejections),
+  },
+  {
+    id: "preemptions",
+    title: "Preemptions / s by reason",
+    options: { minMax: 1, format: fmtRate },
+    series: (c, p) => ratesByReason(c, p, preemptions),
+  },
+  {
+    id: "steps",
+    title: "Engine steps / s",
+    options: { minMax: 10, format: fmtRate },
+    series: (c, p) => ({ steps: ["steps", rate(c, p, (s) => num(s.engine_steps_total))] }),
+  },
+];
+
+// --- the DOM ---
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function buildCard(def, parent) {
+  const card = el("div", "panel card");
+  card.hidden = true;
+  const value = el("div", "value", "–");
+  value.dataset.testid = `stat-${def.id}`;
+  const sub = el("div", "sub");
+  card.append(el("div", "label", def.label), value, sub);
+  parent.append(card);
+  return { def, card, value, sub };
+}
+
+function buildChart(def, parent) {
+  const panel = el("div", "panel chart");
+  panel.hidden = true;
+  panel.dataset.testid = `chart-${def.id}`;
+  const canvas = el("canvas");
+  canvas.setAttribute("role", "img");
+  canvas.setAttribute("aria-label", def.title);
+  const legend = el("div", "legend");
+  panel.append(el("h3", "", def.title), canvas, legend);
+  parent.append(panel);
+  // key -> {label, color, points: [[timeMs, value], ...]}, in order of first appearance
+  return { def, panel, legend, chart: new LineChart(canvas, def.options), history: new Map() };
+}
+
+export function initDashboard() {
+  const root = document.getElementById("dashboard");
+  const status = document.getElementById("dash-status");
+  const cards = CARDS.map((def) => buildCard(def, document.getElementById("cards")));
+  const charts = CHARTS.map((def) => buildChart(def, document.getElementById("charts")));
+  let previous = null; // the sample before the latest, for rates
+  let active = false;
+  let timer = null; // the next poll, when one is scheduled
+  let inflight = false;
+  let polls = 0;
+
+  function record(cur) {
+    for (const card of cards) {
+      const value = card.def.value(cur, previous);
+      if (value === undefined) continue; // keep the last known value (a rate needs 2 samples)
+      card.card.hidden = false;
+      if (card.def.badge) {
+        card.value.replaceChildren(el("span", `badge ${value}`, value.replace("_", " ")));
+      } else {
+        card.value.textContent = value;
+      }
+      card.sub.textContent = card.def.sub?.(cur, previous) ?? "";
+    }
+    for (const c of charts) {
+      for (const [key, [label, value]] of Object.entries(c.def.series(cur, previous))) {
+        if (value === undefined) continue;
+        if (!c.history.has(key)) {
+          c.history.set(key, { label, color: PALETTE[c.history.size % PALETTE.length], points: [] });
+        }
+        c.history.get(key).points.push([cur.t, value]);
+      }
+      for (const [key, series] of c.history) {
+        while (series.points.length && series.points[0][0] < cur.t - WINDOW_MS) series.points.shift();
+        if (series.points.length === 0) c.history.delete(key); // e.g. "none so far" once reasons appear
+      }
+    }
+  }
+
+  function draw() {
+    const now = Date.now();
+    for (const c of charts) {
+      if (c.history.size === 0) continue;
+      c.panel.hidden = false;
+      const series = [...c.history.values()];
+      c.chart.draw(series, now, WINDOW_MS);
+      c.legend.replaceChildren(
+        ...series.map((s) => {
+          const item = el("span");
+          const swatch = el("span", "swatch");
+          swatch.style.background = s.color;
+          const last = s.points[s.points.length - 1];
+          item.append(swatch, `${s.label} `, el("b", "", last ? c.def.options.format(last[1]) : "–"));
+          return item;
+        }),
+      );
+    }
+  }
+
+  async function poll() {
+    timer = null;
+    inflight = true;
+    const started = performance.now();
+    try {
+      const response = await fetch("/v1/stats", {
+        headers: authHeaders(),
+        cache: "no-store",
+        signal: AbortSignal.timeout(2500),
+      });
+      if (!response.ok) throw await errorFromResponse(response);
+      const cur = { t: Date.now(), stats: await response.json() };
+      record(cur);
+      previous = cur;
+      draw();
+      const state = cur.stats.ready === false ? "engine loading" : cur.stats.model ?? "";
+      status.textContent = `live · ${state} · updated ${new Date(cur.t).toLocaleTimeString()}`;
+      status.classList.remove("down");
+    } catch (err) {
+      let why = String(err);
+      if (err instanceof ApiError) why = err.describe();
+      else if (err?.name === "TimeoutError") why = "no answer in 2.5 s";
+      status.textContent = `cannot read /v1/stats: ${why}`;
+      status.classList.add("down");
+    } finally {
+      inflight = false;
+      root.dataset.polls = String(++polls); // lets a test see that polling goes on
+      // One request at a time, started once a second whatever the last one took.
+      if (active && timer === null) {
+        timer = setTimeout(poll, Math.max(0, POLL_MS - (performance.now() - started)));
+      }
+    }
+  }
+
+  window.addEventListener("resize", draw);
+  return {
+    /** Poll only while the dashboard is on screen. */
+    setActive(on) {
+      active = on;
+      if (on && timer === null && !inflight) timer = setTimeout(poll, 0);
+      if (!on && timer !== null) {
+        clearTimeout(timer);
+        timer = null;
+      }
+    },
+  };
+}

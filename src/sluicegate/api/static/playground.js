@@ -1,0 +1,176 @@
+// The playground: one streamed chat completion at a time, with Stop, TTFT and tokens/s.
+
+import { ApiError, authHeaders, errorFromEvent, errorFromResponse, sseData } from "./api.js";
+
+const $ = (id) => document.getElementById(id);
+
+export function initPlayground({ onModel }) {
+  const root = $("playground");
+  const form = $("prompt-form");
+  const prompt = $("prompt");
+  const send = $("send");
+  const stop = $("stop");
+  const output = $("output");
+  const errorBox = $("error");
+  const status = $("status");
+  const model = $("model");
+  const temperature = $("temperature");
+  let controller = null; // the AbortController of the answer being streamed, if any
+
+  temperature.addEventListener("input", () => {
+    $("temperature-value").value = Number(temperature.value).toFixed(2);
+  });
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    ask();
+  });
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+      event.preventDefault();
+      ask();
+    }
+  });
+  // Closing the connection is the cancel: the server aborts the sequence before its
+  // next engine step.
+  stop.addEventListener("click", () => controller?.abort());
+
+  function setState(state, text = "") {
+    root.dataset.state = state; // idle | waiting | streaming | done | stopped | error
+    status.textContent = text;
+    const busy = state === "waiting" || state === "streaming";
+    send.disabled = busy;
+    stop.disabled = !busy;
+  }
+
+  function showError(message) {
+    errorBox.textContent = message;
+    errorBox.hidden = !message;
+  }
+
+  async function loadModels() {
+    try {
+      const response = await fetch("/v1/models", { headers: authHeaders() });
+      if (!response.ok) throw await errorFromResponse(response);
+      const ids = (await response.json()).data.map((m) => m.id);
+      const previous = model.value;
+      model.replaceChildren(...ids.map((id) => new Option(id, id)));
+      if (ids.includes(previous)) model.value = previous;
+      onModel(ids[0] ?? null, null);
+      if (errorBox.dataset.source === "models") showError("");
+    } catch (err) {
+      const message = err instanceof ApiError ? err.describe() : String(err);
+      onModel(null, message);
+      errorBox.dataset.source = "models";
+      showError(`Could not list the models: ${message}`);
+      // The engine may still be loading (503): try again shortly.
+      if (!(err instanceof ApiError) || err.status === 503) setTimeout(loadModels, 2000);
+    }
+  }
+
+  function requestBody() {
+    const messages = [];
+    const system = $("system").value.trim();
+    if (system) messages.push({ role: "system", content: system });
+    messages.push({ role: "user", content: prompt.value });
+    return {
+      model: model.value,
+      messages,
+      temperature: Number(temperature.value),
+      // Sent as typed: the server checks the range and says what is wrong.
+      max_tokens: Number($("max-tokens").value),
+      stream: true,
+      // Usage on every chunk gives an exact running token count for tokens/s.
+      stream_options: { include_usage: true, continuous_usage_stats: true },
+    };
+  }
+
+  async function ask() {
+    if (controller || !prompt.value.trim()) return;
+    controller = new AbortController();
+    output.textContent = "";
+    showError("");
+    errorBox.dataset.source = "";
+    const timing = new Timing();
+    timing.render();
+    setState("waiting", "waiting for the first token…");
+    try {
+      const response = await fetch("/v1/chat/completions", {
+        method: "POST",
+        headers: authHeaders({ "content-type": "application/json" }),
+        body: JSON.stringify(requestBody()),
+        signal: controller.signal,
+      });
+      if (!response.ok) throw await errorFromResponse(response);
+      for await (const data of sseData(response.body)) {
+        if (data === "[DONE]") break;
+        const event = JSON.parse(data);
+        if (event.error) throw errorFromEvent(event);
+        const choice = event.choices?.[0];
+        const text = choice?.delta?.content ?? "";
+        if (text) {
+          const atBottom = output.scrollHeight - output.scrollTop - output.clientHeight < 8;
+          output.append(text);
+          if (atBottom) output.scrollTop = output.scrollHeight;
+          if (root.dataset.state === "waiting") setState("streaming", "streaming…");
+        }
+        timing.update(text, event.usage?.completion_tokens, choice?.finish_reason);
+      }
+      setState("done", "");
+    } catch (err) {
+      if (err?.name === "AbortError") {
+        setState("stopped", "stopped");
+      } else {
+        showError(err instanceof ApiError ? err.describe() : `Request failed: ${err}`);
+        setState("error", "");
+      }
+    } finally {
+      controller = null;
+      timing.render();
+    }
+  }
+
+  setState("idle");
+  return { loadModels };
+}
+
+/** Time to first token and decode speed of one answer, shown as it streams. */
+class Timing {
+  constructor() {
+    this.started = performance.now();
+    this.firstAt = null; // when the first text arrived
+    this.lastAt = null; // when the latest text arrived
+    this.tokens = 0;
+    this.tokensAtFirst = 0;
+    this.finish = "";
+  }
+
+  update(text, completionTokens, finishReason) {
+    const now = performance.now();
+    // Without usage in the stream, count one token per text chunk (a lower bound).
+    this.tokens = completionTokens ?? this.tokens + (text ? 1 : 0);
+    if (text) {
+      if (this.firstAt === null) {
+        this.firstAt = now;
+        this.tokensAtFirst = this.tokens;
+      }
+      this.lastAt = now;
+    }
+    if (finishReason) this.finish = finishReason;
+    this.render();
+  }
+
+  render() {
+    $("ttft").textContent =
+      this.firstAt === null ? "–" : formatMs(this.firstAt - this.started);
+    // Decode speed: tokens after the first chunk over the time since it arrived.
+    const seconds = this.firstAt === null ? 0 : (this.lastAt - this.firstAt) / 1000;
+    const tokens = this.tokens - this.tokensAtFirst;
+    $("tps").textContent = seconds > 0.05 && tokens > 0 ? (tokens / seconds).toFixed(1) : "–";
+    $("tokens").textContent = String(this.tokens);
+    $("finish").textContent = this.finish ? `finish: ${this.finish}` : "";
+  }
+}
+
+function formatMs(ms) {
+  return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
+}
