@@ -94,20 +94,20 @@ def test_auth_and_rate_limits(tmp_path: Path) -> None:
 
 
 def test_openai_client_retries_on_retry_after_and_succeeds(tmp_path: Path) -> None:
-    tenants = [{"name": "t", "api_key": "k", "requests_per_second": 1}]
+    # One request every 2 s (burst 1): the second call in a row is rate limited.
+    tenants = [{"name": "t", "api_key": "k", "requests_per_second": 0.5}]
     with server(tmp_path, "retry", tenants=tenants) as srv:
         no_retry = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0)
         no_retry.completions.create(model=MODEL, prompt="a", max_tokens=2)
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.RateLimitError) as info:
             no_retry.completions.create(model=MODEL, prompt="a", max_tokens=2)
+        assert int(info.value.response.headers["retry-after"]) in (1, 2)
         client = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=3)
-        time.sleep(1.1)
-        client.completions.create(model=MODEL, prompt="a", max_tokens=2)
         started = time.monotonic()
-        # Rate limited now; the client waits our Retry-After (1 s) and then succeeds.
+        # Still limited: the client waits our Retry-After and then succeeds.
         result = client.completions.create(model=MODEL, prompt="a", max_tokens=2)
         assert result.choices[0].text
-        assert time.monotonic() - started >= 0.5
+        assert time.monotonic() - started >= 0.8
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:

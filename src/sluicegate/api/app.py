@@ -15,6 +15,8 @@ from starlette.responses import Response
 from sluicegate import __version__
 from sluicegate.api.errors import APIError, install_error_handlers
 from sluicegate.api.front_door import FrontDoor
+from sluicegate.api.jobs import JobRunner, open_journal
+from sluicegate.api.jobs import router as jobs_router
 from sluicegate.api.openai_routes import json_response, router
 from sluicegate.api.runtime import PRIORITY_NAMES, Runtime, get_runtime
 from sluicegate.config import Settings
@@ -26,7 +28,7 @@ from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger("sluicegate")
 
 
-async def load_engine(runtime: Runtime) -> None:
+async def load_engine(runtime: Runtime, port: int) -> None:
     """Load the engine off the event loop so /health answers while a model loads."""
     settings = runtime.settings
     try:
@@ -76,6 +78,9 @@ async def load_engine(runtime: Runtime) -> None:
     runtime.model_name = loaded.model_name
     runtime.max_model_len = max_model_len
     runtime.ready = True
+    jobs = JobRunner(runtime, open_journal(runtime, port), settings.max_background_jobs_in_memory)
+    await jobs.start()
+    runtime.jobs = jobs
     metrics.engine_up.labels(metrics.engine).set(1)
     logger.info(
         "engine %s ready: model %s, max_model_len %d",
@@ -132,7 +137,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(load_engine(runtime))
+        task = asyncio.create_task(load_engine(runtime, settings.port))
         runtime.tasks.add(task)
         task.add_done_callback(runtime.tasks.discard)
         runtime.flow.start()
@@ -142,6 +147,8 @@ def create_app(settings: Settings) -> FastAPI:
             runtime.ready = False
             task.cancel()
             await runtime.flow.stop()
+            if runtime.jobs is not None:
+                await runtime.jobs.stop()
             if runtime.front_door is not None:
                 await runtime.front_door.stop()
             if runtime.core is not None:
@@ -157,6 +164,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.runtime = runtime
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(jobs_router)
 
     @app.get("/health")
     async def health() -> Response:

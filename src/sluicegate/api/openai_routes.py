@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter
@@ -37,7 +38,7 @@ from sluicegate.api.schemas import (
 )
 from sluicegate.api.sse import DONE, EventStreamResponse, sse_comment, sse_data
 from sluicegate.engine.tokenizer import ChatTemplateError
-from sluicegate.scheduler.request import FinishReason
+from sluicegate.scheduler.request import FinishReason, SamplingParams
 from sluicegate.stream.flow import StreamFlow
 from sluicegate.stream.output import FlushPolicy, RequestOutput
 
@@ -110,75 +111,40 @@ async def list_models(request: HTTPRequest) -> Response:
     )
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: HTTPRequest) -> Response:
-    runtime = get_runtime(request)
-    tenant = _authenticate(runtime, request)
-    body = await read_json(request, runtime.settings.max_request_body_bytes)
-    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
-    check_chat(req)
-    check_model(runtime, req.model)
+@dataclass(slots=True)
+class Prepared:
+    """A validated, tokenised request, not yet admitted."""
+
+    kind: Literal["chat", "completion"]
+    req: ChatCompletionRequest | CompletionRequest
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+def prepare(runtime: Runtime, kind: Literal["chat", "completion"], body: Any) -> Prepared:
+    """Validate and tokenise; every problem is a 400 that names the parameter."""
     tokenizer = _tokenizer(runtime)
-    try:
-        prompt_ids = tokenizer.encode_chat(chat_messages(req))
-    except ChatTemplateError as exc:
-        raise APIError(400, f"The messages cannot be formatted: {exc}", param="messages") from None
-    requested = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
-    )
-    max_tokens = resolve_max_tokens(runtime, requested, len(prompt_ids))
-    request_id = new_request_id("chatcmpl")
-    generation = await start_generation(
-        runtime, tenant, req.priority, request_id, prompt_ids, build_sampling(req, max_tokens),
-        req.max_tokens_per_second,
-    )  # fmt: skip
-
-    def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
-        delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
-        return {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": generation.created,
-            "model": runtime.model_name,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-            "usage": use,
-        }
-
-    if req.stream:
-        first = chunk("", None, None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        return _stream(runtime, generation, req, chunk, first)
-    output = await _collect(runtime, request, generation)
-    return json_response(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": generation.created,
-            "model": runtime.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": output.text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": finish_reason_text(output.finish_reason),
-                }
-            ],
-            "usage": usage(output),
-        },
-        headers=generation.headers,
-    )
-
-
-@router.post("/v1/completions")
-async def completions(request: HTTPRequest) -> Response:
-    runtime = get_runtime(request)
-    tenant = _authenticate(runtime, request)
-    body = await read_json(request, runtime.settings.max_request_body_bytes)
-    req: CompletionRequest = parse_body(CompletionRequest, body)
-    check_completion(req)
-    check_model(runtime, req.model)
-    tokenizer = _tokenizer(runtime)
-    prompt = completion_prompt(req)
+    if kind == "chat":
+        chat: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+        check_chat(chat)
+        check_model(runtime, chat.model)
+        try:
+            prompt_ids = tokenizer.encode_chat(chat_messages(chat))
+        except ChatTemplateError as exc:
+            raise APIError(
+                400, f"The messages cannot be formatted: {exc}", param="messages"
+            ) from None
+        requested = chat.max_completion_tokens
+        if requested is None:
+            requested = chat.max_tokens
+        max_tokens = resolve_max_tokens(runtime, requested, len(prompt_ids))
+        sampling = build_sampling(chat, max_tokens)
+        return Prepared(kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling)
+    comp: CompletionRequest = parse_body(CompletionRequest, body)
+    check_completion(comp)
+    check_model(runtime, comp.model)
+    prompt = completion_prompt(comp)
     if isinstance(prompt, str):
         prompt_ids = tokenizer.encode(prompt)
     else:
@@ -192,14 +158,61 @@ async def completions(request: HTTPRequest) -> Response:
         prompt_ids = prompt
     if not prompt_ids:
         raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
-    max_tokens = resolve_max_tokens(runtime, req.max_tokens, len(prompt_ids))
-    request_id = new_request_id("cmpl")
-    generation = await start_generation(
-        runtime, tenant, req.priority, request_id, prompt_ids, build_sampling(req, max_tokens),
-        req.max_tokens_per_second,
+    max_tokens = resolve_max_tokens(runtime, comp.max_tokens, len(prompt_ids))
+    sampling = build_sampling(comp, max_tokens)
+    return Prepared(kind, comp, new_request_id("cmpl"), prompt_ids, sampling)
+
+
+async def admit(
+    runtime: Runtime, tenant: Tenant, prepared: Prepared, priority: str | None = None
+) -> Generation:
+    return await start_generation(
+        runtime, tenant, priority or prepared.req.priority, prepared.request_id,
+        prepared.prompt_ids, prepared.sampling, prepared.req.max_tokens_per_second,
     )  # fmt: skip
 
-    def chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
+
+def response_body(
+    runtime: Runtime, prepared: Prepared, generation: Generation, output: RequestOutput
+) -> dict[str, Any]:
+    """The whole (non-streamed) answer in OpenAI's shape."""
+    finish = finish_reason_text(output.finish_reason)
+    if prepared.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": output.text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {
+        "id": prepared.request_id,
+        "object": obj,
+        "created": generation.created,
+        "model": runtime.model_name,
+        "choices": [choice],
+        "usage": usage(output),
+    }
+
+
+def chunk_builder(runtime: Runtime, prepared: Prepared, generation: Generation) -> ChunkBuilder:
+    request_id = prepared.request_id
+
+    def chat_chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
+        delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": generation.created,
+            "model": runtime.model_name,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "usage": use,
+        }
+
+    def text_chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
         return {
             "id": request_id,
             "object": "text_completion",
@@ -209,27 +222,54 @@ async def completions(request: HTTPRequest) -> Response:
             "usage": use,
         }
 
-    if req.stream:
-        return _stream(runtime, generation, req, chunk, None)
-    output = await _collect(runtime, request, generation)
+    return chat_chunk if prepared.kind == "chat" else text_chunk
+
+
+async def handle(request: HTTPRequest, kind: Literal["chat", "completion"]) -> Response:
+    runtime = get_runtime(request)
+    tenant = _authenticate(runtime, request)
+    body = await read_json(request, runtime.settings.max_request_body_bytes)
+    background = isinstance(body, dict) and body.pop("background", False)
+    prepared = prepare(runtime, kind, body)
+    if background:
+        if prepared.req.stream:
+            raise APIError(
+                400, "A background job cannot stream; drop 'stream' or 'background'.",
+                param="background",
+            )  # fmt: skip
+        if runtime.jobs is None:
+            raise APIError(503, "Background jobs are not available yet; retry shortly.")
+        job = await runtime.jobs.submit(tenant, kind, body)
+        return json_response(job, status_code=202)
+    generation = await admit(runtime, tenant, prepared)
+    chunk = chunk_builder(runtime, prepared, generation)
+    if prepared.req.stream:
+        first = None
+        if kind == "chat":
+            first = chunk("", None, None)
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return _stream(runtime, generation, prepared.req, chunk, first)
+    output = await collect(runtime, generation, _disconnected(request))
     return json_response(
-        {
-            "id": request_id,
-            "object": "text_completion",
-            "created": generation.created,
-            "model": runtime.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": output.text,
-                    "logprobs": None,
-                    "finish_reason": finish_reason_text(output.finish_reason),
-                }
-            ],
-            "usage": usage(output),
-        },
-        headers=generation.headers,
+        response_body(runtime, prepared, generation, output), headers=generation.headers
     )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: HTTPRequest) -> Response:
+    return await handle(request, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: HTTPRequest) -> Response:
+    return await handle(request, "completion")
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _authenticate(runtime: Runtime, request: HTTPRequest) -> Tenant:
@@ -250,21 +290,19 @@ def _tokenizer(runtime: Runtime) -> Any:
     return runtime.tokenizer
 
 
-async def _collect(runtime: Runtime, request: HTTPRequest, generation: Generation) -> RequestOutput:
-    """Wait for the whole answer; abort at once if the client goes away."""
-
-    async def wait_disconnect() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.create_task(wait_disconnect())
+async def collect(
+    runtime: Runtime, generation: Generation, disconnected: Coroutine[Any, Any, None] | None
+) -> RequestOutput:
+    """Wait for the whole answer; abort at once if ``disconnected`` completes first."""
+    watcher = asyncio.ensure_future(disconnected) if disconnected is not None else None
     text: list[str] = []
     try:
         while True:
             getter = asyncio.ensure_future(generation.stream.get())
-            done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Future[Any]] = {getter}
+            if watcher is not None:
+                waiting.add(watcher)
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if getter not in done:
                 getter.cancel()
                 abort_generation(runtime, generation)
@@ -281,9 +319,10 @@ async def _collect(runtime: Runtime, request: HTTPRequest, generation: Generatio
                 output.text = "".join(text)
                 return output
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         abort_generation(runtime, generation)
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request as HTTPRequest
 
 from sluicegate.api.front_door import FrontDoor
+
+if TYPE_CHECKING:
+    from sluicegate.api.jobs import JobRunner
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
 from sluicegate.engine.tokenizer import TextTokenizer
@@ -57,6 +61,7 @@ class Runtime:
     metrics: Metrics
     core: EngineCore | None = None
     front_door: FrontDoor | None = None
+    jobs: JobRunner | None = None
     tokenizer: TextTokenizer | None = None
     model_name: str = ""
     max_model_len: int = 0

@@ -23,6 +23,11 @@ keyInput.addEventListener("change", () => {
   setApiKey(keyInput.value.trim());
   playground.loadModels(); // a new key may unlock (or lock) the API
 });
+// Enter in the field commits it (the change event) instead of submitting a page load.
+document.getElementById("api-key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  keyInput.blur();
+});
 
 function showView() {
   const name = VIEWS.includes(location.hash.slice(1)) ? location.hash.slice(1) : VIEWS[0];

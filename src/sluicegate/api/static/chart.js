@@ -106,6 +106,7 @@ export function niceCeil(v) {
   return 10 * power;
 }
 
-function compact(v) {
+/** A number in at most three significant digits, without trailing zeros. */
+export function compact(v) {
   return String(Number(v.toPrecision(3)));
 }

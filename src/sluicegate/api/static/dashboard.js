@@ -4,10 +4,11 @@
 // server reports them, so a server with fewer fields (or a newer one with more) works.
 
 import { ApiError, authHeaders, errorFromResponse } from "./api.js";
-import { LineChart, PALETTE } from "./chart.js";
+import { LineChart, PALETTE, compact } from "./chart.js";
 
 const POLL_MS = 1000;
-const WINDOW_MS = 120_000;
+const WINDOW_MS = 120_000; // history kept and shown
+const MIN_WINDOW_MS = 20_000; // a fresh page shows its first 20 s, then grows to WINDOW_MS
 const BREAKER_STATES = ["closed", "shed_batch", "open"]; // by severity, as the server's enum
 const TTFT = ["ttft", "time_to_first_token"];
 const TPOT = ["tpot", "time_per_output_token"];
@@ -102,6 +103,7 @@ function fmtMs(v) {
   if (v >= 1000) return `${(v / 1000).toFixed(2)} s`;
   return `${v < 10 ? v.toFixed(1) : Math.round(v)} ms`;
 }
+const axisMs = (v) => (v >= 1000 ? `${compact(v / 1000)} s` : `${compact(v)} ms`);
 function pair(a, b) {
   return a === undefined && b === undefined ? undefined : `${fmtMs(a) ?? "–"} / ${fmtMs(b) ?? "–"}`;
 }
@@ -165,7 +167,8 @@ const CHARTS = [
   {
     id: "requests",
     title: "Requests",
-    options: { minMax: 2, format: fmtCount },
+    format: fmtCount,
+    options: { minMax: 2 },
     series: (c) => ({
       running: ["running", num(c.stats.requests_running)],
       waiting: ["waiting", num(c.stats.requests_waiting)],
@@ -177,19 +180,22 @@ const CHARTS = [
   {
     id: "batch",
     title: "Batch size (sequences per engine step)",
-    options: { minMax: 2, format: fmtCount },
+    format: fmtCount,
+    options: { minMax: 2 },
     series: (c) => ({ batch: ["batch size", batchSize(c.stats)] }),
   },
   {
     id: "kv",
     title: "KV cache usage",
-    options: { fixedMax: 100, format: fmtPercent },
+    format: fmtPercent,
+    options: { fixedMax: 100, format: (v) => `${v}%` },
     series: (c) => ({ kv: ["blocks in use", kvPercent(c.stats)] }),
   },
   {
     id: "ttft",
     title: "Time to first token",
-    options: { format: fmtMs },
+    format: fmtMs,
+    options: { format: axisMs },
     series: (c) => ({
       p50: ["p50", latencyMs(c.stats, TTFT, "p50")],
       p99: ["p99", latencyMs(c.stats, TTFT, "p99")],
@@ -198,7 +204,8 @@ const CHARTS = [
   {
     id: "tpot",
     title: "Time per output token",
-    options: { format: fmtMs },
+    format: fmtMs,
+    options: { format: axisMs },
     series: (c) => ({
       p50: ["p50", latencyMs(c.stats, TPOT, "p50")],
       p99: ["p99", latencyMs(c.stats, TPOT, "p99")],
@@ -207,19 +214,22 @@ const CHARTS = [
   {
     id: "rejections",
     title: "Rejections / s by reason",
-    options: { minMax: 1, format: fmtRate },
+    format: fmtRate,
+    options: { minMax: 1 },
     series: (c, p) => ratesByReason(c, p, rejections),
   },
   {
     id: "preemptions",
     title: "Preemptions / s by reason",
-    options: { minMax: 1, format: fmtRate },
+    format: fmtRate,
+    options: { minMax: 1 },
     series: (c, p) => ratesByReason(c, p, preemptions),
   },
   {
     id: "steps",
     title: "Engine steps / s",
-    options: { minMax: 10, format: fmtRate },
+    format: fmtRate,
+    options: { minMax: 10 },
     series: (c, p) => ({ steps: ["steps", rate(c, p, (s) => num(s.engine_steps_total))] }),
   },
 ];
@@ -264,6 +274,7 @@ export function initDashboard() {
   const cards = CARDS.map((def) => buildCard(def, document.getElementById("cards")));
   const charts = CHARTS.map((def) => buildChart(def, document.getElementById("charts")));
   let previous = null; // the sample before the latest, for rates
+  let firstT = null; // time of the first sample: the charts span from it until they are full
   let active = false;
   let timer = null; // the next poll, when one is scheduled
   let inflight = false;
@@ -298,18 +309,19 @@ export function initDashboard() {
 
   function draw() {
     const now = Date.now();
+    const span = Math.min(WINDOW_MS, Math.max(MIN_WINDOW_MS, now - (firstT ?? now)));
     for (const c of charts) {
       if (c.history.size === 0) continue;
       c.panel.hidden = false;
       const series = [...c.history.values()];
-      c.chart.draw(series, now, WINDOW_MS);
+      c.chart.draw(series, now, span);
       c.legend.replaceChildren(
         ...series.map((s) => {
           const item = el("span");
           const swatch = el("span", "swatch");
           swatch.style.background = s.color;
           const last = s.points[s.points.length - 1];
-          item.append(swatch, `${s.label} `, el("b", "", last ? c.def.options.format(last[1]) : "–"));
+          item.append(swatch, `${s.label} `, el("b", "", last ? c.def.format(last[1]) : "–"));
           return item;
         }),
       );
@@ -328,6 +340,7 @@ export function initDashboard() {
       });
       if (!response.ok) throw await errorFromResponse(response);
       const cur = { t: Date.now(), stats: await response.json() };
+      firstT ??= cur.t;
       record(cur);
       previous = cur;
       draw();
