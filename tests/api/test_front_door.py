@@ -108,6 +108,8 @@ def test_openai_client_retries_on_retry_after_and_succeeds(tmp_path: Path) -> No
         result = client.completions.create(model=MODEL, prompt="a", max_tokens=2)
         assert result.choices[0].text
         assert time.monotonic() - started >= 0.8
+        client.close()
+        no_retry.close()
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:
