@@ -19,6 +19,7 @@ from sluicegate.api.jobs import JobRunner, open_journal
 from sluicegate.api.jobs import router as jobs_router
 from sluicegate.api.openai_routes import json_response, router
 from sluicegate.api.runtime import PRIORITY_NAMES, Runtime, get_runtime
+from sluicegate.api.websocket import router as ws_router
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore, StepStats
 from sluicegate.engine.factory import build_engine
@@ -165,6 +166,7 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(jobs_router)
+    app.include_router(ws_router)
 
     @app.get("/health")
     async def health() -> Response:

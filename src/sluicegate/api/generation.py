@@ -143,7 +143,9 @@ async def start_generation(
     priority_class = front_door.priority_of(tenant, priority)
     ticket = await front_door.enter(tenant, priority_class, request, stream)
     runtime.metrics.prompt_tokens_total.inc(len(prompt_ids))
-    return Generation(request_id, request, stream, priority_class.value, ticket=ticket)
+    generation = Generation(request_id, request, stream, priority_class.value, ticket=ticket)
+    runtime.generations[request_id] = generation
+    return generation
 
 
 def abort_generation(runtime: Runtime, generation: Generation) -> None:
@@ -166,6 +168,7 @@ def record_finish(runtime: Runtime, generation: Generation, status: str) -> None
     if generation.recorded:
         return
     generation.recorded = True
+    runtime.generations.pop(generation.request_id, None)
     if generation.ticket is not None and runtime.front_door is not None:
         runtime.front_door.finished(generation.ticket)
     metrics = runtime.metrics

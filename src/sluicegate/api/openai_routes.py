@@ -265,6 +265,27 @@ async def completions(request: HTTPRequest) -> Response:
     return await handle(request, "completion")
 
 
+@router.post("/v1/requests/{request_id}/cancel")
+async def cancel_request(request_id: str, request: HTTPRequest) -> Response:
+    """Cancel a running or queued request by id (the ``id`` of its chunks).
+
+    Only the tenant that made the request can cancel it; another tenant gets the same 404
+    as for an unknown id, so ids do not leak.
+    """
+    runtime = get_runtime(request)
+    tenant = _authenticate(runtime, request)
+    generation = runtime.generations.get(request_id)
+    if generation is None or (
+        generation.ticket is not None and generation.ticket.tenant.name != tenant.name
+    ):
+        raise APIError(
+            404, f"No running request with id '{request_id}'.", param="request_id",
+            code="not_found",
+        )  # fmt: skip
+    abort_generation(runtime, generation)
+    return json_response({"id": request_id, "object": "request.cancelled", "cancelled": True})
+
+
 async def _disconnected(request: HTTPRequest) -> None:
     while True:
         message = await request.receive()

@@ -12,6 +12,7 @@ from fastapi import Request as HTTPRequest
 from sluicegate.api.front_door import FrontDoor
 
 if TYPE_CHECKING:
+    from sluicegate.api.generation import Generation
     from sluicegate.api.jobs import JobRunner
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
@@ -62,6 +63,8 @@ class Runtime:
     core: EngineCore | None = None
     front_door: FrontDoor | None = None
     jobs: JobRunner | None = None
+    #: Live requests by id (for cancellation); entries leave when the request ends.
+    generations: dict[str, Generation] = field(default_factory=dict)
     tokenizer: TextTokenizer | None = None
     model_name: str = ""
     max_model_len: int = 0

@@ -87,6 +87,14 @@ class StreamFlow:
     preempted: bool = False
     evicted: bool = False
     on_evict: Callable[[], None] | None = None
+    #: WebSocket credit flow: tokens the client has allowed in total (None: byte-based).
+    credit_tokens: int | None = None
+
+    @property
+    def credit_available(self) -> int:
+        """Tokens that may still be sent under the client's credit."""
+        assert self.credit_tokens is not None
+        return self.credit_tokens - self.tokens_written
 
     def record_write(self, num_bytes: int, num_tokens: int) -> None:
         self.bytes_written += num_bytes
@@ -188,6 +196,18 @@ class FlowController:
             if flow.paused:
                 self._resume(flow, now)
             return
+        if flow.credit_tokens is not None:
+            # Credit flow: pause once what is buffered already uses up the credit.
+            exhausted = flow.credit_available - flow.stream.pending_tokens <= 0
+            if exhausted and not flow.paused:
+                flow.paused = True
+                flow.paused_since = now
+                self.actions.pause(flow.stream.request_id)
+            elif not exhausted and flow.paused:
+                self._resume(flow, now)
+            elif flow.paused:
+                self._maybe_preempt(flow, now)
+            return
         backlog = flow.unreceived_tokens
         if not flow.paused:
             if (
@@ -199,10 +219,14 @@ class FlowController:
                 self.actions.pause(flow.stream.request_id)
         elif backlog <= cfg.low_water_tokens and flow.stream.pending_bytes < cfg.high_water_bytes:
             self._resume(flow, now)
-        elif (
+        else:
+            self._maybe_preempt(flow, now)
+
+    def _maybe_preempt(self, flow: StreamFlow, now: float) -> None:
+        if (
             not flow.preempted
-            and cfg.pause_preempt_seconds >= 0
-            and now - flow.paused_since >= cfg.pause_preempt_seconds
+            and self.config.pause_preempt_seconds >= 0
+            and now - flow.paused_since >= self.config.pause_preempt_seconds
         ):
             flow.preempted = True
             self.actions.preempt(flow.stream.request_id)

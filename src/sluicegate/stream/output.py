@@ -118,6 +118,38 @@ class RequestStream:
         self._last_take_time = loop.time()
         return self._take()
 
+    def take(self, max_tokens: int) -> RequestOutput | None:
+        """Take pending output carrying at most ``max_tokens`` tokens (credit-based sends).
+
+        Outputs without tokens (the final one) come along; ``None`` if nothing fits.
+        """
+        taken: list[RequestOutput] = []
+        budget = max_tokens
+        while self._pending and self._pending[0].num_new_tokens <= budget:
+            out = self._pending.popleft()
+            budget -= out.num_new_tokens
+            self.pending_tokens -= out.num_new_tokens
+            self.pending_bytes -= len(out.text.encode())
+            taken.append(out)
+        if not taken:
+            return None
+        last = taken[-1]
+        return RequestOutput(
+            request_id=last.request_id,
+            text="".join(o.text for o in taken),
+            num_new_tokens=sum(o.num_new_tokens for o in taken),
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_output_tokens=last.num_output_tokens,
+            finish_reason=last.finish_reason,
+            error=last.error,
+        )
+
+    async def wait(self) -> None:
+        """Wait until something is pending."""
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+
     def _take(self) -> RequestOutput:
         first = self._pending.popleft()
         if self._pending:

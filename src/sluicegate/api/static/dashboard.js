@@ -118,11 +118,12 @@ const CARDS = [
   { id: "running", label: "Running", value: (c) => fmtCount(num(c.stats.requests_running)) },
   {
     id: "waiting",
-    label: "Waiting for the engine",
+    label: "Waiting",
     value: (c) => fmtCount(num(c.stats.requests_waiting)),
     sub: (c) => {
+      // The admission queue is part of the waiting count: the rest waits in the engine.
       const queued = num(at(c.stats, "queue.queued"));
-      return queued === undefined ? "" : `+ ${queued} queued at admission`;
+      return queued === undefined ? "" : `${queued} in the admission queue`;
     },
   },
   {
@@ -172,7 +173,6 @@ const CHARTS = [
     series: (c) => ({
       running: ["running", num(c.stats.requests_running)],
       waiting: ["waiting", num(c.stats.requests_waiting)],
-      queued: ["queued at admission", num(at(c.stats, "queue.queued"))],
       paused: ["paused sequences", num(c.stats.requests_paused)],
       streams_paused: ["paused streams", num(c.stats.streams_paused)],
     }),

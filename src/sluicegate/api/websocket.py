@@ -1,0 +1,210 @@
+"""WebSocket transport with credit-based flow control, at ``/v1/ws``.
+
+Protocol (JSON text frames):
+
+* client → server, first: ``{"type": "request", "body": {...chat completion body...},
+  "credits": N}`` (``credits`` optional: omitted means unlimited).  The API key comes in
+  the ``Authorization`` header, or in ``body``-less form as ``"api_key"`` in this message
+  for browsers, which cannot set WebSocket headers.
+* client → server, any time: ``{"type": "credit", "tokens": N}`` allows N more tokens;
+  ``{"type": "cancel"}`` aborts the generation.
+* server → client: ``chat.completion.chunk`` objects exactly as in SSE, then
+  ``{"type": "done", "finish_reason": ..., "usage": {...}}`` and a normal close (1000).
+  Errors: ``{"type": "error", "error": {...OpenAI error...}}`` then close 1008 (auth),
+  1013 (try again later: rate limits, full queue), or 1003 (bad request).
+
+The server sends at most the credited tokens.  A sequence whose buffered tokens already
+use up its credit is paused exactly like a full socket buffer: it costs the batch
+nothing, and its KV cache is freed if the pause lasts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from sluicegate.api.errors import APIError
+from sluicegate.api.generation import (
+    Generation,
+    abort_generation,
+    finish_reason_text,
+    record_finish,
+)
+from sluicegate.api.runtime import Runtime
+from sluicegate.scheduler.request import FinishReason
+from sluicegate.stream.flow import StreamFlow
+
+router = APIRouter()
+
+CLOSE_NORMAL = 1000
+CLOSE_UNSUPPORTED = 1003
+CLOSE_POLICY = 1008
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_AGAIN = 1013
+
+
+def _close_code(error: APIError) -> int:
+    if error.status_code == 401:
+        return CLOSE_POLICY
+    if error.status_code in (429, 503):
+        return CLOSE_TRY_AGAIN
+    if error.status_code >= 500:
+        return CLOSE_INTERNAL
+    return CLOSE_UNSUPPORTED
+
+
+async def _send_error(websocket: WebSocket, error: APIError) -> None:
+    body = error.body()
+    body["type"] = "error"
+    if "retry-after" in error.headers:
+        body["retry_after_seconds"] = int(error.headers["retry-after"])
+    await websocket.send_text(orjson.dumps(body).decode())
+    await websocket.close(_close_code(error), error.message[:120])
+
+
+@router.websocket("/v1/ws")
+async def chat_websocket(websocket: WebSocket) -> None:
+    runtime: Runtime = websocket.app.state.runtime
+    await websocket.accept()
+    try:
+        first = orjson.loads(await websocket.receive_text())
+    except (orjson.JSONDecodeError, WebSocketDisconnect):
+        with contextlib.suppress(Exception):
+            await _send_error(websocket, APIError(400, "The first message must be JSON."))
+        return
+    try:
+        generation, flow = await _start(runtime, websocket, first)
+    except APIError as error:
+        await _send_error(websocket, error)
+        return
+    await _serve(runtime, websocket, generation, flow)
+
+
+async def _start(
+    runtime: Runtime, websocket: WebSocket, first: Any
+) -> tuple[Generation, StreamFlow]:
+    from sluicegate.api.openai_routes import admit, prepare
+
+    if not isinstance(first, dict) or first.get("type", "request") != "request":
+        raise APIError(400, 'The first message must be {"type": "request", "body": {...}}.')
+    if runtime.front_door is None:
+        raise APIError(503, "The model is still loading; retry shortly.",
+                       headers={"retry-after": "2"})  # fmt: skip
+    header = websocket.headers.get("authorization")
+    if header is None and isinstance(first.get("api_key"), str):
+        header = f"Bearer {first['api_key']}"
+    tenant = runtime.front_door.authenticate(header)
+    body = first.get("body")
+    if not isinstance(body, dict):
+        raise APIError(400, "The request message needs a 'body' object.", param="body")
+    credits = first.get("credits")
+    if credits is not None and (not isinstance(credits, int) or credits < 0):
+        raise APIError(400, f"credits must be a non-negative integer; got {credits!r}",
+                       param="credits")  # fmt: skip
+    body = {**body, "stream": True}
+    prepared = prepare(runtime, "chat", body)
+    generation = await admit(runtime, tenant, prepared)
+    flow = StreamFlow(generation.stream, credit_tokens=credits)
+    return generation, flow
+
+
+async def _serve(
+    runtime: Runtime, websocket: WebSocket, generation: Generation, flow: StreamFlow
+) -> None:
+    stream = generation.stream
+    controller = runtime.flow
+    controller.register(flow)
+    credit_changed = asyncio.Event()
+    writer = asyncio.current_task()
+    assert writer is not None
+
+    async def read_client() -> None:
+        try:
+            while True:
+                message = orjson.loads(await websocket.receive_text())
+                kind = message.get("type") if isinstance(message, dict) else None
+                if kind == "credit":
+                    tokens = message.get("tokens")
+                    if isinstance(tokens, int) and tokens > 0 and flow.credit_tokens is not None:
+                        flow.credit_tokens += tokens
+                        controller.check(flow)
+                        credit_changed.set()
+                elif kind == "cancel":
+                    abort_generation(runtime, generation)
+                    return
+        except (WebSocketDisconnect, orjson.JSONDecodeError, RuntimeError):
+            abort_generation(runtime, generation)
+            writer.cancel()
+
+    reader = asyncio.create_task(read_client())
+    created = generation.created
+    try:
+        while True:
+            limit = flow.credit_available if flow.credit_tokens is not None else 1 << 30
+            output = stream.take(limit) if limit > 0 else None
+            if output is None:
+                credit_changed.clear()
+                waiters = [
+                    asyncio.ensure_future(stream.wait()),
+                    asyncio.ensure_future(credit_changed.wait()),
+                ]
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waiters:
+                        w.cancel()
+                continue
+            generation.record_write(runtime, output.num_new_tokens)
+            if output.text:
+                chunk = {
+                    "id": generation.request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": runtime.model_name,
+                    "choices": [{"index": 0, "delta": {"content": output.text},
+                                 "logprobs": None, "finish_reason": None}],
+                }  # fmt: skip
+                data = orjson.dumps(chunk).decode()
+                await websocket.send_text(data)
+            flow.record_write(0, output.num_new_tokens)
+            controller.check(flow)
+            if output.finished:
+                generation.finished = True
+                if output.finish_reason == FinishReason.ERROR:
+                    record_finish(runtime, generation, "error")
+                    from sluicegate.api.generation import engine_failure
+
+                    await _send_error(websocket, engine_failure(generation, output))
+                    return
+                record_finish(runtime, generation, finish_reason_text(output.finish_reason) or "")
+                done = {
+                    "type": "done",
+                    "id": generation.request_id,
+                    "finish_reason": finish_reason_text(output.finish_reason),
+                    "usage": {
+                        "prompt_tokens": output.num_prompt_tokens,
+                        "completion_tokens": output.num_output_tokens,
+                        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+                    },
+                }
+                await websocket.send_text(orjson.dumps(done).decode())
+                await websocket.close(CLOSE_NORMAL)
+                return
+    except asyncio.CancelledError:
+        writer.uncancel()
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        abort_generation(runtime, generation)
+        controller.unregister(generation.request_id)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        if websocket.client_state == WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                await websocket.close(CLOSE_NORMAL)

@@ -1,0 +1,122 @@
+"""WebSocket credits, explicit cancel and token throttling, through the real server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from tests.conftest import ServerProcess
+
+MODEL = "sluicegate-sim"
+
+
+def ws_url(server: ServerProcess) -> str:
+    return server.base_url.replace("http://", "ws://") + "/v1/ws"
+
+
+def chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "credits"}],
+        "max_tokens": max_tokens,
+        "seed": 9,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def receive_tokens(ws: Any, timeout: float) -> tuple[str, list[dict[str, Any]]]:
+    text = ""
+    messages: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            raw = ws.recv(timeout=max(0.01, deadline - time.monotonic()))
+        except (TimeoutError, ConnectionClosed):
+            break
+        message = orjson.loads(raw)
+        messages.append(message)
+        if message.get("object") == "chat.completion.chunk":
+            text += message["choices"][0]["delta"]["content"]
+        if message.get("type") in ("done", "error"):
+            break
+    return text, messages
+
+
+def test_websocket_credits_pause_and_resume(sim_server: ServerProcess) -> None:
+    with connect(ws_url(sim_server)) as ws:
+        ws.send(orjson.dumps({"type": "request", "body": chat(40), "credits": 5}).decode())
+        text, _ = receive_tokens(ws, 0.5)
+        # Byte-level sim tokenizer: 5 tokens are 5 bytes (some characters span several).
+        assert len(text.encode()) <= 5 and len(text.encode()) >= 3
+        time.sleep(0.2)
+        stats = sim_server.stats()
+        assert stats["requests_paused"] == 1, stats  # zero credit: paused like a full buffer
+        more, _ = receive_tokens(ws, 0.3)
+        assert more == ""  # nothing beyond the credit
+        ws.send(orjson.dumps({"type": "credit", "tokens": 100}).decode())
+        rest, messages = receive_tokens(ws, 5.0)
+        assert messages[-1]["type"] == "done"
+        assert messages[-1]["usage"]["completion_tokens"] == 40
+        assert len((text + rest).encode()) == 40
+
+
+def test_websocket_errors_and_cancel(sim_server: ServerProcess) -> None:
+    with connect(ws_url(sim_server)) as ws:
+        ws.send(orjson.dumps({"type": "request", "body": {**chat(5), "model": "nope"}}).decode())
+        _, messages = receive_tokens(ws, 2.0)
+        assert messages[-1]["type"] == "error"
+        assert messages[-1]["error"]["code"] == "model_not_found"
+    with connect(ws_url(sim_server)) as ws:
+        ws.send(orjson.dumps({"type": "request", "body": chat(900)}).decode())
+        ws.recv(timeout=2)
+        ws.send(orjson.dumps({"type": "cancel"}).decode())
+        _, messages = receive_tokens(ws, 2.0)
+        assert messages[-1]["type"] == "done"
+    deadline = time.monotonic() + 2
+    while sim_server.stats()["requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sim_server.stats()["requests_running"] == 0
+
+
+def test_cancel_endpoint_stops_a_stream(sim_server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", sim_server.v1 + "/completions", json=body, timeout=10) as resp:
+        request_id = resp.headers["x-request-id"]
+        lines = resp.iter_lines()
+        next(lines)
+        other = httpx.post(f"{sim_server.v1}/requests/cmpl-unknown/cancel", timeout=5)
+        assert other.status_code == 404
+        cancelled = httpx.post(f"{sim_server.v1}/requests/{request_id}/cancel", timeout=5)
+        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+        rest = list(lines)
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    chunks = [orjson.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert sum(len(c["choices"][0]["text"]) for c in chunks if c["choices"]) < 1000
+
+
+def test_max_tokens_per_second_throttles_one_request(sim_server: ServerProcess) -> None:
+    def timed(extra: dict[str, Any], out: list[float]) -> None:
+        started = time.monotonic()
+        r = httpx.post(
+            sim_server.v1 + "/completions",
+            json={"model": MODEL, "prompt": "pace", "max_tokens": 30, "ignore_eos": True, **extra},
+            timeout=30,
+        )
+        assert r.status_code == 200
+        out.append(time.monotonic() - started)
+
+    throttled: list[float] = []
+    free: list[float] = []
+    t = threading.Thread(target=timed, args=({"max_tokens_per_second": 50}, throttled))
+    t.start()
+    timed({}, free)  # runs beside it at full speed
+    t.join()
+    assert throttled[0] >= 29 / 50 * 0.9  # 30 tokens at 50/s
+    assert free[0] < throttled[0] / 3
