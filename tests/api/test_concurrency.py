@@ -74,3 +74,30 @@ async def test_non_streaming_disconnect_aborts(sim_server: ServerProcess) -> Non
         with contextlib.suppress(httpx.TimeoutException):
             await client.post(sim_server.v1 + "/completions", json=body)
     wait_idle(sim_server, timeout=2.0)
+
+
+async def test_200_disconnects_leak_nothing(sim_server: ServerProcess) -> None:
+    before = wait_idle(sim_server)
+
+    async def one(i: int) -> None:
+        body = {
+            "model": MODEL, "prompt": f"leak {i}", "max_tokens": 500, "stream": True,
+            "ignore_eos": True,
+        }  # fmt: skip
+        async with (
+            httpx.AsyncClient(timeout=10) as client,
+            client.stream("POST", sim_server.v1 + "/completions", json=body) as resp,
+        ):
+            n = 0
+            async for _line in resp.aiter_lines():
+                n += 1
+                if n > 3 + i % 5:
+                    break
+
+    await asyncio.gather(*(one(i) for i in range(200)))
+    after = wait_idle(sim_server, timeout=5.0)
+    assert after["kv_cache"]["used_blocks"] == 0  # type: ignore[index]
+    assert after["live_requests"] == 0
+    assert after["streams_paused"] == 0
+    # Every per-request task is gone (the same fixed set of server tasks as before).
+    assert after["event_loop_tasks"] <= before["event_loop_tasks"]

@@ -217,6 +217,8 @@ def create_app(settings: Settings) -> FastAPI:
                 "preemptions_by_reason": core.scheduler.preemptions_by_reason,
                 **_front_door_stats(rt),
                 "engine_steps_total": core.num_steps,
+                "live_requests": len(rt.generations),
+                "event_loop_tasks": len(asyncio.all_tasks()),
             }
         )
 
