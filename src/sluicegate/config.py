@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    request_log: bool = Field(True, description="One JSON log line per finished request.")
     max_request_body_bytes: int = Field(
         1_048_576, ge=1024, description="Larger request bodies get 413."
     )

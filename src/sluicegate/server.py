@@ -10,6 +10,8 @@ import uvicorn
 from sluicegate.api.app import create_app
 from sluicegate.api.sse import TransportCapture
 from sluicegate.config import Settings
+from sluicegate.metrics.request_log import configure_request_log
+from sluicegate.metrics.tracing import setup_tracing
 
 
 def make_listen_socket(host: str, port: int, send_buffer_bytes: int = 0) -> socket.socket:
@@ -33,6 +35,8 @@ def run_server(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    configure_request_log(settings.request_log)
+    setup_tracing()
     app = TransportCapture(create_app(settings), settings.transport_write_buffer_bytes)
     config = uvicorn.Config(
         app,

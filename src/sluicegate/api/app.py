@@ -218,6 +218,10 @@ def create_app(settings: Settings) -> FastAPI:
                 **_front_door_stats(rt),
                 "engine_steps_total": core.num_steps,
                 "live_requests": len(rt.generations),
+                "latency_window_seconds": rt.ttft_window.window_seconds,
+                "ttft_seconds": rt.ttft_window.percentiles(0.5, 0.95, 0.99),
+                "tpot_seconds": rt.tpot_window.percentiles(0.5, 0.95, 0.99),
+                "queue_wait_seconds": rt.queue_wait_window.percentiles(0.5, 0.95, 0.99),
                 "event_loop_tasks": len(asyncio.all_tasks()),
             }
         )

@@ -64,6 +64,7 @@ class Ticket:
     kv_tokens: int
     enqueued_at: float
     dispatched: bool = False
+    dispatched_at: float | None = None
     done: bool = False
     #: Set when the front door refused it after queueing (dropped, expired).
     rejection: Rejection | None = None
@@ -353,6 +354,7 @@ class FrontDoor:
 
     def _dispatch(self, ticket: Ticket, now: float) -> None:
         ticket.dispatched = True
+        ticket.dispatched_at = now
         rid = ticket.request.request_id
         self._tickets.pop(rid, None)
         self._active[rid] = ticket

@@ -12,7 +12,10 @@ from sluicegate.api.errors import APIError, invalid_param
 from sluicegate.api.front_door import Ticket, rejection_error
 from sluicegate.api.runtime import Runtime
 from sluicegate.api.schemas import _Common, stop_sequences
+from sluicegate.metrics.request_log import request_logger
+from sluicegate.metrics.tracing import RequestTimeline, record_request_spans
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
+from sluicegate.stream.flow import StreamFlow
 from sluicegate.stream.output import RequestOutput, RequestStream
 
 
@@ -31,6 +34,30 @@ class Generation:
     last_write_time: float | None = None
     num_tokens_written: int = 0
     ticket: Ticket | None = None
+    flow: StreamFlow | None = None
+
+    def timing(self) -> dict[str, float | None]:
+        """Where this request's time went, in seconds (``None``: that phase never came)."""
+        request = self.request
+        now = time.monotonic()
+        first = self.stream.timings.first_token_time
+        finish = self.stream.timings.finish_time or now
+        scheduled = request.first_scheduled_time
+        tpot = None
+        if first is not None and request.num_output_tokens > 1:
+            tpot = (finish - first) / (request.num_output_tokens - 1)
+        return {
+            "queue_wait_seconds": None if scheduled is None else scheduled - request.arrival_time,
+            "prefill_seconds": None
+            if scheduled is None or first is None
+            else max(0.0, first - scheduled),
+            "ttft_seconds": None
+            if self.first_write_time is None
+            else self.first_write_time - request.arrival_time,
+            "tpot_seconds": tpot,
+            "e2e_seconds": now - request.arrival_time,
+            "paused_seconds": self.flow.total_paused_seconds if self.flow is not None else 0.0,
+        }
 
     @property
     def dispatched(self) -> bool:
@@ -164,7 +191,7 @@ def abort_generation(runtime: Runtime, generation: Generation) -> None:
 
 
 def record_finish(runtime: Runtime, generation: Generation, status: str) -> None:
-    """Per-request metrics, once, when the request ends for whatever reason."""
+    """Per-request metrics, log line and spans, once, when the request ends any way."""
     if generation.recorded:
         return
     generation.recorded = True
@@ -173,28 +200,51 @@ def record_finish(runtime: Runtime, generation: Generation, status: str) -> None
         runtime.front_door.finished(generation.ticket)
     metrics = runtime.metrics
     request = generation.request
-    now = time.monotonic()
+    timing = generation.timing()
     metrics.requests_total.labels(status).inc()
     metrics.generation_tokens_total.inc(request.num_output_tokens)
     metrics.e2e_request_latency_seconds.labels(generation.priority_label).observe(
-        now - request.arrival_time
+        timing["e2e_seconds"] or 0.0
     )
-    if request.first_scheduled_time is not None:
+    if timing["queue_wait_seconds"] is not None:
         metrics.queue_wait_seconds.labels(generation.priority_label).observe(
-            request.first_scheduled_time - request.arrival_time
+            timing["queue_wait_seconds"]
         )
-        first_token = generation.stream.timings.first_token_time
-        if first_token is not None:
-            metrics.prefill_seconds.observe(max(0.0, first_token - request.first_scheduled_time))
-    timings = generation.stream.timings
-    if (
-        timings.first_token_time is not None
-        and timings.finish_time is not None
-        and request.num_output_tokens > 1
-    ):
-        metrics.time_per_output_token_seconds.observe(
-            (timings.finish_time - timings.first_token_time) / (request.num_output_tokens - 1)
+        runtime.queue_wait_window.add(timing["queue_wait_seconds"])
+    if timing["prefill_seconds"] is not None:
+        metrics.prefill_seconds.observe(timing["prefill_seconds"])
+    if timing["ttft_seconds"] is not None:
+        runtime.ttft_window.add(timing["ttft_seconds"])
+    if timing["tpot_seconds"] is not None:
+        metrics.time_per_output_token_seconds.observe(timing["tpot_seconds"])
+        runtime.tpot_window.add(timing["tpot_seconds"])
+    ticket = generation.ticket
+    tenant = ticket.tenant.name if ticket is not None else "default"
+    request_logger().info(
+        "request",
+        request_id=generation.request_id,
+        tenant=tenant,
+        priority=generation.priority_label,
+        status=status,
+        finish_reason=request.finish_reason.value if request.finish_reason else None,
+        prompt_tokens=request.num_prompt_tokens,
+        output_tokens=request.num_output_tokens,
+        **timing,
+        preemptions=request.num_preemptions,
+    )
+    record_request_spans(
+        RequestTimeline(
+            request_id=generation.request_id,
+            tenant=tenant,
+            status=status,
+            arrival=request.arrival_time,
+            dispatched=ticket.dispatched_at if ticket is not None else None,
+            first_token=generation.stream.timings.first_token_time,
+            finished=time.monotonic(),
+            prompt_tokens=request.num_prompt_tokens,
+            output_tokens=request.num_output_tokens,
         )
+    )
 
 
 def engine_failure(generation: Generation, output: RequestOutput) -> APIError:

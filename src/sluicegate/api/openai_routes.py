@@ -424,7 +424,7 @@ def _stream(
                         num_tokens,
                     )
                 if include_usage:
-                    final = chunk("", None, usage(output))
+                    final = chunk("", None, {**usage(output), "sluicegate": generation.timing()})
                     final["choices"] = []
                     yield sse_data(final), 0
                 yield DONE, 0
@@ -461,6 +461,7 @@ def _stream(
         abort_generation(runtime, generation)
 
     stream_flow = StreamFlow(stream)
+    generation.flow = stream_flow
     return EventStreamResponse(
         events(),
         stream_flow,

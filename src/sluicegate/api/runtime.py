@@ -18,6 +18,7 @@ from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.metrics.registry import Metrics
+from sluicegate.metrics.window import SlidingWindow
 from sluicegate.stream.flow import FlowConfig, FlowController
 from sluicegate.stream.output import FlushPolicy
 
@@ -65,6 +66,10 @@ class Runtime:
     jobs: JobRunner | None = None
     #: Live requests by id (for cancellation); entries leave when the request ends.
     generations: dict[str, Generation] = field(default_factory=dict)
+    #: Recent per-request latencies for /v1/stats.
+    ttft_window: SlidingWindow = field(default_factory=SlidingWindow)
+    tpot_window: SlidingWindow = field(default_factory=SlidingWindow)
+    queue_wait_window: SlidingWindow = field(default_factory=SlidingWindow)
     tokenizer: TextTokenizer | None = None
     model_name: str = ""
     max_model_len: int = 0

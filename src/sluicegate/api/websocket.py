@@ -110,6 +110,7 @@ async def _start(
     prepared = prepare(runtime, "chat", body)
     generation = await admit(runtime, tenant, prepared)
     flow = StreamFlow(generation.stream, credit_tokens=credits)
+    generation.flow = flow
     return generation, flow
 
 

@@ -87,6 +87,7 @@ class StreamFlow:
     preempted: bool = False
     evicted: bool = False
     on_evict: Callable[[], None] | None = None
+    total_paused_seconds: float = 0.0
     #: WebSocket credit flow: tokens the client has allowed in total (None: byte-based).
     credit_tokens: int | None = None
 
@@ -235,6 +236,7 @@ class FlowController:
         now = time.monotonic() if now is None else now
         flow.paused = False
         flow.preempted = False
+        flow.total_paused_seconds += now - flow.paused_since
         self.actions.resume(flow.stream.request_id, now - flow.paused_since)
 
     def _evict(self, flow: StreamFlow) -> None:
