@@ -118,6 +118,11 @@ class Settings(BaseSettings):
         16384, ge=1024, description="High-water mark of each connection's write buffer."
     )
 
+    # --- shutdown ---
+    drain_grace_seconds: float = Field(
+        30.0, ge=0.0, description="On SIGTERM, how long running streams may take to finish."
+    )
+
     # --- front door ---
     tenants: list[TenantConfig] = Field(
         default_factory=list,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import socket
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
-from sluicegate.api.app import create_app
+from sluicegate.api.app import create_app, drain
 from sluicegate.api.sse import TransportCapture
 from sluicegate.config import Settings
 from sluicegate.metrics.request_log import configure_request_log
@@ -31,13 +35,40 @@ def make_listen_socket(host: str, port: int, send_buffer_bytes: int = 0) -> sock
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT starting a graceful drain instead of an abrupt stop.
+
+    The listening socket stays open while draining, so new requests get an honest 503
+    with ``Retry-After`` rather than a refused connection; a second signal exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or sig not in (signal.SIGTERM, signal.SIGINT):
+            super().handle_exit(sig, frame)
+            return
+        loop = asyncio.get_event_loop()
+        self._drain_task = loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self._app.state.runtime)
+        finally:
+            self.should_exit = True
+
+
 def run_server(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     configure_request_log(settings.request_log)
     setup_tracing()
-    app = TransportCapture(create_app(settings), settings.transport_write_buffer_bytes)
+    fastapi_app = create_app(settings)
+    app = TransportCapture(fastapi_app, settings.transport_write_buffer_bytes)
     config = uvicorn.Config(
         app,
         loop="uvloop",
@@ -46,7 +77,7 @@ def run_server(settings: Settings) -> None:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, fastapi_app)
     sock = make_listen_socket(settings.host, settings.port, settings.socket_send_buffer_bytes)
     logging.getLogger("sluicegate").info(
         "listening on http://%s:%d (engine %s)", settings.host, sock.getsockname()[1],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
@@ -15,6 +16,7 @@ from starlette.responses import Response
 from sluicegate import __version__
 from sluicegate.api.errors import APIError, install_error_handlers
 from sluicegate.api.front_door import FrontDoor
+from sluicegate.api.generation import drain_generation
 from sluicegate.api.jobs import JobRunner, open_journal
 from sluicegate.api.jobs import router as jobs_router
 from sluicegate.api.openai_routes import json_response, router
@@ -133,6 +135,31 @@ def _front_door_stats(runtime: Runtime) -> dict[str, object]:
     }
 
 
+async def drain(runtime: Runtime) -> None:
+    """Graceful shutdown: refuse new work, let running streams finish, then cut the rest.
+
+    New requests get 503 ``draining`` with ``Retry-After``; ``/ready`` turns false so a
+    load balancer stops sending.  Streams still running after ``drain_grace_seconds``
+    get a final event telling them to resume with their stream id.
+    """
+    runtime.draining = True
+    if runtime.front_door is not None:
+        runtime.front_door.controller.start_draining()
+    deadline = time.monotonic() + runtime.settings.drain_grace_seconds
+    logger.info(
+        "draining: %d requests running, grace %.1fs",
+        len(runtime.generations), runtime.settings.drain_grace_seconds,
+    )  # fmt: skip
+    while runtime.generations and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a dict
+        await asyncio.sleep(0.05)
+    remaining = list(runtime.generations.values())
+    for generation in remaining:
+        drain_generation(runtime, generation)
+    if remaining:
+        logger.info("drain deadline: %d streams told to resume elsewhere", len(remaining))
+        await asyncio.sleep(0.2)  # let their writers send the final event
+
+
 def create_app(settings: Settings) -> FastAPI:
     runtime = Runtime(settings=settings, metrics=Metrics(settings.engine))
 
@@ -175,6 +202,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/ready")
     async def ready(request: HTTPRequest) -> Response:
         rt = get_runtime(request)
+        if rt.draining:
+            raise APIError(
+                503, "The server is shutting down.", code="draining", headers={"retry-after": "1"}
+            )
         if rt.ready:
             return json_response({"status": "ready", "model": rt.model_name})
         if rt.load_error is not None:

@@ -35,6 +35,8 @@ class Generation:
     num_tokens_written: int = 0
     ticket: Ticket | None = None
     flow: StreamFlow | None = None
+    #: Cut short by a graceful shutdown: the client is told to resume elsewhere.
+    drained: bool = False
 
     def timing(self) -> dict[str, float | None]:
         """Where this request's time went, in seconds (``None``: that phase never came)."""
@@ -188,6 +190,42 @@ def abort_generation(runtime: Runtime, generation: Generation) -> None:
         runtime.core.abort_request(generation.request_id)
     runtime.metrics.cancellations_total.inc()
     record_finish(runtime, generation, "cancelled")
+
+
+def drain_generation(runtime: Runtime, generation: Generation) -> None:
+    """Shutdown reached its deadline: stop this sequence; its client is told to resume."""
+    if generation.finished:
+        return
+    generation.drained = True
+    generation.finished = True
+    ticket = generation.ticket
+    if ticket is not None and not ticket.dispatched and runtime.front_door is not None:
+        runtime.front_door.cancel(ticket)
+        request = generation.request
+        generation.stream.put(
+            RequestOutput(request.request_id, "", 0, request.num_prompt_tokens, 0,
+                          FinishReason.ABORT)
+        )  # fmt: skip
+    elif runtime.core is not None:
+        runtime.core.abort_request(generation.request_id)
+    record_finish(runtime, generation, "drained")
+
+
+def drain_notice(generation: Generation) -> dict[str, object]:
+    """The final event of a stream cut short by shutdown."""
+    return {
+        "error": {
+            "message": (
+                "The server is shutting down and stopped this stream before it finished. "
+                f"Resume it with GET /v1/streams/{generation.request_id} (with Last-Event-ID) "
+                "on any replica, or retry the request."
+            ),
+            "type": "server_draining",
+            "param": None,
+            "code": "server_draining",
+            "stream_id": generation.request_id,
+        }
+    }
 
 
 def record_finish(runtime: Runtime, generation: Generation, status: str) -> None:

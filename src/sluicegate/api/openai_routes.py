@@ -19,6 +19,7 @@ from sluicegate.api.generation import (
     Generation,
     abort_generation,
     build_sampling,
+    drain_notice,
     engine_failure,
     finish_reason_text,
     new_request_id,
@@ -332,6 +333,11 @@ async def collect(
             text.append(output.text)
             if output.finished:
                 generation.finished = True
+                if generation.drained:
+                    raise APIError(
+                        503, "The server is shutting down; retry the request on another replica.",
+                        code="server_draining", headers={"retry-after": "1"},
+                    )  # fmt: skip
                 if output.finish_reason == FinishReason.ERROR:
                     record_finish(runtime, generation, "error")
                     raise engine_failure(generation, output)
@@ -408,6 +414,12 @@ def _stream(
             use = usage(output) if continuous else None
             if output.finished:
                 generation.finished = True
+                if generation.drained:
+                    if output.text:
+                        yield sse_data(chunk(output.text, None, use)), output.num_new_tokens
+                    yield sse_data(drain_notice(generation)), 0
+                    yield DONE, 0
+                    return
                 if output.finish_reason == FinishReason.ERROR:
                     record_finish(runtime, generation, "error")
                     yield sse_data(engine_failure(generation, output).body()), 0

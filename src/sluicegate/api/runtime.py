@@ -74,6 +74,7 @@ class Runtime:
     model_name: str = ""
     max_model_len: int = 0
     ready: bool = False
+    draining: bool = False
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)

@@ -12,6 +12,7 @@ const MIN_WINDOW_MS = 20_000; // a fresh page shows its first 20 s, then grows t
 const BREAKER_STATES = ["closed", "shed_batch", "open"]; // by severity, as the server's enum
 const TTFT = ["ttft", "time_to_first_token"];
 const TPOT = ["tpot", "time_per_output_token"];
+const QUEUE_WAIT = ["queue_wait"];
 
 // --- reading a snapshot ---
 
@@ -104,15 +105,37 @@ function fmtMs(v) {
   return `${v < 10 ? v.toFixed(1) : Math.round(v)} ms`;
 }
 const axisMs = (v) => (v >= 1000 ? `${compact(v / 1000)} s` : `${compact(v)} ms`);
-function pair(a, b) {
-  return a === undefined && b === undefined ? undefined : `${fmtMs(a) ?? "–"} / ${fmtMs(b) ?? "–"}`;
-}
 function topReasons(counts) {
   const entries = Object.entries(counts ?? {}).filter(([, c]) => c > 0).sort((x, y) => y[1] - x[1]);
   return entries.slice(0, 3).map(([r, c]) => `${r} ${c}`).join(" · ");
 }
 
 // --- what is shown: value(cur, prev) returns undefined while the server does not report it ---
+
+function latencyCard(id, label, names) {
+  return {
+    id,
+    label,
+    value: (c) => fmtMs(latencyMs(c.stats, names, "p50")),
+    sub: (c) => {
+      const p99 = latencyMs(c.stats, names, "p99");
+      return p99 === undefined ? "" : `p99 ${fmtMs(p99)}`;
+    },
+  };
+}
+
+function latencyChart(id, title, names) {
+  return {
+    id,
+    title,
+    format: fmtMs,
+    options: { format: axisMs },
+    series: (c) => ({
+      p50: ["p50", latencyMs(c.stats, names, "p50")],
+      p99: ["p99", latencyMs(c.stats, names, "p99")],
+    }),
+  };
+}
 
 const CARDS = [
   { id: "running", label: "Running", value: (c) => fmtCount(num(c.stats.requests_running)) },
@@ -142,8 +165,8 @@ const CARDS = [
       return kv && num(kv.used_blocks) !== undefined ? `${kv.used_blocks} / ${kv.total_blocks} blocks` : "";
     },
   },
-  { id: "ttft", label: "TTFT p50 / p99", value: (c) => pair(latencyMs(c.stats, TTFT, "p50"), latencyMs(c.stats, TTFT, "p99")) },
-  { id: "tpot", label: "TPOT p50 / p99", value: (c) => pair(latencyMs(c.stats, TPOT, "p50"), latencyMs(c.stats, TPOT, "p99")) },
+  latencyCard("ttft", "TTFT p50", TTFT),
+  latencyCard("tpot", "TPOT p50", TPOT),
   {
     id: "rejections",
     label: "Rejections",
@@ -191,26 +214,9 @@ const CHARTS = [
     options: { fixedMax: 100, format: (v) => `${v}%` },
     series: (c) => ({ kv: ["blocks in use", kvPercent(c.stats)] }),
   },
-  {
-    id: "ttft",
-    title: "Time to first token",
-    format: fmtMs,
-    options: { format: axisMs },
-    series: (c) => ({
-      p50: ["p50", latencyMs(c.stats, TTFT, "p50")],
-      p99: ["p99", latencyMs(c.stats, TTFT, "p99")],
-    }),
-  },
-  {
-    id: "tpot",
-    title: "Time per output token",
-    format: fmtMs,
-    options: { format: axisMs },
-    series: (c) => ({
-      p50: ["p50", latencyMs(c.stats, TPOT, "p50")],
-      p99: ["p99", latencyMs(c.stats, TPOT, "p99")],
-    }),
-  },
+  latencyChart("ttft", "Time to first token", TTFT),
+  latencyChart("tpot", "Time per output token", TPOT),
+  latencyChart("queue-wait", "Queue wait (arrival to first scheduled)", QUEUE_WAIT),
   {
     id: "rejections",
     title: "Rejections / s by reason",
@@ -293,7 +299,8 @@ export function initDashboard() {
       card.sub.textContent = card.def.sub?.(cur, previous) ?? "";
     }
     for (const c of charts) {
-      for (const [key, [label, value]] of Object.entries(c.def.series(cur, previous))) {
+      const current = c.def.series(cur, previous);
+      for (const [key, [label, value]] of Object.entries(current)) {
         if (value === undefined) continue;
         if (!c.history.has(key)) {
           c.history.set(key, { label, color: PALETTE[c.history.size % PALETTE.length], points: [] });
@@ -302,7 +309,8 @@ export function initDashboard() {
       }
       for (const [key, series] of c.history) {
         while (series.points.length && series.points[0][0] < cur.t - WINDOW_MS) series.points.shift();
-        if (series.points.length === 0) c.history.delete(key); // e.g. "none so far" once reasons appear
+        // A series the snapshot no longer has ("none so far" once a reason appears) goes.
+        if (series.points.length === 0 || !(key in current)) c.history.delete(key);
       }
     }
   }
