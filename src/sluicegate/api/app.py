@@ -21,6 +21,7 @@ from sluicegate.api.jobs import JobRunner, open_journal
 from sluicegate.api.jobs import router as jobs_router
 from sluicegate.api.openai_routes import json_response, router
 from sluicegate.api.runtime import PRIORITY_NAMES, Runtime, get_runtime
+from sluicegate.api.web import router as web_router
 from sluicegate.api.websocket import router as ws_router
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore, StepStats
@@ -57,6 +58,7 @@ async def load_engine(runtime: Runtime, port: int) -> None:
     front_door_ref: list[FrontDoor] = []
 
     def on_step(step: StepStats) -> None:  # the engine thread
+        runtime.last_batch_size = step.num_seqs
         metrics.engine_step_seconds.observe(step.step_seconds)
         metrics.batch_size.observe(step.num_seqs)
         metrics.batch_tokens.observe(step.num_batched_tokens)
@@ -194,6 +196,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(router)
     app.include_router(jobs_router)
     app.include_router(ws_router)
+    app.include_router(web_router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -248,6 +251,7 @@ def create_app(settings: Settings) -> FastAPI:
                 "preemptions_by_reason": core.scheduler.preemptions_by_reason,
                 **_front_door_stats(rt),
                 "engine_steps_total": core.num_steps,
+                "batch_size": rt.last_batch_size if core.scheduler.num_running else 0,
                 "live_requests": len(rt.generations),
                 "latency_window_seconds": rt.ttft_window.window_seconds,
                 "ttft_seconds": rt.ttft_window.percentiles(0.5, 0.95, 0.99),

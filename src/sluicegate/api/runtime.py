@@ -75,6 +75,8 @@ class Runtime:
     max_model_len: int = 0
     ready: bool = False
     draining: bool = False
+    #: Sequences in the latest engine step (written by the engine thread).
+    last_batch_size: int = 0
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)

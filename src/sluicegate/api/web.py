@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import re
 from dataclasses import dataclass
 from importlib import resources
 
@@ -31,9 +30,6 @@ _CONTENT_TYPES = {
     ".svg": "image/svg+xml",
     ".png": "image/png",
 }
-# One flat directory: a name with no slash and no leading dot cannot leave it.
-_ASSET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9]+)+")
-
 # The page loads only its own assets and calls only this origin.
 _PAGE_HEADERS = {
     "content-security-policy": (
@@ -52,22 +48,25 @@ class Asset:
 
 
 @functools.cache
-def load_asset(name: str) -> Asset | None:
-    """Read one file of ``api/static/`` (cached for the process); ``None`` if absent."""
-    suffix = name[name.rfind(".") :] if "." in name else ""
-    media_type = _CONTENT_TYPES.get(suffix)
-    if media_type is None or not _ASSET_NAME.fullmatch(name):
-        return None
-    path = resources.files("sluicegate.api").joinpath("static", name)
-    if not path.is_file():
-        return None
-    content = path.read_bytes()
-    etag = '"' + hashlib.sha256(content).hexdigest()[:20] + '"'
-    return Asset(content, media_type, etag)
+def page_assets() -> dict[str, Asset]:
+    """Every file of ``api/static/`` with a known type, read once per process.
+
+    Serving only names found here means a request path can never reach another file.
+    """
+    assets: dict[str, Asset] = {}
+    for path in resources.files("sluicegate.api").joinpath("static").iterdir():
+        suffix = path.name[path.name.rfind(".") :]
+        media_type = _CONTENT_TYPES.get(suffix)
+        if media_type is None or not path.is_file() or path.name.startswith("."):
+            continue
+        content = path.read_bytes()
+        etag = '"' + hashlib.sha256(content).hexdigest()[:20] + '"'
+        assets[path.name] = Asset(content, media_type, etag)
+    return assets
 
 
 def asset_response(request: HTTPRequest, name: str, extra_headers: dict[str, str]) -> Response:
-    asset = load_asset(name)
+    asset = page_assets().get(name)
     if asset is None:
         raise APIError(404, f"No such page asset: /static/{name}.", code="not_found")
     # no-cache means "revalidate": a new release is picked up at once, an unchanged

@@ -13,6 +13,7 @@ const BREAKER_STATES = ["closed", "shed_batch", "open"]; // by severity, as the 
 const TTFT = ["ttft", "time_to_first_token"];
 const TPOT = ["tpot", "time_per_output_token"];
 const QUEUE_WAIT = ["queue_wait"];
+const NONE_COLOR = "#9aa5b1"; // the "none so far" placeholder line
 
 // --- reading a snapshot ---
 
@@ -30,7 +31,10 @@ function firstNum(stats, paths) {
 /** A latency percentile in ms, from `ttft_seconds.p50`, `ttft.p50_ms` and the like. */
 function latencyMs(stats, names, q) {
   for (const n of names) {
-    const s = firstNum(stats, [`${n}_seconds.${q}`, `${n}.${q}_seconds`, `${n}_${q}_seconds`, `${n}.${q}`]);
+    // A bare `ttft.p50` is in seconds, the server's unit for every duration.
+    const s = firstNum(stats, [
+      `${n}_seconds.${q}`, `${n}.${q}_seconds`, `${n}_${q}_seconds`, `${n}.${q}`,
+    ]);
     if (s !== undefined) return s * 1000;
     const ms = firstNum(stats, [`${n}_ms.${q}`, `${n}.${q}_ms`, `${n}_${q}_ms`]);
     if (ms !== undefined) return ms;
@@ -54,13 +58,16 @@ function countsByReason(s, keys) {
     if (num(v) !== undefined) return { all: v };
     if (v && typeof v === "object") {
       const out = {};
-      for (const [reason, count] of Object.entries(v)) if (num(count) !== undefined) out[reason] = count;
+      for (const [reason, count] of Object.entries(v)) {
+        if (num(count) !== undefined) out[reason] = count;
+      }
       return out;
     }
   }
   return undefined;
 }
-const rejections = (s) => countsByReason(s, ["rejections_by_reason", "rejections", "rejections_total"]);
+const rejections = (s) =>
+  countsByReason(s, ["rejections_by_reason", "rejections", "rejections_total"]);
 const preemptions = (s) => countsByReason(s, ["preemptions_by_reason", "preemptions_total"]);
 
 function breakerState(s) {
@@ -96,9 +103,11 @@ const sum = (counts) => (counts ? Object.values(counts).reduce((a, b) => a + b, 
 
 // --- formatting ---
 
+// Each returns undefined for undefined, so "not reported" passes through.
 const fmtCount = (v) => (v === undefined ? undefined : String(Math.round(v * 10) / 10));
-const fmtRate = (v) => (v === undefined ? undefined : v < 10 ? v.toFixed(1) : String(Math.round(v)));
-const fmtPercent = (v) => (v === undefined ? undefined : `${v < 10 ? v.toFixed(1) : Math.round(v)}%`);
+const fmtRate = (v) => (v === undefined ? undefined : v < 10 ? v.toFixed(1) : `${Math.round(v)}`);
+const fmtPercent = (v) =>
+  v === undefined ? undefined : `${v < 10 ? v.toFixed(1) : Math.round(v)}%`;
 function fmtMs(v) {
   if (v === undefined) return undefined;
   if (v >= 1000) return `${(v / 1000).toFixed(2)} s`;
@@ -153,7 +162,10 @@ const CARDS = [
     id: "paused",
     label: "Paused sequences",
     value: (c) => fmtCount(num(c.stats.requests_paused)),
-    sub: (c) => (num(c.stats.streams_paused) === undefined ? "" : `${c.stats.streams_paused} streams paused`),
+    sub: (c) => {
+      const streams = num(c.stats.streams_paused);
+      return streams === undefined ? "" : `${streams} streams paused`;
+    },
   },
   { id: "batch", label: "Batch size", value: (c) => fmtCount(batchSize(c.stats)) },
   {
@@ -162,7 +174,8 @@ const CARDS = [
     value: (c) => fmtPercent(kvPercent(c.stats)),
     sub: (c) => {
       const kv = c.stats.kv_cache;
-      return kv && num(kv.used_blocks) !== undefined ? `${kv.used_blocks} / ${kv.total_blocks} blocks` : "";
+      if (!kv || num(kv.used_blocks) === undefined) return "";
+      return `${kv.used_blocks} / ${kv.total_blocks} blocks`;
     },
   },
   latencyCard("ttft", "TTFT p50", TTFT),
@@ -271,7 +284,8 @@ function buildChart(def, parent) {
   panel.append(el("h3", "", def.title), canvas, legend);
   parent.append(panel);
   // key -> {label, color, points: [[timeMs, value], ...]}, in order of first appearance
-  return { def, panel, legend, chart: new LineChart(canvas, def.options), history: new Map() };
+  const chart = new LineChart(canvas, def.options);
+  return { def, panel, legend, chart, history: new Map(), numColors: 0 };
 }
 
 export function initDashboard() {
@@ -303,14 +317,17 @@ export function initDashboard() {
       for (const [key, [label, value]] of Object.entries(current)) {
         if (value === undefined) continue;
         if (!c.history.has(key)) {
-          c.history.set(key, { label, color: PALETTE[c.history.size % PALETTE.length], points: [] });
+          // Palette colours are never reused within a chart; the placeholder line is grey.
+          const color = key === "none" ? NONE_COLOR : PALETTE[c.numColors++ % PALETTE.length];
+          c.history.set(key, { label, color, points: [] });
         }
         c.history.get(key).points.push([cur.t, value]);
       }
       for (const [key, series] of c.history) {
-        while (series.points.length && series.points[0][0] < cur.t - WINDOW_MS) series.points.shift();
+        const points = series.points;
+        while (points.length && points[0][0] < cur.t - WINDOW_MS) points.shift();
         // A series the snapshot no longer has ("none so far" once a reason appears) goes.
-        if (series.points.length === 0 || !(key in current)) c.history.delete(key);
+        if (points.length === 0 || !(key in current)) c.history.delete(key);
       }
     }
   }

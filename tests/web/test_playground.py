@@ -1,0 +1,170 @@
+"""The playground in headless Chromium against the real server (sim engine, ~20 ms a token)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.conftest import ARTIFACTS, ServerProcess, start_server, stop_server
+from tests.web.browser import MODEL, metric_total, wait_until
+from tests.web.load import StreamingLoad
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
+
+SLOW_SIM = [
+    "--engine", "sim", "--sim-step-base-ms", "20", "--sim-step-per-token-ms", "0.05",
+    "--max-num-seqs", "8", "--max-model-len", "4096",
+]  # fmt: skip
+API_KEY = "sk-web-test"
+
+
+@pytest.fixture(scope="module")
+def web_server() -> Iterator[ServerProcess]:
+    server = start_server(SLOW_SIM, "web")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Auth on, and one request at a time for the one tenant: easy to get a real 429."""
+    config = tmp_path_factory.mktemp("web") / "tenants.yaml"
+    config.write_text(
+        f"tenants:\n  - name: web\n    api_key: {API_KEY}\n    max_concurrent: 1\n",
+        encoding="utf-8",
+    )
+    server = start_server([*SLOW_SIM, "--config", str(config)], "web-auth")
+    yield server
+    stop_server(server)
+
+
+def open_playground(page: Page, server: ServerProcess) -> None:
+    page.goto(server.base_url + "/#playground")
+    wait_until(lambda: page.locator("[data-testid=model] option").count() > 0, "models are listed")
+    assert page.input_value("[data-testid=model]") == MODEL
+
+
+def ask(page: Page, prompt: str, max_tokens: int) -> None:
+    page.fill("[data-testid=max-tokens]", str(max_tokens))
+    page.fill("[data-testid=prompt]", prompt)
+    page.click("[data-testid=send]")
+
+
+def state(page: Page) -> str:
+    return page.get_attribute("[data-testid=playground]", "data-state") or ""
+
+
+def text(page: Page, testid: str) -> str:
+    return page.text_content(f"[data-testid={testid}]") or ""
+
+
+def screenshot(page: Page, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=path)
+    return path
+
+
+def test_the_answer_streams_in(page: Page, web_server: ServerProcess) -> None:
+    open_playground(page, web_server)
+    page.fill("[data-testid=system]", "You are a concise assistant.")
+    ask(page, "What does a sluice gate do?", 250)  # ~5 s at ~20 ms a token
+
+    wait_until(lambda: text(page, "output") != "", "the first text appears")
+    first = text(page, "output")
+    assert state(page) == "streaming"
+    assert page.is_enabled("[data-testid=stop]") and page.is_disabled("[data-testid=send]")
+    # More text arrives while the answer is still being generated.
+    wait_until(lambda: len(text(page, "output")) > len(first) + 20, "more text streams in")
+    assert state(page) == "streaming"
+
+    wait_until(lambda: state(page) == "done", "the answer completes", timeout=30)
+    final = text(page, "output")
+    assert final.startswith(first) and len(final) > len(first) + 20
+    assert text(page, "tokens") == "250"
+    assert text(page, "finish") == "finish: length"
+    assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", text(page, "ttft")), text(page, "ttft")
+    tokens_per_second = float(text(page, "tps"))
+    assert 5 < tokens_per_second < 500  # one token per ~20 ms engine step
+    assert page.is_hidden("[data-testid=error]")
+    assert page.is_disabled("[data-testid=stop]") and page.is_enabled("[data-testid=send]")
+    screenshot(page, "playground.png")
+
+
+def test_stop_cancels_the_generation(page: Page, web_server: ServerProcess) -> None:
+    open_playground(page, web_server)
+    cancellations = metric_total(web_server.base_url, "sluicegate_cancellations_total")
+    ask(page, "Please write a very long answer.", 3000)  # a minute if left alone
+
+    wait_until(lambda: len(text(page, "output")) > 30, "the answer is under way")
+    page.click("[data-testid=stop]")
+    wait_until(lambda: state(page) == "stopped", "the page shows the answer stopped")
+    assert text(page, "status") == "stopped"
+    assert page.is_disabled("[data-testid=stop]") and page.is_enabled("[data-testid=send]")
+    assert page.is_hidden("[data-testid=error]")
+
+    # Closing the connection aborted the sequence on the server.
+    wait_until(
+        lambda: metric_total(web_server.base_url, "sluicegate_cancellations_total") > cancellations,
+        "the server counts a cancellation",
+    )
+    wait_until(lambda: web_server.stats()["requests_running"] == 0, "no sequence is left running")
+    stopped_at = text(page, "output")
+    time.sleep(0.5)
+    assert text(page, "output") == stopped_at
+    assert int(text(page, "tokens")) < 3000
+
+
+def test_a_bad_request_shows_the_server_reason(page: Page, web_server: ServerProcess) -> None:
+    open_playground(page, web_server)
+    ask(page, "hello", 0)
+    wait_until(lambda: state(page) == "error", "the request fails")
+    error = text(page, "error")
+    assert error.startswith("400 Bad Request: "), error
+    assert "max_tokens" in error
+    assert text(page, "output") == ""
+
+
+def test_api_key_and_rate_limit(page: Page, auth_server: ServerProcess) -> None:
+    open_playground(page, auth_server)  # /v1/models needs no key
+    ask(page, "hello", 16)
+    wait_until(lambda: state(page) == "error", "the keyless request is refused")
+    assert text(page, "error").startswith("401 Unauthorized: "), text(page, "error")
+    assert "Set the API key" in text(page, "error")
+
+    # The key is kept in the browser across reloads.
+    page.fill("[data-testid=api-key]", API_KEY)
+    page.press("[data-testid=api-key]", "Enter")
+    page.reload()
+    open_playground(page, auth_server)
+    assert page.input_value("[data-testid=api-key]") == API_KEY
+
+    # The tenant's one concurrent request is taken by another client: a real 429.
+    with StreamingLoad(
+        auth_server.base_url, MODEL, num_clients=1, max_tokens=3000, api_key=API_KEY
+    ) as holder:
+        wait_until(lambda: auth_server.stats()["requests_running"] == 1, "the slot is taken")
+        with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions")) as info:
+            ask(page, "hello", 16)
+        response = info.value
+        assert response.request.all_headers()["authorization"] == f"Bearer {API_KEY}"
+        assert response.status == 429
+        retry_after = response.headers["retry-after"]
+        wait_until(lambda: state(page) == "error", "the 429 is shown")
+        error = text(page, "error")
+        assert error.startswith("429 Too Many Requests: "), error
+        assert error.endswith(f"Retry after {retry_after} s."), error
+        screenshot(page, "playground-429.png")
+    assert holder.errors == []
+
+    wait_until(lambda: auth_server.stats()["requests_running"] == 0, "the slot is free again")
+    ask(page, "hello", 16)
+    wait_until(lambda: state(page) in ("done", "error"), "the answer completes")
+    assert state(page) == "done", text(page, "error")
+    assert text(page, "tokens") == "16"
