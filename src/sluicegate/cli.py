@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 import typer
 from pydantic.fields import FieldInfo
 
+from sluicegate.bench.cli import bench_app
 from sluicegate.config import Settings
 
 app = typer.Typer(
@@ -106,6 +107,9 @@ app.command(
     "serve",
     help="Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000).",
 )(_serve)
+
+
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

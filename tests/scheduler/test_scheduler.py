@@ -169,3 +169,22 @@ def test_max_model_len_finishes_with_length() -> None:
     sched.add_request(req)
     run_to_completion(sched, FakeEngine())
     assert req.finish_reason == FinishReason.LENGTH and req.num_tokens == 12
+
+
+def test_waiting_work_takes_the_slot_of_a_paused_sequence() -> None:
+    sched = Scheduler(config(max_num_seqs=1), eos_token_ids=(EOS,))
+    engine = FakeEngine()
+    slow, fresh = make_request("slow", 4, 50), make_request("fresh", 4, 3)
+    sched.add_request(slow)
+    sched.update_from_output(plan := sched.schedule(), engine.step(plan))
+    sched.pause("slow")
+    sched.add_request(fresh)
+    plan = sched.schedule()
+    assert [s.request_id for s in plan.sequences] == ["fresh"]
+    assert slow.num_preemptions == 1 and slow.request_id in sched.parked
+    while not fresh.status.is_finished:
+        sched.update_from_output(plan, engine.step(plan))
+        plan = sched.schedule()
+    sched.resume("slow")  # back in line, re-prefilled from its tokens
+    run_to_completion(sched, engine)
+    assert slow.num_output_tokens == 50 and fresh.num_output_tokens == 3

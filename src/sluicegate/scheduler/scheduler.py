@@ -148,7 +148,14 @@ class Scheduler:
             idx += 1
 
         # Then waiting, by priority then arrival, while slots, blocks and budget last.
-        while budget > 0 and len(self.waiting) > 0 and self.kv.num_free_slots > 0:
+        while budget > 0 and len(self.waiting) > 0:
+            if self.kv.num_free_slots == 0:
+                # A paused reader's slot is idle: hand it to waiting work (the paused
+                # sequence keeps its tokens and re-prefills when its reader catches up).
+                paused = next((r for r in reversed(self.running) if r.paused), None)
+                if paused is None:
+                    break
+                self._preempt(paused, PreemptReason.KV_PRESSURE)
             candidate = self.waiting.peek()
             assert candidate is not None
             request = candidate

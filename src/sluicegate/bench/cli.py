@@ -1,0 +1,255 @@
+"""``sluicegate bench``: run, capacity, compare, scenarios.
+
+Wired into the main command with ``app.add_typer(bench_app, name="bench")``.  The bench's
+modules (numpy, matplotlib, rich) are imported inside the commands, so that adding this
+app costs ``sluicegate serve`` nothing at start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from sluicegate.bench.client import Target
+    from sluicegate.bench.scenario import Scenario
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Load generator: open-loop arrivals, slow readers, disconnects, capacity search.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ScenarioOption = Annotated[
+    str,
+    typer.Option(
+        "--scenario", help="A built-in scenario name (see `bench scenarios`) or a YAML file."
+    ),
+]
+OutOption = Annotated[
+    Path, typer.Option("--out", help="Directory for results.json, summary.md and PNG plots.")
+]
+DurationOption = Annotated[
+    float | None,
+    typer.Option(
+        "--duration-seconds",
+        min=0.1,
+        help="Total arrival window; the scenario's stages are scaled to fill it.",
+    ),
+]
+CapacityOption = Annotated[
+    float | None,
+    typer.Option(
+        "--capacity-rps",
+        min=0.001,
+        help="Capacity for stages given as capacity_multiplier (default: measure it).",
+    ),
+]
+SeedOption = Annotated[int | None, typer.Option("--seed", help="Override the scenario's seed.")]
+ProgressOption = Annotated[
+    bool, typer.Option("--progress/--no-progress", help="Show the live display.")
+]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="SLUICEGATE_BENCH_API_KEY",
+        help="Bearer key for tenants whose scenario entry has no api_key.",
+    ),
+]
+ModelOption = Annotated[
+    str | None, typer.Option("--model", help="Model name (default: the first of /v1/models).")
+]
+
+
+def _console() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _scenario(name: str) -> Scenario:
+    from sluicegate.bench.scenario import ScenarioError, load_scenario
+
+    try:
+        return load_scenario(name)
+    except ScenarioError as exc:
+        _fail(str(exc))
+
+
+def _fail(message: str) -> NoReturn:
+    _console().print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _target(url: str) -> Target:
+    from sluicegate.bench.client import Target
+
+    try:
+        return Target.parse(url)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+@bench_app.command("run")
+def run_command(
+    target: Annotated[
+        str, typer.Option("--target", help="Base URL of any OpenAI-compatible server.")
+    ],
+    scenario: ScenarioOption,
+    out: OutOption = Path("bench-results"),
+    duration_seconds: DurationOption = None,
+    capacity_rps: CapacityOption = None,
+    seed: SeedOption = None,
+    label: Annotated[str, typer.Option("--label", help="Name of this run in reports.")] = "target",
+    api_key: ApiKeyOption = None,
+    model: ModelOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Drive a scenario's load at a running server and report what it got."""
+    from sluicegate.bench.capacity import find_capacity
+    from sluicegate.bench.compare import headline_line, trial_line, write_outputs
+    from sluicegate.bench.runner import BenchError, Runner
+    from sluicegate.bench.schedule import build_schedule
+
+    console = _console()
+    loaded = _scenario(scenario)
+    runner = Runner(
+        _target(target), loaded, api_key=api_key, model=model, console=console,
+        show_progress=progress,
+    )  # fmt: skip
+    capacity = None
+    try:
+        if loaded.needs_capacity and capacity_rps is None:
+            console.print("measuring capacity first (pass --capacity-rps to skip)")
+            capacity = find_capacity(
+                runner, seed=seed, on_trial=lambda t: console.print(trial_line(t), highlight=False)
+            )
+            capacity_rps = capacity.capacity_rps
+            console.print(f"capacity: {capacity_rps:.2f} req/s {capacity.note}")
+        schedule = build_schedule(
+            loaded, seed=seed, capacity_rps=capacity_rps, duration_seconds=duration_seconds
+        )
+        console.print(
+            f"{len(schedule.requests)} requests over {schedule.arrival_window_seconds:.1f}s "
+            f"at {runner.target.base_url} (seed {schedule.seed})"
+        )
+        result = runner.run(schedule, label, capacity_rps=capacity_rps)
+    except (BenchError, ValueError) as exc:
+        _fail(str(exc))
+    outputs = write_outputs(out, [result], capacity)
+    typer.echo(headline_line(label, result.summary()["all"]))
+    typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
+
+
+@bench_app.command("capacity")
+def capacity_command(
+    target: Annotated[
+        str, typer.Option("--target", help="Base URL of any OpenAI-compatible server.")
+    ],
+    scenario: ScenarioOption,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Also write results.json, summary.md, a plot.")
+    ] = None,
+    start_rps: Annotated[float | None, typer.Option(min=0.001, help="First rate tried.")] = None,
+    growth: Annotated[float | None, typer.Option(min=1.01, help="Ramp multiplier.")] = None,
+    trial_seconds: Annotated[
+        float | None, typer.Option(min=0.1, help="Arrival window of each trial.")
+    ] = None,
+    precision: Annotated[
+        float | None, typer.Option(min=0.001, help="Stop when (high - low) / low <= this.")
+    ] = None,
+    max_trials: Annotated[int | None, typer.Option(min=2, help="Trials at most.")] = None,
+    seed: SeedOption = None,
+    api_key: ApiKeyOption = None,
+    model: ModelOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Find the sustainable request rate (the knee) and print it in requests/s."""
+    from sluicegate.bench.capacity import find_capacity
+    from sluicegate.bench.compare import trial_line, write_outputs
+    from sluicegate.bench.runner import BenchError, Runner
+
+    console = _console()
+    loaded = _scenario(scenario)
+    overrides = {
+        "start_rps": start_rps, "growth": growth, "trial_seconds": trial_seconds,
+        "precision": precision, "max_trials": max_trials,
+    }  # fmt: skip
+    search = loaded.capacity.model_copy(
+        update={k: v for k, v in overrides.items() if v is not None}
+    )
+    runner = Runner(
+        _target(target), loaded, api_key=api_key, model=model, console=console,
+        show_progress=progress,
+    )  # fmt: skip
+    try:
+        result = find_capacity(
+            runner, search, seed=seed,
+            on_trial=lambda t: console.print(trial_line(t), highlight=False),
+        )  # fmt: skip
+    except (BenchError, ValueError) as exc:
+        _fail(str(exc))
+    if out is not None:
+        outputs = write_outputs(out, [], result)
+        console.print(f"wrote {outputs.results_json} and {outputs.summary_md}")
+    low = "-" if result.sustainable_rps is None else f"{result.sustainable_rps:.2f}"
+    high = "-" if result.unsustainable_rps is None else f"{result.unsustainable_rps:.2f}"
+    typer.echo(
+        f"capacity: {result.capacity_rps:.2f} requests/s "
+        f"(sustainable {low}, unsustainable {high}) {result.note}".rstrip()
+    )
+
+
+@bench_app.command("compare")
+def compare_command(
+    configs: Annotated[
+        list[Path],
+        typer.Argument(
+            exists=True,
+            dir_okay=False,
+            help="Two or more server YAML config files (A.yaml B.yaml).",
+        ),
+    ],
+    scenario: ScenarioOption,
+    out: OutOption = Path("bench-compare"),
+    duration_seconds: DurationOption = None,
+    capacity_rps: CapacityOption = None,
+    seed: SeedOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Start our server with each config in turn and drive the same seeded load at each."""
+    from sluicegate.bench.compare import headline_line, run_compare
+    from sluicegate.bench.runner import BenchError
+
+    if len(configs) < 2:
+        _fail("compare needs at least two config files (e.g. A.yaml B.yaml)")
+    loaded = _scenario(scenario)
+    try:
+        results, _, outputs = run_compare(
+            loaded, configs, out, duration_seconds=duration_seconds, capacity_rps=capacity_rps,
+            seed=seed, console=_console(), show_progress=progress,
+        )  # fmt: skip
+    except (BenchError, RuntimeError, ValueError) as exc:
+        _fail(str(exc))
+    order = " then ".join(r.label for r in results)
+    typer.echo(f"ran in turn: {order}")
+    for result in results:
+        typer.echo(headline_line(result.label, result.summary()["all"]))
+    typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
+
+
+@bench_app.command("scenarios")
+def scenarios_command() -> None:
+    """List the built-in scenarios."""
+    from sluicegate.bench.scenario import builtin_scenario_names, load_scenario
+
+    for name in builtin_scenario_names():
+        description = load_scenario(name).description.strip().splitlines()
+        typer.echo(f"{name:28} {description[0] if description else ''}")

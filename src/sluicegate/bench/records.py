@@ -1,0 +1,155 @@
+"""What a run records: one :class:`Sample` per planned request, and server time series.
+
+All times are seconds on the bench's monotonic clock, as offsets: a request's
+``sent_offset_seconds`` from the start of the run, its token times from when it was sent.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluicegate.bench.schedule import PlannedRequest
+
+REJECTION_STATUSES = (429, 503)
+
+
+class Outcome(enum.StrEnum):
+    """How one HTTP attempt ended."""
+
+    COMPLETED = "completed"  # the stream ended with [DONE]
+    DISCONNECTED = "disconnected"  # the client left on purpose after k tokens
+    REJECTED = "rejected"  # 429 or 503 before any token
+    ERROR = "error"  # another HTTP error, or an error event in the stream
+    TIMEOUT = "timeout"  # the socket read timed out
+    ABORTED = "aborted"  # cut by the bench at the end of the drain window
+    CONNECT_ERROR = "connect_error"  # no HTTP response at all
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One HTTP request and what came back."""
+
+    sent_offset_seconds: float
+    status: int = 0
+    outcome: Outcome = Outcome.CONNECT_ERROR
+    error: str | None = None
+    retry_after_seconds: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    e2e_seconds: float | None = None
+    #: (seconds since sent, tokens delivered by that SSE event), token-bearing events only.
+    token_events: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        return self.token_events[0][0] if self.token_events else None
+
+    @property
+    def tpot_seconds(self) -> float | None:
+        """(last token time - first token time) / (tokens - 1); None below two tokens."""
+        if self.completion_tokens < 2 or not self.token_events:
+            return None
+        return (self.token_events[-1][0] - self.token_events[0][0]) / (self.completion_tokens - 1)
+
+    def token_times(self) -> list[float]:
+        """Arrival time of each token (a coalesced event delivers all its tokens at once)."""
+        return [t for t, n in self.token_events for _ in range(n)]
+
+    def itl_seconds(self) -> list[float]:
+        """Gap before each token after the first, as delivered (0 within one event)."""
+        return [b - a for a, b in itertools.pairwise(self.token_times())]
+
+    @property
+    def served(self) -> bool:
+        """The server took the request (a token came, or it ran to the end)."""
+        return self.outcome in (Outcome.COMPLETED, Outcome.DISCONNECTED) or bool(self.token_events)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sent_offset_seconds": round(self.sent_offset_seconds, 6),
+            "status": self.status,
+            "outcome": self.outcome.value,
+            "error": self.error,
+            "retry_after_seconds": self.retry_after_seconds,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_seconds": self.ttft_seconds,
+            "tpot_seconds": self.tpot_seconds,
+            "e2e_seconds": self.e2e_seconds,
+            "token_events": [[round(t, 6), n] for t, n in self.token_events],
+        }
+
+
+@dataclass(slots=True)
+class Sample:
+    """One planned request: its plan and its attempts (a retry after 429/503 is the second)."""
+
+    planned: PlannedRequest
+    attempts: list[Attempt] = field(default_factory=list)
+    #: Why it was never sent (too many connections open, or the run was stopped).
+    not_sent_reason: str | None = None
+    #: Actual send time minus scheduled send time (how late the generator was).
+    send_lateness_seconds: float | None = None
+
+    @property
+    def first(self) -> Attempt | None:
+        return self.attempts[0] if self.attempts else None
+
+    @property
+    def outcome(self) -> str:
+        first = self.first
+        return "not_sent" if first is None else first.outcome.value
+
+    @property
+    def rejected(self) -> bool:
+        first = self.first
+        return first is not None and first.outcome is Outcome.REJECTED
+
+    @property
+    def retry(self) -> Attempt | None:
+        return self.attempts[1] if len(self.attempts) > 1 else None
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.planned
+        return {
+            "index": p.index,
+            "stage": p.stage_index,
+            "scheduled_offset_seconds": round(p.send_offset_seconds, 6),
+            "send_lateness_seconds": self.send_lateness_seconds,
+            "tenant": p.tenant,
+            "client_class": p.client_class.value,
+            "target_prompt_tokens": p.target_prompt_tokens,
+            "max_tokens": p.max_tokens,
+            "disconnect_after_tokens": p.disconnect_after_tokens,
+            "read_tokens_per_second": p.read_tokens_per_second,
+            "outcome": self.outcome,
+            "not_sent_reason": self.not_sent_reason,
+            "attempts": [a.to_json() for a in self.attempts],
+        }
+
+
+@dataclass(slots=True)
+class SeriesPoint:
+    """One scrape of the server's ``/metrics``."""
+
+    offset_seconds: float
+    resident_memory_bytes: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    requests_waiting: float | None = None
+    requests_running: float | None = None
+    streams_paused: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "offset_seconds": round(self.offset_seconds, 4),
+            "resident_memory_bytes": self.resident_memory_bytes,
+            "kv_cache_usage_ratio": self.kv_cache_usage_ratio,
+            "requests_waiting": self.requests_waiting,
+            "requests_running": self.requests_running,
+            "streams_paused": self.streams_paused,
+        }

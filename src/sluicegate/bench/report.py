@@ -1,0 +1,330 @@
+"""Write what runs produced: ``results.json`` (every raw sample) and ``summary.md``."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from sluicegate import __version__
+from sluicegate.bench.capacity import CapacityResult
+from sluicegate.bench.runner import RunResult
+from sluicegate.bench.scenario import Scenario
+from sluicegate.bench.stats import GroupStats, Percentiles
+
+RESULTS_FILE = "results.json"
+SUMMARY_FILE = "summary.md"
+
+
+def headline(stats: GroupStats) -> dict[str, Any]:
+    """The per-configuration figures every comparison starts from."""
+
+    def pct(name: str, q: str) -> float | None:
+        dist = getattr(stats, name)
+        return None if dist is None else getattr(dist, q)
+
+    return {
+        "num_requests": stats.num_planned,
+        "num_completed": stats.num_completed,
+        "num_rejected": stats.num_rejected,
+        "num_errors": stats.num_errors + stats.num_aborted,
+        "ttft_p50_seconds": pct("ttft", "p50"),
+        "ttft_p90_seconds": pct("ttft", "p90"),
+        "ttft_p99_seconds": pct("ttft", "p99"),
+        "tpot_p50_seconds": pct("tpot", "p50"),
+        "tpot_p99_seconds": pct("tpot", "p99"),
+        "itl_p50_seconds": pct("itl", "p50"),
+        "itl_p99_seconds": pct("itl", "p99"),
+        "e2e_p50_seconds": pct("e2e", "p50"),
+        "e2e_p99_seconds": pct("e2e", "p99"),
+        "goodput_rps": stats.goodput_rps,
+        "goodput_fraction": stats.goodput_fraction,
+        "rejection_rate": stats.rejection_rate,
+        "qoe_mean": stats.qoe_mean,
+        "retry_success_rate": stats.retry_success_rate,
+        "output_tokens_per_second": stats.output_tokens_per_second,
+    }
+
+
+def _peak(result: RunResult, attribute: str) -> float | None:
+    values = [getattr(p, attribute) for p in result.series]
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def summary_object(results: Sequence[RunResult]) -> dict[str, Any]:
+    """``summary``: per configuration, the headline figures, peaks, and every group."""
+    out: dict[str, Any] = {}
+    for result in results:
+        groups = result.summary()
+        entry = headline(groups["all"])
+        entry["peak_resident_memory_bytes"] = _peak(result, "resident_memory_bytes")
+        entry["peak_requests_waiting"] = _peak(result, "requests_waiting")
+        entry["peak_streams_paused"] = _peak(result, "streams_paused")
+        entry["peak_kv_cache_usage_ratio"] = _peak(result, "kv_cache_usage_ratio")
+        lateness = [x.send_lateness_seconds for x in result.samples if x.send_lateness_seconds]
+        # Open-loop health: how late the generator sent, against the schedule.
+        entry["send_lateness_p99_seconds"] = Percentiles.of(lateness).p99
+        entry["groups"] = {name: dataclasses.asdict(g) for name, g in groups.items()}
+        out[result.label] = entry
+    return out
+
+
+def configuration_object(result: RunResult) -> dict[str, Any]:
+    return {
+        "label": result.label,
+        "target": result.target_url,
+        "server_config": result.server_config,
+        "model": result.model,
+        "seed": result.seed,
+        "capacity_rps": result.capacity_rps,
+        "started_at_unix": result.started_at_unix,
+        "wall_seconds": result.wall_seconds,
+        "interrupted": result.interrupted,
+        "num_cut": result.num_cut,
+        "notes": result.notes,
+        "calibration": dataclasses.asdict(result.calibration),
+        "stages": [
+            {**dataclasses.asdict(s), "duration_seconds": s.duration_seconds} for s in result.stages
+        ],
+        "server_counters": {
+            "before": result.counters_before,
+            "after": result.counters_after,
+            "delta": result.counters_delta,
+        },
+        "series": [p.to_json() for p in result.series],
+        "samples": [s.to_json() for s in result.samples],
+    }
+
+
+def results_document(
+    results: Sequence[RunResult], capacity: CapacityResult | None = None
+) -> dict[str, Any]:
+    scenario = results[0].scenario if results else None
+    return {
+        "tool": "sluicegate bench",
+        "version": __version__,
+        "command": " ".join(sys.argv),
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "order": [r.label for r in results],
+        "scenario": _scenario_json(scenario) if scenario else None,
+        "capacity": dataclasses.asdict(capacity) if capacity else None,
+        "summary": summary_object(results),
+        "configurations": [configuration_object(r) for r in results],
+    }
+
+
+def _scenario_json(scenario: Scenario) -> dict[str, Any]:
+    """The scenario as run, API keys redacted (results files get shared)."""
+    data = scenario.model_dump(mode="json")
+    for tenant in data["tenants"]:
+        if tenant.get("api_key"):
+            tenant["api_key"] = "***"
+    return data
+
+
+def write_results(
+    out_dir: Path, results: Sequence[RunResult], capacity: CapacityResult | None = None
+) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS_FILE
+    document = results_document(results, capacity)
+    path.write_bytes(orjson.dumps(_finite(document), option=orjson.OPT_INDENT_2))
+    return path
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities are not JSON: write them as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- markdown
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
+def _num(value: float | None, pattern: str = "{:.2f}") -> str:
+    return "–" if value is None else pattern.format(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def summary_markdown(
+    results: Sequence[RunResult],
+    capacity: CapacityResult | None = None,
+    plots: Sequence[Path] = (),
+) -> str:
+    """A human-readable report: headline table, groups, stages, server counters."""
+    lines: list[str] = []
+    if results:
+        scenario = results[0].scenario
+        lines += [f"# sluicegate bench: {scenario.name}", ""]
+        if scenario.description:
+            lines += [scenario.description.strip(), ""]
+        order = " then ".join(f"`{r.label}`" for r in results)
+        lines += [
+            f"Seed {results[0].seed}; every configuration got the same seeded schedule, "
+            f"in turn: {order}. Objectives: TTFT ≤ {scenario.slo.ttft_seconds:g} s, "
+            f"TPOT ≤ {scenario.slo.tpot_seconds:g} s; QoE pace "
+            f"{scenario.slo.qoe_tokens_per_second:g} tokens/s.",
+            "",
+        ]
+    elif capacity is not None:
+        lines += [
+            f"# sluicegate bench capacity: {capacity.scenario_name}",
+            "",
+            f"Target {capacity.target_url}; each trial offers one rate with the scenario's "
+            "arrival process and request mix.",
+            "",
+        ]
+    if capacity is not None:
+        lines += _capacity_lines(capacity)
+    summaries = {r.label: r.summary() for r in results}
+    if results:
+        lines += ["## Per configuration", ""]
+        rows = []
+        for result in results:
+            s = summaries[result.label]["all"]
+            rss = _peak(result, "resident_memory_bytes")
+            rows.append(
+                [
+                    f"`{result.label}`", str(s.num_planned), str(s.num_completed),
+                    _pct(s.rejection_rate), _ms(s.ttft.p50 if s.ttft else None),
+                    _ms(s.ttft.p99 if s.ttft else None), _ms(s.tpot.p50 if s.tpot else None),
+                    _ms(s.tpot.p99 if s.tpot else None), _ms(s.itl.p99 if s.itl else None),
+                    _ms(s.e2e.p99 if s.e2e else None), _num(s.goodput_rps),
+                    _pct(s.goodput_fraction), _num(s.qoe_mean), _pct(s.retry_success_rate),
+                    _num(None if rss is None else rss / 2**20, "{:.0f} MiB"),
+                    _num(_peak(result, "requests_waiting"), "{:.0f}"),
+                    _num(_peak(result, "streams_paused"), "{:.0f}"),
+                ]
+            )  # fmt: skip
+        lines += _table(
+            [
+                "configuration", "requests", "completed", "rejected", "TTFT p50", "TTFT p99",
+                "TPOT p50", "TPOT p99", "ITL p99", "e2e p99", "goodput req/s", "goodput",
+                "QoE", "retry ok", "peak RSS", "peak queued", "peak paused",
+            ],
+            rows,
+        )  # fmt: skip
+        lines += ["## By client class and tenant", ""]
+        rows = []
+        for result in results:
+            for name, s in summaries[result.label].items():
+                if name == "all" or name.startswith("stage="):
+                    continue
+                rows.append(
+                    [
+                        f"`{result.label}`", name, str(s.num_planned), _pct(s.rejection_rate),
+                        _ms(s.ttft.p50 if s.ttft else None), _ms(s.ttft.p99 if s.ttft else None),
+                        _ms(s.tpot.p50 if s.tpot else None), _ms(s.tpot.p99 if s.tpot else None),
+                        _num(s.goodput_rps), _pct(s.goodput_fraction), _num(s.qoe_mean),
+                    ]
+                )  # fmt: skip
+        lines += _table(
+            [
+                "configuration", "group", "requests", "rejected", "TTFT p50", "TTFT p99",
+                "TPOT p50", "TPOT p99", "goodput req/s", "goodput", "QoE",
+            ],
+            rows,
+        )  # fmt: skip
+        lines += ["## By stage (offered load)", ""]
+        rows = []
+        for result in results:
+            for stage in result.stages:
+                s = summaries[result.label][f"stage={stage.index}"]
+                rows.append(
+                    [
+                        f"`{result.label}`", str(stage.index), _num(stage.offered_rps),
+                        f"{stage.duration_seconds:.1f} s", str(s.num_planned),
+                        _ms(s.ttft.p50 if s.ttft else None), _ms(s.ttft.p99 if s.ttft else None),
+                        _ms(s.tpot.p99 if s.tpot else None), _num(s.goodput_rps),
+                        _pct(s.rejection_rate),
+                    ]
+                )  # fmt: skip
+        lines += _table(
+            [
+                "configuration", "stage", "offered req/s", "length", "requests", "TTFT p50",
+                "TTFT p99", "TPOT p99", "goodput req/s", "rejected",
+            ],
+            rows,
+        )  # fmt: skip
+        lines += _counter_lines(results)
+        notes = [f"- `{r.label}`: {note}" for r in results for note in r.notes]
+        notes += [f"- `{r.label}`: prompt calibration: {r.calibration.note}" for r in results
+                  if r.calibration.note]  # fmt: skip
+        if notes:
+            lines += ["## Notes", "", *notes, ""]
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _capacity_lines(capacity: CapacityResult) -> list[str]:
+    lines = [
+        f"**Capacity: {capacity.capacity_rps:.2f} requests/s** (highest sustainable "
+        f"{_num(capacity.sustainable_rps)}, lowest unsustainable "
+        f"{_num(capacity.unsustainable_rps)}). {capacity.note}",
+        "",
+    ]
+    rows = [
+        [
+            str(t.index + 1), _num(t.rate_rps), "yes" if t.sustainable else "no",
+            str(t.num_requests), _ms(t.ttft_p90_seconds),
+            _num(t.ttft_growth_seconds_per_second, "{:.3f}"), _pct(t.goodput_fraction),
+            _pct(t.rejected_fraction), "; ".join(t.reasons) or "–",
+        ]
+        for t in capacity.trials
+    ]  # fmt: skip
+    return lines + _table(
+        [
+            "trial", "offered req/s", "sustainable", "requests", "TTFT p90",
+            "TTFT growth s/s", "goodput", "rejected", "why not",
+        ],
+        rows,
+    )  # fmt: skip
+
+
+def _counter_lines(results: Sequence[RunResult]) -> list[str]:
+    names = sorted({k for r in results for k in r.counters_delta})
+    if not names:
+        return []
+    header = ["server counter (delta)", *(f"`{r.label}`" for r in results)]
+    rows = [
+        [f"`{name}`", *(f"{r.counters_delta.get(name, 0.0):g}" for r in results)] for name in names
+    ]
+    return ["## Server counters over the run", "", *_table(header, rows)]
+
+
+def write_summary(
+    out_dir: Path,
+    results: Sequence[RunResult],
+    capacity: CapacityResult | None = None,
+    plots: Sequence[Path] = (),
+) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / SUMMARY_FILE
+    path.write_text(summary_markdown(results, capacity, plots), encoding="utf-8")
+    return path
