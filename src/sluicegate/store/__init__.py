@@ -1,0 +1,54 @@
+"""State that outlives a process or is shared between replicas: replay logs, stream
+metadata, generation leases and rate-limit buckets, in memory or in Redis."""
+
+from __future__ import annotations
+
+from sluicegate.store.base import (
+    DegradedOutcome,
+    InvalidReplayPosition,
+    JSONValue,
+    LeaseLost,
+    ReplayResult,
+    ReplayTrimmed,
+    SharedBucket,
+    Store,
+    StoreConfig,
+    StoreCounters,
+    StoreError,
+    StoreFailureMode,
+    StoreUnavailable,
+    StreamClosed,
+    StreamEvent,
+    StreamExpired,
+    StreamMeta,
+    StreamNotFound,
+    StreamStatus,
+)
+from sluicegate.store.event_id import format_event_id, parse_after_seq, parse_event_id
+from sluicegate.store.factory import open_store
+
+__all__ = [
+    "DegradedOutcome",
+    "InvalidReplayPosition",
+    "JSONValue",
+    "LeaseLost",
+    "ReplayResult",
+    "ReplayTrimmed",
+    "SharedBucket",
+    "Store",
+    "StoreConfig",
+    "StoreCounters",
+    "StoreError",
+    "StoreFailureMode",
+    "StoreUnavailable",
+    "StreamClosed",
+    "StreamEvent",
+    "StreamExpired",
+    "StreamMeta",
+    "StreamNotFound",
+    "StreamStatus",
+    "format_event_id",
+    "open_store",
+    "parse_after_seq",
+    "parse_event_id",
+]

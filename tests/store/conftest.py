@@ -1,0 +1,162 @@
+"""Fixtures: a real ``redis-server`` on a free port in a temp dir, and stores of both kinds.
+
+Tests that need Redis are skipped (with the reason) only when ``redis-server`` is not
+installed; CI installs it (``apt-get install -y redis-server``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from sluicegate.store.base import Store, StoreConfig
+from sluicegate.store.memory import MemoryStore
+from sluicegate.store.redis_store import RedisStore
+from tests.conftest import free_port
+
+REDIS_SERVER = shutil.which("redis-server")
+BACKENDS = ["memory", "redis"]
+
+#: Defaults for tests: fast failure detection and short tail waits.
+TEST_CONFIG = StoreConfig(
+    replay_max_events=1000,
+    replay_ttl_seconds=30.0,
+    tail_block_seconds=0.1,
+    operation_timeout_seconds=1.0,
+    connect_timeout_seconds=0.5,
+    retry_interval_seconds=0.1,
+)
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server`` process; ``kill``/``start`` keep the port."""
+
+    port: int
+    directory: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert REDIS_SERVER is not None
+        log = (self.directory / "redis.log").open("ab")
+        self.process = subprocess.Popen(
+            [
+                REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 10.0
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited: {self.log()}")
+                try:
+                    if client.ping():
+                        return
+                except redis.exceptions.RedisError:
+                    if time.monotonic() > deadline:
+                        raise
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: the data is gone, like a crashed Redis without persistence."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(5)
+            self.process = None
+
+    def shutdown_saving(self) -> None:
+        """Stop after writing an RDB file, so that ``start`` brings the data back."""
+        # No retries: the server drops the connection as it exits, by design.
+        client = redis.Redis(port=self.port, socket_timeout=2.0, retry=Retry(NoBackoff(), 0))
+        try:
+            client.shutdown(save=True)
+        except redis.exceptions.ConnectionError:
+            pass  # the server closes the connection as it exits
+        finally:
+            client.close()
+        assert self.process is not None
+        self.process.wait(5)
+        self.process = None
+
+    def log(self) -> str:
+        return (self.directory / "redis.log").read_text(errors="replace")
+
+
+def start_redis(directory: Path) -> RedisServer:
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    server = RedisServer(free_port(), directory)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One Redis for the session; tests keep apart by key prefix."""
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of this test's own, for tests that kill it."""
+    server = start_redis(tmp_path)
+    yield server
+    server.kill()
+
+
+MakeStore = Callable[..., Awaitable[Store]]
+
+
+@pytest.fixture
+async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[MakeStore]:
+    """``await make_store(backend, url=None, **config_fields)``: a connected store, closed
+    at the end of the test.  Redis stores of one test share a fresh key prefix."""
+    opened: list[Store] = []
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+
+    async def make(backend: str, *, url: str | None = None, **fields: Any) -> Store:
+        config = replace(TEST_CONFIG, key_prefix=prefix, **fields)
+        store: Store
+        if backend == "memory":
+            store = MemoryStore(config)
+        else:
+            if url is None:
+                url = request.getfixturevalue("redis_server").url
+            store = RedisStore(url, config)
+        await store.connect()
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        await store.close()
+
+
+@pytest.fixture(params=BACKENDS)
+async def store(request: pytest.FixtureRequest, make_store: MakeStore) -> Store:
+    """A connected store of each kind, with :data:`TEST_CONFIG`."""
+    return await make_store(request.param)
