@@ -40,7 +40,7 @@ class Settings(BaseSettings):
 
     # --- engine ---
     engine: EngineKind = Field(
-        "sim", description="Engine: torch (embedded model), sim or upstream."
+        "torch", description="Engine: torch (embedded model), sim or upstream."
     )
     model: str | None = Field(
         None,

@@ -7,6 +7,7 @@ app costs ``sluicegate serve`` nothing at start-up.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
@@ -253,3 +254,32 @@ def scenarios_command() -> None:
     for name in builtin_scenario_names():
         description = load_scenario(name).description.strip().splitlines()
         typer.echo(f"{name:28} {description[0] if description else ''}")
+
+
+@bench_app.command("engine")
+def engine_command(
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the full report as JSON here.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="GGUF file or HF directory.")] = None,
+    dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16.")] = "auto",
+    batch: Annotated[list[int] | None, typer.Option(help="Concurrent sequences.")] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length.")] = 128,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 128,
+    mixed_requests: Annotated[int, typer.Option(help="Requests in the mixed workload.")] = 48,
+    mixed_rate: Annotated[float, typer.Option(help="Mixed arrivals per second.")] = 2.0,
+    peer: Annotated[bool, typer.Option(help="Also run transformers generate().")] = True,
+    threads: Annotated[int | None, typer.Option(help="Torch threads.")] = None,
+) -> None:
+    """The embedded engine against its raw forward pass and against transformers."""
+    from sluicegate.bench.engine_bench import markdown_table, run_engine_bench
+
+    console = _console()
+    report = run_engine_bench(
+        model, dtype, batch or [1, 8, 32, 64], prompt_tokens, new_tokens, mixed_requests,
+        mixed_rate, peer, threads, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
+    )  # fmt: skip
+    table = markdown_table(report)
+    console.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps({**report, "markdown": table}, indent=2))

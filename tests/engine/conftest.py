@@ -1,0 +1,47 @@
+"""Fixtures for the embedded torch engine: the SmolLM2 GGUF engine, loaded once per session.
+
+The converted-weights cache goes to a session temporary directory, so every run also
+exercises the cold GGUF path (a few seconds) and never touches ``~/.cache``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from sluicegate.engine.torch import TorchEngine
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from sluicegate.engine.torch import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def torch_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sluicegate-torch-cache")
+
+
+@pytest.fixture(scope="session")
+def engine_f32(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
+    """SmolLM2 in float32 (exact comparisons), 8 slots of 512 positions."""
+    from sluicegate.engine.torch import TorchEngine
+
+    engine = TorchEngine(
+        smollm2_path,
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=512,
+        cache_dir=str(torch_cache_dir),
+    )
+    yield engine
+    engine.close()

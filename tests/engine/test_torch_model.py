@@ -1,0 +1,186 @@
+"""The transformer on tiny random weights: matches Hugging Face, and batching is invisible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict, unpermute_rotary_rows
+from sluicegate.engine.torch.model import (
+    ModelArgs,
+    RopeScaling,
+    SequenceChunk,
+    Transformer,
+    build_batch,
+    lazy_zeros,
+)
+
+VOCAB = 97
+
+
+def tiny_args(tied: bool = True, scaling: RopeScaling | None = None) -> ModelArgs:
+    return ModelArgs(
+        dim=48,
+        n_layers=2,
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=8,
+        intermediate_size=80,
+        vocab_size=VOCAB,
+        norm_eps=1e-5,
+        rope_theta=500.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        rope_scaling=scaling,
+    )
+
+
+def tiny_model(args: ModelArgs, slots: int = 6, length: int = 64) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.setup_caches(slots, length)
+    return model.eval()
+
+
+def reference(args: ModelArgs, model: Transformer) -> torch.nn.Module:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**hf_config_dict(args))
+    config._attn_implementation = "eager"
+    hf: torch.nn.Module = LlamaForCausalLM(config)
+    hf.load_state_dict(to_hf_state_dict(args, model.state_dict()), strict=True)
+    return hf.eval()
+
+
+def run_chunks(
+    model: Transformer, tokens: torch.Tensor, slot: int, sizes: list[int]
+) -> torch.Tensor:
+    """Feed ``tokens`` in chunks of ``sizes``; return the logits of each chunk's last token."""
+    rows = []
+    start = 0
+    for size in sizes:
+        batch, _ = build_batch([SequenceChunk(slot, start, size, True)])
+        rows.append(model(tokens[start : start + size], batch)[0])
+        start += size
+    return torch.stack(rows)  # [len(sizes), V]
+
+
+SCALINGS = [None, RopeScaling("llama3", 4.0, 1.0, 4.0, 16), RopeScaling("linear", 2.0)]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("scaling", SCALINGS, ids=["default", "llama3", "linear"])
+def test_matches_transformers(tied: bool, scaling: RopeScaling | None) -> None:
+    args = tiny_args(tied, scaling)
+    model = tiny_model(args)
+    hf = reference(args, model)
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = hf(tokens[None]).logits[0]  # [40, V]
+        # Prefill 17 + 9 tokens, then decode the rest one by one, in slot 3.
+        sizes = [17, 9] + [1] * 14
+        got = run_chunks(model, tokens, 3, sizes)
+    ends = torch.tensor(sizes).cumsum(0) - 1
+    torch.testing.assert_close(got, expected[ends], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_matches_each_sequence_alone() -> None:
+    """Decode tokens and prefill chunks of several sequences in one flattened batch give the
+    logits each sequence gets on its own."""
+    args = tiny_args()
+    model = tiny_model(args)
+    gen = torch.Generator().manual_seed(2)
+    lengths = [30, 5, 22, 13]
+    slots = [4, 0, 2, 5]  # not contiguous, not sorted
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+
+    alone: list[torch.Tensor] = []
+    with torch.inference_mode():
+        for seq in seqs:
+            rows = [
+                model(seq[i : i + 1], build_batch([SequenceChunk(1, i, 1, True)])[0])[0]
+                for i in range(len(seq))
+            ]
+            alone.append(torch.stack(rows))
+
+        # Together: each step gives every sequence either a chunk of up to 6 tokens (while
+        # it has more than one left) or one token, in whatever order build_batch picks.
+        done = [0] * len(seqs)
+        together: list[list[tuple[int, torch.Tensor]]] = [[] for _ in seqs]
+        while any(d < n for d, n in zip(done, lengths, strict=True)):
+            chunks: list[SequenceChunk] = []
+            live: list[int] = []
+            for i, (d, n) in enumerate(zip(done, lengths, strict=True)):
+                if d < n:
+                    size = 1 if (d + i) % 2 else min(6, n - d)
+                    chunks.append(SequenceChunk(slots[i], d, size, True))
+                    live.append(i)
+            batch, order = build_batch(chunks)
+            tokens = torch.cat(
+                [seqs[live[j]][chunks[j].start : chunks[j].start + chunks[j].length] for j in order]
+            )
+            logits = model(tokens, batch)
+            for row, j in enumerate(order):
+                i = live[j]
+                done[i] += chunks[j].length
+                together[i].append((done[i] - 1, logits[row]))
+        for i, seq_rows in enumerate(together):
+            for pos, got in seq_rows:
+                torch.testing.assert_close(got, alone[i][pos], atol=1e-5, rtol=1e-5)
+
+
+def test_build_batch_puts_decode_first_and_masks_prefix() -> None:
+    chunks = [
+        SequenceChunk(slot=0, start=4, length=3, want_logits=False),
+        SequenceChunk(slot=1, start=9, length=1, want_logits=True),
+        SequenceChunk(slot=2, start=0, length=2, want_logits=True),
+    ]
+    batch, order = build_batch(chunks)
+    assert order == [1, 0, 2]
+    assert batch.num_decode == 1
+    assert batch.positions.tolist() == [9, 4, 5, 6, 0, 1]
+    assert batch.slots.tolist() == [1, 0, 0, 0, 2, 2]
+    assert batch.logits_indices.tolist() == [0, 5]
+    assert batch.decode_max_len == 10
+    first, second = batch.prefills
+    assert second.mask is None  # starts at 0: plain causal
+    assert first.mask is not None
+    assert first.mask.tolist() == [
+        [True] * 5 + [False, False],
+        [True] * 6 + [False],
+        [True] * 7,
+    ]
+
+
+def test_unused_slots_are_not_touched() -> None:
+    args = tiny_args()
+    model = tiny_model(args)
+    tokens = torch.arange(10) % VOCAB
+    with torch.inference_mode():
+        model(tokens, build_batch([SequenceChunk(2, 0, 10, True)])[0])
+    assert model.k_cache[:, 2, :, :10].abs().sum() > 0
+    for slot in (0, 1, 3, 4, 5):
+        assert model.k_cache[:, slot].abs().sum() == 0
+        assert model.v_cache[:, slot].abs().sum() == 0
+    assert model.k_cache[:, 2, :, 10:].abs().sum() == 0
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    heads, head_dim, cols = 3, 8, 5
+    weight = torch.randn(heads * head_dim, cols)
+    # llama.cpp convert_hf_to_gguf.py: reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)
+    permuted = weight.reshape(heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(weight.shape)
+    assert not torch.equal(permuted, weight)
+    assert torch.equal(unpermute_rotary_rows(permuted, heads), weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_zeros(dtype: torch.dtype) -> None:
+    t = lazy_zeros((2, 3, 4), dtype)
+    assert t.dtype == dtype and t.shape == (2, 3, 4)
+    assert t.is_contiguous() and not t.any()
+    t[1, 2, 3] = 1.5
+    assert float(t.sum()) == 1.5

@@ -1,0 +1,52 @@
+"""The embedded engine through the real server, with the official openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+from tests.conftest import ServerProcess, start_server, stop_server
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def torch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    cache = tmp_path_factory.mktemp("torch-cache")
+    # The default engine: no --engine flag.
+    server = start_server(
+        ["--max-num-seqs", "4", "--max-model-len", "512", "--cache-dir", str(cache)], "torch"
+    )
+    yield server
+    stop_server(server)
+
+
+def test_capital_of_france_is_paris(torch_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=torch_server.v1, api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert models.data[0].id == "SmolLM2-135M-Instruct"
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0,
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.choices[0].finish_reason == "stop"
+    client.close()
+
+
+def test_streaming_and_context_limit(torch_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=torch_server.v1, api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Count from one to five."}],
+        max_tokens=24, temperature=0, stream=True,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text.strip()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="word " * 600, max_tokens=4)
+    assert "maximum context length is 512" in str(info.value)
+    client.close()

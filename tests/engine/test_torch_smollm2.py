@@ -1,0 +1,303 @@
+"""The torch engine on the real SmolLM2-135M-Instruct GGUF.
+
+Correctness against Hugging Face ``transformers`` built from the same dequantised weights,
+batch invariance, seeded sampling, preemption/resume, and the chat "Paris" check.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sluicegate.engine.base import EngineLimits, ScheduledSequence, StepPlan, StepResult
+from sluicegate.engine.torch import TorchEngine
+from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
+from sluicegate.engine.torch.generate import generate, greedy, run_requests
+from sluicegate.engine.torch.loader import load_checkpoint
+from sluicegate.engine.torch.model import SequenceChunk, build_batch
+from sluicegate.scheduler.request import Request, SamplingParams
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+]
+
+
+class RecordingEngine:
+    """Wraps an engine and remembers the shape of every plan it ran."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+        self.plans: list[list[int]] = []  # num_new_tokens per sequence, per step
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append([s.num_new_tokens for s in plan.sequences])
+        return self.engine.step(plan)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def encode(engine: TorchEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def hf_model(engine_f32: TorchEngine) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM holding exactly our dequantised float32 weights."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(**hf_config_dict(engine_f32.args))
+    config._attn_implementation = "eager"
+    with torch.device("meta"):  # skip 135M parameters' worth of random init
+        model: Any = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers were on meta
+    state = to_hf_state_dict(engine_f32.args, engine_f32.model.state_dict())
+    model.load_state_dict(state, strict=True)
+    model.tie_weights()
+    result: torch.nn.Module = model.eval()
+    return result
+
+
+def test_engine_identity(engine_f32: TorchEngine) -> None:
+    assert engine_f32.model_name == "SmolLM2-135M-Instruct"
+    im_end = engine_f32.tokenizer.tokenizer.token_to_id("<|im_end|>")
+    assert im_end in engine_f32.eos_token_ids
+    assert engine_f32.limits.max_num_seqs == 8
+    assert engine_f32.limits.max_model_len == 512
+    args = engine_f32.args
+    assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads) == (30, 576, 9, 3)
+    assert args.rope_theta == 100000.0 and args.tie_word_embeddings
+
+
+def test_qk_unpermute_matches_transformers_gguf_loader(
+    engine_f32: TorchEngine, smollm2_path: str
+) -> None:
+    """An independent check of the rotary layout: transformers' own GGUF tensor processor
+    applied to the raw dequantised file tensors gives our Q and K rows."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    args = engine_f32.args
+    heads = {"num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads}
+    processor: Any = LlamaTensorProcessor(config=heads)  # type: ignore[no-untyped-call]
+    reader = GGUFReader(smollm2_path)
+    tensors = {t.name: t for t in reader.tensors}
+    state = engine_f32.model.state_dict()
+    for layer in (0, 17, 29):
+        wqkv = state[f"layers.{layer}.attention.wqkv.weight"]
+        q, k, _ = torch.split(wqkv, [576, 192, 192])
+        for name, ours in (("attn_q", q), ("attn_k", k)):
+            gguf_name = f"blk.{layer}.{name}.weight"
+            t = tensors[gguf_name]
+            raw = dequantize(t.data, t.tensor_type)
+            theirs = processor.process(raw, gguf_name).weights
+            assert torch.equal(ours, torch.from_numpy(theirs.copy()))
+
+
+def test_logits_match_transformers(engine_f32: TorchEngine, hf_model: torch.nn.Module) -> None:
+    prompts = [encode(engine_f32, p) for p in PROMPTS[:3]]
+    prompts.append(engine_f32.tokenizer.encode_chat([{"role": "user", "content": "Hi there!"}]))
+    with torch.inference_mode():
+        for ids in prompts:
+            expected = hf_model(torch.tensor([ids])).logits[0]  # [S, V]
+            # Ours: prefill in chunks of 4, asking for each chunk's last logits.
+            rows, positions = [], []
+            for start in range(0, len(ids), 4):
+                n = min(4, len(ids) - start)
+                batch, _ = build_batch([SequenceChunk(0, start, n, True)])
+                rows.append(engine_f32.model(torch.tensor(ids[start : start + n]), batch)[0])
+                positions.append(start + n - 1)
+            torch.testing.assert_close(torch.stack(rows), expected[positions], atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_continuation_matches_transformers(
+    engine_f32: TorchEngine, hf_model: torch.nn.Module
+) -> None:
+    prompts = [encode(engine_f32, p) for p in PROMPTS[:2]]
+    outputs = generate(engine_f32, prompts, max_new_tokens=16, chunk=5)
+    with torch.inference_mode():
+        for ids, ours in zip(prompts, outputs, strict=True):
+            seq = list(ids)
+            for _ in range(len(ours)):
+                seq.append(int(hf_model(torch.tensor([seq])).logits[0, -1].argmax()))
+            assert ours == seq[len(ids) :]
+
+
+def test_batched_generation_equals_each_alone(engine_f32: TorchEngine) -> None:
+    prompts = [encode(engine_f32, p) for p in PROMPTS]
+    alone = [generate(engine_f32, [p], max_new_tokens=12, chunk=64)[0] for p in prompts]
+    recorder = RecordingEngine(engine_f32)
+    # Chunks of 6 under a budget of 16 tokens per step: prefill chunks and decode tokens
+    # of different sequences share steps, in slots 3.. (not where they ran alone).
+    together = generate(recorder, prompts, max_new_tokens=12, chunk=6, max_batched_tokens=16,
+                        first_slot=3)  # fmt: skip
+    assert together == alone
+    mixed = [p for p in recorder.plans if 1 in p and any(n > 1 for n in p)]
+    assert mixed, "no step mixed decode tokens with prefill chunks"
+    assert max(len(p) for p in recorder.plans) == len(prompts)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine_f32: TorchEngine) -> None:
+    prompt = encode(engine_f32, PROMPTS[2])
+    sampled = SamplingParams(max_tokens=20, seed=1234, temperature=0.9, top_p=0.95, top_k=40)
+    alone = generate(engine_f32, [prompt], max_new_tokens=20, sampling=sampled)[0]
+    others = [encode(engine_f32, p) for p in PROMPTS[:2]]
+    mixed_params = [
+        SamplingParams(max_tokens=20, seed=1, temperature=1.2),
+        greedy(20),
+        sampled,
+    ]
+    together = generate(engine_f32, [*others, prompt], max_new_tokens=20,
+                        sampling=mixed_params, chunk=7, first_slot=2)  # fmt: skip
+    assert together[2] == alone
+    other_seed = SamplingParams(max_tokens=20, seed=4321, temperature=0.9, top_p=0.95, top_k=40)
+    assert generate(engine_f32, [prompt], max_new_tokens=20, sampling=other_seed)[0] != alone
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [greedy(24), SamplingParams(max_tokens=24, seed=99, temperature=0.8, top_p=0.9)],
+    ids=["greedy", "sampled"],
+)
+def test_resume_after_preemption_continues_identically(
+    engine_f32: TorchEngine, sampling: SamplingParams
+) -> None:
+    prompt = encode(engine_f32, PROMPTS[2])
+    full = Request("full", list(prompt), sampling)
+    run_requests(engine_f32, [full], chunk=16)
+    assert full.num_output_tokens == 24
+    # "Preempted" after 10 outputs: KV dropped, tokens kept, re-prefilled in another slot.
+    resumed = Request("resumed", list(prompt), sampling)
+    resumed.all_token_ids.extend(full.output_token_ids[:10])
+    run_requests(engine_f32, [resumed], chunk=9, first_slot=5)
+    assert resumed.output_token_ids == full.output_token_ids
+
+
+def ask(engine: TorchEngine, question: str, max_new_tokens: int = 32) -> tuple[str, list[int]]:
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
+    out = generate(engine, [ids], max_new_tokens=max_new_tokens)[0]
+    return engine.tokenizer.decode(out), out
+
+
+def test_paris_float32(engine_f32: TorchEngine) -> None:
+    text, out = ask(engine_f32, "What is the capital of France?")
+    assert "Paris" in text
+    assert out[-1] in engine_f32.eos_token_ids  # the chat answer ends by itself
+
+
+def test_paris_bfloat16(smollm2_path: str, torch_cache_dir: Path) -> None:
+    engine = TorchEngine(smollm2_path, dtype="bfloat16", max_num_seqs=2, max_model_len=256,
+                         cache_dir=str(torch_cache_dir))  # fmt: skip
+    try:
+        assert engine.model.dtype == torch.bfloat16
+        text, out = ask(engine, "What is the capital of France?")
+        assert "Paris" in text
+        assert out[-1] in engine.eos_token_ids
+    finally:
+        engine.close()
+
+
+def test_warm_cache_holds_the_same_weights(engine_f32: TorchEngine, smollm2_path: str,
+                                           torch_cache_dir: Path) -> None:  # fmt: skip
+    entries = list((torch_cache_dir / "torch").iterdir())
+    assert len(entries) == 1
+    files = {p.name for p in entries[0].iterdir()}
+    assert {"meta.json", "tokenizer.json", "model-float32.safetensors"} <= files
+    meta = json.loads((entries[0] / "meta.json").read_text())
+    assert meta["name"] == "SmolLM2-135M-Instruct"
+    warm = load_checkpoint(smollm2_path, "float32", torch_cache_dir)
+    assert warm.args == engine_f32.args
+    loaded = engine_f32.model.state_dict()
+    assert warm.state_dict.keys() == loaded.keys()
+    for name, tensor in warm.state_dict.items():
+        assert torch.equal(tensor, loaded[name]), name
+    assert warm.tokenizer.eos_token_ids == engine_f32.eos_token_ids
+
+
+def test_hugging_face_directory_gives_the_same_model(engine_f32: TorchEngine,
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    from safetensors.torch import save_file
+
+    args = engine_f32.args
+    state = to_hf_state_dict(args, engine_f32.model.state_dict())
+    del state["lm_head.weight"]  # tied: safetensors refuses shared tensors
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(args) | {"eos_token_id": 2}))
+    engine_f32.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer_config = {
+        "chat_template": engine_f32.tokenizer.chat_template.source,
+        "eos_token": "<|im_end|>",
+        "bos_token": "<|im_start|>",
+        "add_bos_token": False,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    engine = TorchEngine(str(tmp_path), dtype="float32", max_num_seqs=2, max_model_len=128)
+    try:
+        assert engine.model_name == tmp_path.name
+        assert set(engine.eos_token_ids) >= {2}
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Hello!"}])
+        assert prompt == engine_f32.tokenizer.encode_chat([{"role": "user", "content": "Hello!"}])
+        ours = generate(engine, [prompt], max_new_tokens=8)
+        assert ours == generate(engine_f32, [prompt], max_new_tokens=8)
+    finally:
+        engine.close()
+
+
+def test_plan_validation(engine_f32: TorchEngine) -> None:
+    ids = encode(engine_f32, "Hello")
+    sampling = greedy(4)
+
+    def seq(slot: int, start: int = 0, n: int | None = None) -> ScheduledSequence:
+        n = len(ids) if n is None else n
+        return ScheduledSequence(f"r{slot}", slot, ids, start, n, True, sampling, len(ids))
+
+    with pytest.raises(ValueError, match="out of range"):
+        engine_f32.step(StepPlan([seq(99)]))
+    with pytest.raises(ValueError, match="twice"):
+        engine_f32.step(StepPlan([seq(1), seq(1)]))
+    with pytest.raises(ValueError, match="bad chunk"):
+        engine_f32.step(StepPlan([seq(1, start=1, n=len(ids))]))
+    assert engine_f32.step(StepPlan()).sampled_token_ids == {}
+    # A prefill chunk that does not reach the end samples nothing.
+    partial = ScheduledSequence("p", 0, ids, 0, 1, False, sampling, len(ids))
+    assert engine_f32.step(StepPlan([partial])).sampled_token_ids == {}
+
+
+def test_step_runs_on_another_thread(engine_f32: TorchEngine) -> None:
+    ids = encode(engine_f32, PROMPTS[0])
+    expected = generate(engine_f32, [ids], max_new_tokens=4)[0]
+    result: list[list[int]] = []
+    worker = threading.Thread(
+        target=lambda: result.append(generate(engine_f32, [ids], max_new_tokens=4)[0])
+    )
+    worker.start()
+    worker.join()
+    assert result == [expected]
