@@ -110,11 +110,10 @@ def load_peer(engine: TorchEngine) -> Any:
 
     config = LlamaConfig(**hf_config_dict(engine.args))
     config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
+    model: Any = LlamaForCausalLM(config)
     model.load_state_dict(to_hf_state_dict(engine.args, engine.model.state_dict()), strict=False)
     model.tie_weights()
-    model = model.to(dtype=engine.dtype)
-    return model.eval()
+    return model.to(dtype=engine.dtype).eval()
 
 
 def peer_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -146,7 +145,7 @@ def peer_mixed(model: Any, requests: list[MixedRequest], max_batch: int) -> dict
         if pending[index].arrival_seconds > now:
             time.sleep(pending[index].arrival_seconds - now)
             now = time.perf_counter() - started
-        batch = []
+        batch: list[MixedRequest] = []
         while (
             index < len(pending)
             and pending[index].arrival_seconds <= now
