@@ -18,8 +18,22 @@ import orjson
 
 @dataclass
 class SSEEvent:
+    """One SSE event, normalised: ``data`` is ``b"data: <payload>"`` (or the comment line
+    for a comment-only event); ``event_id`` is its ``id:`` field, if any."""
+
     data: bytes
     received_at: float
+    event_id: str | None = None
+
+
+def parse_event(raw: bytes, received_at: float) -> SSEEvent:
+    """Fold an event's ``id:``/``data:`` lines (SSE allows several) into one record."""
+    lines = raw.split(b"\n")
+    data_lines = [ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:")]
+    event_id = next((ln[3:].strip().decode() for ln in lines if ln.startswith(b"id:")), None)
+    if not data_lines:
+        return SSEEvent(raw, received_at, event_id)
+    return SSEEvent(b"data: " + b"\n".join(data_lines), received_at, event_id)
 
 
 @dataclass
@@ -67,11 +81,11 @@ class RawStream:
         while True:
             while b"\n\n" in self._buffer:
                 raw, self._buffer = self._buffer.split(b"\n\n", 1)
-                yield SSEEvent(raw, time.monotonic())
+                yield parse_event(raw, time.monotonic())
             if self._ended or not self._pump(max_read_bytes):
                 self._ended = True
                 if self._buffer:
-                    yield SSEEvent(self._buffer, time.monotonic())
+                    yield parse_event(self._buffer, time.monotonic())
                     self._buffer = b""
                 return
 
