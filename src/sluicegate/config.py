@@ -123,6 +123,36 @@ class Settings(BaseSettings):
         30.0, ge=0.0, description="On SIGTERM, how long running streams may take to finish."
     )
 
+    # --- resumable streams and the shared store ---
+    store: str = Field(
+        "memory",
+        description="Where replay logs, leases and rate-limit buckets live: memory (one "
+        "replica) or redis://HOST:PORT/DB (shared by every replica).",
+    )
+    store_failure_mode: Literal["fail_open", "fail_closed"] = Field(
+        "fail_open",
+        description="When the store is unreachable: fail_open (serve without replay logs "
+        "and shared limits) or fail_closed (refuse with 503).",
+    )
+    replay_max_events: int = Field(
+        1024, ge=1, description="Events kept per stream for resuming (the oldest are trimmed)."
+    )
+    replay_ttl_seconds: float = Field(
+        300.0, gt=0.0, description="A stream can be resumed until this long after its last event."
+    )
+    detached_grace_seconds: float = Field(
+        1.0,
+        ge=0.0,
+        description="A stream whose client disconnected keeps generating this long, so a "
+        "quick reconnect loses nothing; then it is cancelled (and stays resumable).",
+    )
+    lease_ttl_seconds: float = Field(
+        5.0,
+        gt=0.0,
+        description="Generation lease of a stream (renewed while generating): after a crash, "
+        "another replica takes the stream over this long after the last renewal.",
+    )
+
     # --- front door ---
     tenants: list[TenantConfig] = Field(
         default_factory=list,
@@ -176,6 +206,16 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        spec = value.strip()
+        if spec != "memory" and not spec.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"store must be 'memory' or a Redis URL like redis://HOST:PORT/DB; got {value!r}"
+            )
+        return spec
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -49,8 +49,11 @@ def test_sse_framing(sim_server: ServerProcess) -> None:
     for event in events[:-2]:
         if event.startswith(b": "):
             continue  # SSE comments (queue position, keep-alive) are allowed anywhere
-        assert event.startswith(b"data: ")
-        orjson.loads(event[len(b"data: ") :])
+        data, _, field = event.partition(b"\n")
+        assert data.startswith(b"data: ")
+        orjson.loads(data[len(b"data: ") :])
+        # Each event carries its resumable position: id: <stream-id>:<seq>.
+        assert not field or field.startswith(b"id: ")
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,9 @@ def small_server() -> Iterator[ServerProcess]:
         [
             "--engine", "sim", "--sim-step-base-ms", "2", "--sim-step-per-token-ms", "0.01",
             "--max-num-seqs", "4", "--max-queued-requests", "4", "--queue-policy", "reject",
+            # A disconnect cancels at once (no grace for a reconnect), so the bench's
+            # "left" clients are exactly the server's cancellations.
+            "--detached-grace-seconds", "0",
         ],
         "bench-counters",
     )  # fmt: skip

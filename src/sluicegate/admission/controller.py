@@ -10,21 +10,64 @@ slots.
 
 Refusals allocate one small :class:`Rejection` and its message; nothing else.
 Not thread-safe: the event loop owns it.
+
+The buckets are :class:`~sluicegate.store.base.SharedBucket` objects, made by a
+``bucket_factory`` (``Store.bucket``): with the Redis store every replica draws from the
+same bucket, so a tenant gets its limit in total, not once per replica.  Checking a
+shared bucket is I/O, so the decision is :meth:`AdmissionController.admit_async`; the
+synchronous :meth:`AdmissionController.admit` remains for in-process buckets (the
+default), whose calls never wait.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from sluicegate.admission.breaker import BreakerState, CircuitBreaker
 from sluicegate.admission.concurrency import ConcurrencyLimiter, ConcurrencySlot
 from sluicegate.admission.decision import RateLimitSnapshot, Rejection, RejectReason
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.tenants import Tenant, TenantRegistry
-from sluicegate.admission.token_bucket import TokenBucket
 from sluicegate.admission.types import Clock, PriorityClass
+from sluicegate.store.base import SharedBucket, StoreUnavailable
+from sluicegate.store.buckets import MemoryBucket
+
+T = TypeVar("T")
+
+#: ``(key, rate_per_second, burst) -> bucket``; ``Store.bucket`` shares it between replicas.
+BucketFactory = Callable[[str, float, float], SharedBucket]
+
+#: Reconciliations of shared buckets still running (a strong reference until they end).
+_pending_reconciliations: set[asyncio.Task[None]] = set()
+
+
+def _settle(call: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never waits (in-process buckets) to its end, right now."""
+    try:
+        call.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    call.close()
+    raise RuntimeError(
+        "a shared (store-backed) bucket must be checked with the async admission methods"
+    )
+
+
+def _reconcile(bucket: SharedBucket, call: Coroutine[Any, Any, None]) -> None:
+    """Apply a refund or charge: at once in process, in the background for a shared bucket
+    (release runs in cleanup paths that cannot wait)."""
+    if isinstance(bucket, MemoryBucket):
+        _settle(call)
+        return
+    task = asyncio.get_running_loop().create_task(call)
+    _pending_reconciliations.add(task)
+    task.add_done_callback(_pending_reconciliations.discard)
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +90,7 @@ class AdmissionHandle:
 
     def __init__(
         self,
-        token_bucket: TokenBucket | None,
+        token_bucket: SharedBucket | None,
         reserved_tokens: int,
         tenant_slot: ConcurrencySlot,
         global_slot: ConcurrencySlot,
@@ -77,9 +120,9 @@ class AdmissionHandle:
         if bucket is not None:
             unused = self._reserved_tokens - (actual_prompt_tokens + actual_output_tokens)
             if unused > 0:
-                bucket.refund(unused)
+                _reconcile(bucket, bucket.refund(unused))
             elif unused < 0:
-                bucket.charge(-unused)
+                _reconcile(bucket, bucket.charge(-unused))
         return True
 
 
@@ -114,15 +157,15 @@ class _TenantLimits:
         "tokens_message",
     )
 
-    def __init__(self, tenant: Tenant, clock: Clock) -> None:
+    def __init__(self, tenant: Tenant, make_bucket: BucketFactory) -> None:
         # Bursts: one second's worth of requests (at least one), one minute's of tokens.
         rps = tenant.requests_per_second
         tpm = tenant.tokens_per_minute
-        self.requests = TokenBucket(rps, max(1.0, rps), clock) if rps else None
-        self.tokens = TokenBucket(tpm / 60.0, tpm, clock) if tpm else None
+        name = tenant.name
+        self.requests = make_bucket(f"{name}:requests", rps, max(1.0, rps)) if rps else None
+        self.tokens = make_bucket(f"{name}:tokens", tpm / 60.0, tpm) if tpm else None
         self.concurrency = ConcurrencyLimiter(tenant.max_concurrent, tenant.name)
         # Refusals must be cheap: only the retry time is formatted per refusal.
-        name = tenant.name
         self.requests_message = (
             f"Rate limit reached for tenant {name!r}: requests_per_second limit of {rps:g} "
             f"(burst {max(1.0, rps):g}). Retry after "
@@ -152,19 +195,24 @@ class AdmissionController:
         breaker: CircuitBreaker | None = None,
         estimator: ServiceRateEstimator | None = None,
         clock: Clock = time.monotonic,
+        bucket_factory: BucketFactory | None = None,
     ) -> None:
+        """``bucket_factory`` makes the tenants' buckets (default: in this process)."""
         self.registry = registry
         self.config = config or AdmissionConfig()
         self.breaker = breaker
         self.estimator = estimator
         self._clock = clock
+        self._make_bucket: BucketFactory = bucket_factory or (
+            lambda _key, rate, burst: MemoryBucket(rate, burst, clock)
+        )
         self._global = ConcurrencyLimiter(self.config.max_concurrent_requests, "global")
         open_cap = self.config.open_max_in_flight
         self._open_max_in_flight = (
             open_cap if open_cap is not None else self.config.max_concurrent_requests
         )
         self._limits: dict[str, _TenantLimits] = {
-            t.name: _TenantLimits(t, clock) for t in registry.tenants
+            t.name: _TenantLimits(t, self._make_bucket) for t in registry.tenants
         }
         self._draining = False
         self._global_message = (
@@ -198,8 +246,12 @@ class AdmissionController:
         return limits.concurrency.in_flight if limits is not None else 0
 
     def rate_limits(self, tenant: Tenant) -> RateLimitSnapshot:
+        """The tenant's buckets now, for ``x-ratelimit-*`` headers (in-process buckets)."""
+        return _settle(self.rate_limits_async(tenant))
+
+    async def rate_limits_async(self, tenant: Tenant) -> RateLimitSnapshot:
         """The tenant's buckets now, for ``x-ratelimit-*`` headers."""
-        return self._snapshot(self._limits_for(tenant))
+        return await self._snapshot(self._limits_for(tenant))
 
     # --- the decision ---
 
@@ -210,7 +262,25 @@ class AdmissionController:
         prompt_tokens: int,
         max_tokens: int,
     ) -> Admitted | Rejection:
-        """Admit one request or say why not (``priority_class`` ``None``: the tenant's)."""
+        """:meth:`admit_async` for in-process buckets, whose checks never wait."""
+        return _settle(self.admit_async(tenant, priority_class, prompt_tokens, max_tokens))
+
+    async def admit_async(
+        self,
+        tenant: Tenant,
+        priority_class: PriorityClass | None,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        rate_limited: bool = True,
+    ) -> Admitted | Rejection:
+        """Admit one request or say why not (``priority_class`` ``None``: the tenant's).
+
+        ``rate_limited=False`` skips the tenant's buckets (and reconciles nothing at the
+        end): for a stream resumed on this replica, whose buckets were charged where it
+        started.  Raises :class:`~sluicegate.store.base.StoreUnavailable` when a shared
+        bucket cannot be checked and the store fails closed.
+        """
         pc = tenant.priority_class if priority_class is None else priority_class
         if self._draining:
             return Rejection(
@@ -226,9 +296,9 @@ class AdmissionController:
                 return refusal
 
         limits = self._limits_for(tenant)
-        requests = limits.requests
+        requests = limits.requests if rate_limited else None
         if requests is not None:
-            got = requests.try_acquire(1.0)
+            got = await requests.try_acquire(1.0)
             if not got.admitted:
                 retry_after_seconds = self._clamp(got.retry_after_seconds)
                 return Rejection(
@@ -236,50 +306,55 @@ class AdmissionController:
                     429,
                     f"{limits.requests_message}{retry_after_seconds:.2f}s.",
                     retry_after_seconds,
-                    self._snapshot(limits),
+                    await self._snapshot(limits),
                 )
 
         cost = prompt_tokens + max_tokens
-        tokens = limits.tokens
+        tokens = limits.tokens if rate_limited else None
         if tokens is not None:
-            got = tokens.try_acquire(cost)
+            try:
+                got = await tokens.try_acquire(cost)
+            except StoreUnavailable:
+                if requests is not None:
+                    await requests.refund(1.0)
+                raise
             if not got.admitted:
                 if requests is not None:
-                    requests.refund(1.0)
+                    await requests.refund(1.0)
                 if got.exceeds_burst:
-                    return self._too_large(tenant, limits, tokens, prompt_tokens, max_tokens)
+                    return await self._too_large(tenant, limits, tokens, prompt_tokens, max_tokens)
                 retry_after_seconds = self._clamp(got.retry_after_seconds)
                 return Rejection(
                     RejectReason.RATE_LIMITED_TOKENS,
                     429,
                     f"{limits.tokens_message}{retry_after_seconds:.2f}s.",
                     retry_after_seconds,
-                    self._snapshot(limits),
+                    await self._snapshot(limits),
                 )
 
         tenant_slot = limits.concurrency.try_acquire()
         if tenant_slot is None:
-            self._refund(limits, cost)
+            await self._refund(requests, tokens, cost)
             return Rejection(
                 RejectReason.CONCURRENCY,
                 429,
                 limits.concurrency_message,
                 self._completion_wait_seconds(),
-                self._snapshot(limits),
+                await self._snapshot(limits),
             )
         global_slot = self._global.try_acquire()
         if global_slot is None:
             tenant_slot.release()
-            self._refund(limits, cost)
+            await self._refund(requests, tokens, cost)
             return Rejection(
                 RejectReason.CONCURRENCY,
                 429,
                 self._global_message,
                 self._completion_wait_seconds(),
-                self._snapshot(limits),
+                await self._snapshot(limits),
             )
         handle = AdmissionHandle(tokens, cost, tenant_slot, global_slot)
-        return Admitted(tenant, pc, cost, self._snapshot(limits), handle)
+        return Admitted(tenant, pc, cost, await self._snapshot(limits), handle)
 
     # --- internals ---
 
@@ -301,11 +376,11 @@ class AdmissionController:
             RejectReason.CIRCUIT_OPEN, 503, message, self._clamp(breaker.retry_after_seconds)
         )
 
-    def _too_large(
+    async def _too_large(
         self,
         tenant: Tenant,
         limits: _TenantLimits,
-        tokens: TokenBucket,
+        tokens: SharedBucket,
         prompt_tokens: int,
         max_tokens: int,
     ) -> Rejection:
@@ -317,7 +392,7 @@ class AdmissionController:
             f"tokens_per_minute limit of {tokens.burst:g}. Lower max_tokens or shorten the "
             "prompt; waiting will not help.",
             None,
-            self._snapshot(limits),
+            await self._snapshot(limits),
             code="request_too_large",
         )
 
@@ -325,15 +400,17 @@ class AdmissionController:
         limits = self._limits.get(tenant.name)
         if limits is None:
             # A tenant the registry does not list (tests, a custom default): limits on demand.
-            limits = self._limits[tenant.name] = _TenantLimits(tenant, self._clock)
+            limits = self._limits[tenant.name] = _TenantLimits(tenant, self._make_bucket)
         return limits
 
     @staticmethod
-    def _refund(limits: _TenantLimits, cost: int) -> None:
-        if limits.requests is not None:
-            limits.requests.refund(1.0)
-        if limits.tokens is not None:
-            limits.tokens.refund(cost)
+    async def _refund(
+        requests: SharedBucket | None, tokens: SharedBucket | None, cost: int
+    ) -> None:
+        if requests is not None:
+            await requests.refund(1.0)
+        if tokens is not None:
+            await tokens.refund(cost)
 
     def _clamp(self, seconds: float) -> float:
         return min(seconds, self.config.max_retry_after_seconds)
@@ -345,22 +422,27 @@ class AdmissionController:
         return self.estimator.retry_after_seconds(1)
 
     @staticmethod
-    def _snapshot(limits: _TenantLimits) -> RateLimitSnapshot:
+    async def _snapshot(limits: _TenantLimits) -> RateLimitSnapshot:
+        """The ``x-ratelimit-*`` values; none when a shared bucket cannot be read (they
+        inform, they decide nothing)."""
         requests = limits.requests
         tokens = limits.tokens
-        if requests is None and tokens is None:
-            return RateLimitSnapshot()
         snapshot = RateLimitSnapshot()
-        if requests is not None:
-            available, reset_seconds = requests.peek()
-            snapshot.limit_requests = math.floor(requests.burst)
-            snapshot.remaining_requests = max(0, math.floor(available + 1e-9))
-            snapshot.reset_requests_seconds = reset_seconds
-        if tokens is not None:
-            available, reset_seconds = tokens.peek()
-            snapshot.limit_tokens = math.floor(tokens.burst)
-            snapshot.remaining_tokens = max(0, math.floor(available + 1e-9))
-            snapshot.reset_tokens_seconds = reset_seconds
+        if requests is None and tokens is None:
+            return snapshot
+        try:
+            if requests is not None:
+                available, reset_seconds = await requests.peek()
+                snapshot.limit_requests = math.floor(requests.burst)
+                snapshot.remaining_requests = max(0, math.floor(available + 1e-9))
+                snapshot.reset_requests_seconds = reset_seconds
+            if tokens is not None:
+                available, reset_seconds = await tokens.peek()
+                snapshot.limit_tokens = math.floor(tokens.burst)
+                snapshot.remaining_tokens = max(0, math.floor(available + 1e-9))
+                snapshot.reset_tokens_seconds = reset_seconds
+        except StoreUnavailable:
+            return RateLimitSnapshot()
         return snapshot
 
 

@@ -20,7 +20,9 @@ from sluicegate.api.generation import drain_generation
 from sluicegate.api.jobs import JobRunner, open_journal
 from sluicegate.api.jobs import router as jobs_router
 from sluicegate.api.openai_routes import json_response, router
+from sluicegate.api.resume import router as resume_router
 from sluicegate.api.runtime import PRIORITY_NAMES, Runtime, get_runtime
+from sluicegate.api.session import SessionRegistry
 from sluicegate.api.web import router as web_router
 from sluicegate.api.websocket import router as ws_router
 from sluicegate.config import Settings
@@ -28,6 +30,8 @@ from sluicegate.engine.core import EngineCore, StepStats
 from sluicegate.engine.factory import build_engine
 from sluicegate.metrics.registry import Metrics
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+from sluicegate.store import Store, StoreConfig, StoreFailureMode, StoreUnavailable, open_store
+from sluicegate.store.base import DegradedOutcome
 
 logger = logging.getLogger("sluicegate")
 
@@ -74,7 +78,11 @@ async def load_engine(runtime: Runtime, port: int) -> None:
         on_abort=metrics.cancel_latency_seconds.observe,
     )
     core.start()
-    front_door = FrontDoor(settings, metrics, core.add_request, max_model_len)
+    store = runtime.store
+    front_door = FrontDoor(
+        settings, metrics, core.add_request, max_model_len,
+        bucket_factory=store.bucket if store is not None else None,
+    )  # fmt: skip
     front_door.start()
     front_door_ref.append(front_door)
     runtime.front_door = front_door
@@ -93,8 +101,62 @@ async def load_engine(runtime: Runtime, port: int) -> None:
     )  # fmt: skip
 
 
+def store_config(settings: Settings) -> StoreConfig:
+    return StoreConfig(
+        replay_max_events=settings.replay_max_events,
+        replay_ttl_seconds=settings.replay_ttl_seconds,
+        store_failure_mode=StoreFailureMode(settings.store_failure_mode),
+    )
+
+
+async def connect_store(runtime: Runtime) -> Store:
+    """Open the store named by ``--store``; raises StoreUnavailable if it cannot be reached."""
+    settings = runtime.settings
+    metrics = runtime.metrics
+    store = open_store(settings.store, store_config(settings))
+
+    def degraded(operation: str, outcome: DegradedOutcome) -> None:
+        metrics.store_degraded_operations_total.labels(operation, outcome.value).inc()
+        metrics.store_available.set(0)
+
+    store.on_degraded = degraded
+    await store.connect()
+    logger.info("store %s connected (failure mode %s)", store.url, settings.store_failure_mode)
+    return store
+
+
+def check_store_reachable(settings: Settings) -> None:
+    """At startup, before serving: exit with a clear message if Redis cannot be reached.
+
+    (An error raised later, in the ASGI lifespan, would only stop uvicorn, which exits 0.)
+    """
+    if settings.store == "memory":
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return  # built inside a running loop (tests): the lifespan checks instead
+
+    async def probe() -> None:
+        store = open_store(settings.store, store_config(settings))
+        try:
+            await store.connect()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(probe())
+    except StoreUnavailable as error:
+        logger.error("%s", error)
+        raise SystemExit(f"sluicegate: {error}") from None
+
+
 def refresh_state_metrics(runtime: Runtime) -> None:
     """Copy the engine's latest state into gauges and counters (at scrape time)."""
+    if runtime.store is not None:
+        runtime.metrics.store_available.set(1 if runtime.store.available else 0)
     if runtime.core is None:
         return
     metrics = runtime.metrics
@@ -142,7 +204,9 @@ async def drain(runtime: Runtime) -> None:
 
     New requests get 503 ``draining`` with ``Retry-After``; ``/ready`` turns false so a
     load balancer stops sending.  Streams still running after ``drain_grace_seconds``
-    get a final event telling them to resume with their stream id.
+    are checkpointed (their logs hold every delivered token; their leases are released,
+    so another replica can continue them at once) and get a final event telling them to
+    resume with their stream id.
     """
     runtime.draining = True
     if runtime.front_door is not None:
@@ -156,17 +220,27 @@ async def drain(runtime: Runtime) -> None:
         await asyncio.sleep(0.05)
     remaining = list(runtime.generations.values())
     for generation in remaining:
-        drain_generation(runtime, generation)
+        if generation.session is not None:
+            generation.session.stop("draining", "drained")
+        else:
+            drain_generation(runtime, generation)
+    # Every producer logs what it has and checkpoints before the process goes.
+    await runtime.sessions.wait_all(within_seconds=5.0)
     if remaining:
-        logger.info("drain deadline: %d streams told to resume elsewhere", len(remaining))
+        logger.info("drain deadline: %d streams checkpointed to resume elsewhere", len(remaining))
         await asyncio.sleep(0.2)  # let their writers send the final event
 
 
 def create_app(settings: Settings) -> FastAPI:
+    check_store_reachable(settings)
     runtime = Runtime(settings=settings, metrics=Metrics(settings.engine))
+    runtime.sessions = SessionRegistry(runtime)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The store first: the front door's shared buckets and every stream need it.
+        runtime.store = await connect_store(runtime)
+        runtime.sessions.start()
         task = asyncio.create_task(load_engine(runtime, settings.port))
         runtime.tasks.add(task)
         task.add_done_callback(runtime.tasks.discard)
@@ -176,6 +250,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             runtime.ready = False
             task.cancel()
+            await runtime.sessions.stop()
             await runtime.flow.stop()
             if runtime.jobs is not None:
                 await runtime.jobs.stop()
@@ -183,6 +258,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await runtime.front_door.stop()
             if runtime.core is not None:
                 await asyncio.to_thread(runtime.core.shutdown)
+            await runtime.store.close()
 
     app = FastAPI(
         title="Sluicegate",
@@ -195,6 +271,7 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(jobs_router)
+    app.include_router(resume_router)
     app.include_router(ws_router)
     app.include_router(web_router)
 

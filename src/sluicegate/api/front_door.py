@@ -19,7 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshold
-from sluicegate.admission.controller import AdmissionConfig, AdmissionController, Admitted
+from sluicegate.admission.controller import (
+    AdmissionConfig,
+    AdmissionController,
+    Admitted,
+    BucketFactory,
+)
 from sluicegate.admission.decision import Rejection, RejectReason, queue_timeout_rejection
 from sluicegate.admission.fair_queue import (
     FairQueue,
@@ -34,6 +39,7 @@ from sluicegate.api.errors import APIError
 from sluicegate.config import Settings
 from sluicegate.metrics.registry import Metrics
 from sluicegate.scheduler.request import FinishReason, Request
+from sluicegate.store.base import StoreUnavailable
 from sluicegate.stream.output import RequestOutput, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -81,7 +87,10 @@ class FrontDoor:
         metrics: Metrics,
         submit: Callable[[Request, RequestStream], None],
         max_model_len: int,
+        bucket_factory: BucketFactory | None = None,
     ) -> None:
+        """``bucket_factory`` makes the tenants' rate-limit buckets: ``Store.bucket``, so
+        that every replica sharing the store enforces the same limits."""
         self.settings = settings
         self.metrics = metrics
         self._submit = submit
@@ -111,6 +120,7 @@ class FrontDoor:
             ),
             breaker=self.breaker,
             estimator=self.estimator,
+            bucket_factory=bucket_factory,
         )
         self._space = asyncio.Event()
         self.queue = FairQueue(
@@ -159,11 +169,28 @@ class FrontDoor:
         priority_class: PriorityClass,
         request: Request,
         stream: RequestStream,
+        *,
+        rate_limited: bool = True,
     ) -> Ticket:
-        """Admit and queue a request, or raise the :class:`APIError` that refuses it."""
-        admitted = self.controller.admit(
-            tenant, priority_class, request.num_prompt_tokens, request.sampling.max_tokens
-        )
+        """Admit and queue a request, or raise the :class:`APIError` that refuses it.
+
+        ``rate_limited=False``: a stream resumed here, already charged where it started.
+        """
+        try:
+            admitted = await self.controller.admit_async(
+                tenant, priority_class, request.num_prompt_tokens, request.sampling.max_tokens,
+                rate_limited=rate_limited,
+            )  # fmt: skip
+        except StoreUnavailable as error:
+            # store_failure_mode fail_closed: no shared limits, no admission.
+            self.metrics.rejections_total.labels("store_unavailable").inc()
+            raise APIError(
+                503,
+                f"The rate-limit store is unreachable, so limits cannot be checked ({error}). "
+                "Retry shortly.",
+                code="store_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
         if isinstance(admitted, Rejection):
             self._count_rejection(admitted)
             raise rejection_error(admitted)
@@ -243,11 +270,18 @@ class FrontDoor:
         self._close(ticket, 0, 0)
         return True
 
-    def finished(self, ticket: Ticket) -> None:
-        """The request ended (any way): release its admission and engine capacity."""
+    def finished(self, ticket: Ticket, *, keep_reservation: bool = False) -> None:
+        """The request ended (any way): release its admission and engine capacity.
+
+        ``keep_reservation``: it stopped to continue elsewhere, where it is not charged
+        again, so its reserved tokens stay spent instead of being reconciled.
+        """
         request = ticket.request
         completed = ticket.dispatched and request.num_output_tokens > 0
-        self._close(ticket, request.num_prompt_tokens, request.num_output_tokens)
+        if keep_reservation:
+            self._close(ticket, ticket.admitted.reserved_tokens, 0)
+        else:
+            self._close(ticket, request.num_prompt_tokens, request.num_output_tokens)
         if completed:
             self.estimator.record_completion(request.num_tokens)
         if ticket.dispatched:

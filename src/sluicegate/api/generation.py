@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import secrets
 import time
-import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sluicegate.admission.tenants import Tenant
 from sluicegate.api.errors import APIError, invalid_param
@@ -17,6 +18,9 @@ from sluicegate.metrics.tracing import RequestTimeline, record_request_spans
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 from sluicegate.stream.flow import StreamFlow
 from sluicegate.stream.output import RequestOutput, RequestStream
+
+if TYPE_CHECKING:
+    from sluicegate.api.session import StreamSession
 
 
 @dataclass(slots=True)
@@ -35,8 +39,16 @@ class Generation:
     num_tokens_written: int = 0
     ticket: Ticket | None = None
     flow: StreamFlow | None = None
-    #: Cut short by a graceful shutdown: the client is told to resume elsewhere.
+    #: Stopped with its stream kept resumable (drain, detached too long, lease lost): the
+    #: stream ends with a notice instead of a finish, and may continue on any replica.
     drained: bool = False
+    #: The resumable stream this request feeds (streamed requests only).
+    session: StreamSession | None = None
+    #: Stopped to continue elsewhere: its token reservation stays spent (the continuation
+    #: is not charged again), rather than refunded.
+    keep_reservation: bool = False
+    #: Output tokens it started with (a resumed stream re-prefills what was delivered).
+    num_resumed_tokens: int = 0
 
     def timing(self) -> dict[str, float | None]:
         """Where this request's time went, in seconds (``None``: that phase never came)."""
@@ -69,6 +81,8 @@ class Generation:
     def headers(self) -> dict[str, str]:
         """Response headers: the request id and the tenant's rate-limit state."""
         out = {"x-request-id": self.request_id}
+        if self.session is not None:
+            out["x-sluicegate-stream-id"] = self.request_id
         if self.ticket is not None:
             out.update(self.ticket.admitted.headers())
         return out
@@ -98,7 +112,17 @@ class Generation:
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """An unguessable id (128 random bits): it is also the stream id that resumes a stream,
+    so knowing it must be as good as having created it (besides the tenant check)."""
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    return {
+        "prompt_tokens": output.num_prompt_tokens,
+        "completion_tokens": output.num_output_tokens,
+        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+    }
 
 
 def resolve_max_tokens(runtime: Runtime, requested: int | None, num_prompt_tokens: int) -> int:
@@ -152,8 +176,15 @@ async def start_generation(
     prompt_ids: list[int],
     sampling: SamplingParams,
     max_tokens_per_second: float | None = None,
+    *,
+    output_token_ids: Sequence[int] = (),
+    resumed: bool = False,
 ) -> Generation:
-    """Admit and queue a request; it reaches the engine when the front door dispatches it."""
+    """Admit and queue a request; it reaches the engine when the front door dispatches it.
+
+    A ``resumed`` stream continues on this replica after ``output_token_ids`` (delivered
+    elsewhere): it re-prefills them, and its tenant's rate limits are not charged again.
+    """
     front_door = runtime.front_door
     if front_door is None or not runtime.ready:
         raise APIError(
@@ -162,7 +193,12 @@ async def start_generation(
             code="not_ready",
             headers={"retry-after": "2"},
         )
-    request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        all_token_ids=[*prompt_ids, *output_token_ids],
+    )
     pace = max_tokens_per_second or tenant.max_tokens_per_second
     if tenant.max_tokens_per_second and max_tokens_per_second:
         pace = min(max_tokens_per_second, tenant.max_tokens_per_second)
@@ -170,9 +206,15 @@ async def start_generation(
         request.min_token_interval_seconds = 1.0 / pace
     stream = RequestStream(request_id)
     priority_class = front_door.priority_of(tenant, priority)
-    ticket = await front_door.enter(tenant, priority_class, request, stream)
-    runtime.metrics.prompt_tokens_total.inc(len(prompt_ids))
-    generation = Generation(request_id, request, stream, priority_class.value, ticket=ticket)
+    ticket = await front_door.enter(
+        tenant, priority_class, request, stream, rate_limited=not resumed
+    )
+    if not resumed:
+        runtime.metrics.prompt_tokens_total.inc(len(prompt_ids))
+    generation = Generation(
+        request_id, request, stream, priority_class.value, ticket=ticket,
+        num_resumed_tokens=len(output_token_ids),
+    )  # fmt: skip
     runtime.generations[request_id] = generation
     return generation
 
@@ -194,6 +236,11 @@ def abort_generation(runtime: Runtime, generation: Generation) -> None:
 
 def drain_generation(runtime: Runtime, generation: Generation) -> None:
     """Shutdown reached its deadline: stop this sequence; its client is told to resume."""
+    stop_generation(runtime, generation, "drained")
+
+
+def stop_generation(runtime: Runtime, generation: Generation, status: str) -> None:
+    """Stop a sequence whose stream stays resumable (recorded with ``status``)."""
     if generation.finished:
         return
     generation.drained = True
@@ -208,7 +255,7 @@ def drain_generation(runtime: Runtime, generation: Generation) -> None:
         )  # fmt: skip
     elif runtime.core is not None:
         runtime.core.abort_request(generation.request_id)
-    record_finish(runtime, generation, "drained")
+    record_finish(runtime, generation, status)
 
 
 def drain_notice(generation: Generation) -> dict[str, object]:
@@ -235,12 +282,12 @@ def record_finish(runtime: Runtime, generation: Generation, status: str) -> None
     generation.recorded = True
     runtime.generations.pop(generation.request_id, None)
     if generation.ticket is not None and runtime.front_door is not None:
-        runtime.front_door.finished(generation.ticket)
+        runtime.front_door.finished(generation.ticket, keep_reservation=generation.keep_reservation)
     metrics = runtime.metrics
     request = generation.request
     timing = generation.timing()
     metrics.requests_total.labels(status).inc()
-    metrics.generation_tokens_total.inc(request.num_output_tokens)
+    metrics.generation_tokens_total.inc(request.num_output_tokens - generation.num_resumed_tokens)
     metrics.e2e_request_latency_seconds.labels(generation.priority_label).observe(
         timing["e2e_seconds"] or 0.0
     )

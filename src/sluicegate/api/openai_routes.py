@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,13 +19,13 @@ from sluicegate.api.generation import (
     Generation,
     abort_generation,
     build_sampling,
-    drain_notice,
     engine_failure,
     finish_reason_text,
     new_request_id,
     record_finish,
     resolve_max_tokens,
     start_generation,
+    usage,
 )
 from sluicegate.api.runtime import Runtime, get_runtime
 from sluicegate.api.schemas import (
@@ -37,15 +37,12 @@ from sluicegate.api.schemas import (
     completion_prompt,
     parse_body,
 )
-from sluicegate.api.sse import DONE, EventStreamResponse, sse_comment, sse_data
+from sluicegate.api.session import StreamFormat
 from sluicegate.engine.tokenizer import ChatTemplateError
 from sluicegate.scheduler.request import FinishReason, SamplingParams
-from sluicegate.stream.flow import StreamFlow
-from sluicegate.stream.output import FlushPolicy, RequestOutput
+from sluicegate.stream.output import RequestOutput
 
 router = APIRouter()
-
-ChunkBuilder = Callable[[str, str | None, dict[str, Any] | None], dict[str, Any]]
 
 
 def json_response(
@@ -83,14 +80,6 @@ def check_model(runtime: Runtime, model: str) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def usage(output: RequestOutput) -> dict[str, int]:
-    return {
-        "prompt_tokens": output.num_prompt_tokens,
-        "completion_tokens": output.num_output_tokens,
-        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
-    }
 
 
 @router.get("/v1/models")
@@ -199,31 +188,25 @@ def response_body(
     }
 
 
-def chunk_builder(runtime: Runtime, prepared: Prepared, generation: Generation) -> ChunkBuilder:
-    request_id = prepared.request_id
-
-    def chat_chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
-        delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
-        return {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": generation.created,
-            "model": runtime.model_name,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-            "usage": use,
-        }
-
-    def text_chunk(text: str, finish: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": generation.created,
-            "model": runtime.model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": use,
-        }
-
-    return chat_chunk if prepared.kind == "chat" else text_chunk
+def stream_format(runtime: Runtime, prepared: Prepared, generation: Generation) -> StreamFormat:
+    """How this request's stream is framed (and how a takeover continues it)."""
+    req = prepared.req
+    options = req.stream_options
+    return StreamFormat(
+        kind=prepared.kind,
+        created=generation.created,
+        model=runtime.model_name,
+        include_usage=options is not None and options.include_usage,
+        continuous_usage=options is not None and options.continuous_usage_stats,
+        flush_interval_seconds=(
+            None
+            if options is None or options.flush_interval_ms is None
+            else options.flush_interval_ms / 1000.0
+        ),
+        flush_max_tokens=None if options is None else options.flush_max_tokens,
+        priority=generation.priority_label,
+        max_tokens_per_second=req.max_tokens_per_second,
+    )
 
 
 async def handle(request: HTTPRequest, kind: Literal["chat", "completion"]) -> Response:
@@ -243,13 +226,12 @@ async def handle(request: HTTPRequest, kind: Literal["chat", "completion"]) -> R
         job = await runtime.jobs.submit(tenant, kind, body)
         return json_response(job, status_code=202)
     generation = await admit(runtime, tenant, prepared)
-    chunk = chunk_builder(runtime, prepared, generation)
     if prepared.req.stream:
-        first = None
-        if kind == "chat":
-            first = chunk("", None, None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        return _stream(runtime, generation, prepared.req, chunk, first)
+        # A resumable stream: logged event by event, it survives its connection.
+        session = await runtime.sessions.open(
+            generation, tenant, stream_format(runtime, prepared, generation)
+        )
+        return session.response(0, generation.headers)
     output = await collect(runtime, generation, _disconnected(request))
     return json_response(
         response_body(runtime, prepared, generation, output), headers=generation.headers
@@ -351,135 +333,3 @@ async def collect(
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         abort_generation(runtime, generation)
-
-
-def _stream(
-    runtime: Runtime,
-    generation: Generation,
-    req: ChatCompletionRequest | CompletionRequest,
-    chunk: ChunkBuilder,
-    first: dict[str, Any] | None,
-) -> Response:
-    options = req.stream_options
-    include_usage = options is not None and options.include_usage
-    continuous = options is not None and options.continuous_usage_stats
-    policy = runtime.flush_policy
-    if options is not None and (
-        options.flush_interval_ms is not None or options.flush_max_tokens is not None
-    ):
-        policy = FlushPolicy(
-            interval_seconds=(
-                policy.interval_seconds
-                if options.flush_interval_ms is None
-                else options.flush_interval_ms / 1000.0
-            ),
-            max_tokens=options.flush_max_tokens or policy.max_tokens,
-            heartbeat_seconds=policy.heartbeat_seconds,
-        )
-    stream = generation.stream
-    metrics = runtime.metrics
-    queued_policy = FlushPolicy(
-        policy.interval_seconds, policy.max_tokens, min(1.0, policy.heartbeat_seconds)
-    )
-
-    async def events() -> AsyncIterator[tuple[bytes, int]]:
-        carried = 0
-        if first is not None:
-            if continuous:
-                first["usage"] = {
-                    "prompt_tokens": generation.request.num_prompt_tokens,
-                    "completion_tokens": 0,
-                    "total_tokens": generation.request.num_prompt_tokens,
-                }
-            yield sse_data(first), 0
-        if not generation.dispatched and runtime.front_door is not None:
-            assert generation.ticket is not None
-            position, eta = runtime.front_door.position(generation.ticket)
-            yield sse_comment(f"queued position={position} eta_ms={eta * 1000:.0f}"), 0
-        while True:
-            if not generation.dispatched and runtime.front_door is not None:
-                # Queued: tell the client where it stands, once a second, until it starts.
-                output = await stream.next(queued_policy)
-                if output is None and generation.ticket is not None:
-                    position, eta = runtime.front_door.position(generation.ticket)
-                    yield sse_comment(f"queued position={position} eta_ms={eta * 1000:.0f}"), 0
-                    continue
-            else:
-                output = await stream.next(policy)
-            if output is None:
-                yield sse_comment("keep-alive"), 0
-                continue
-            generation.record_write(runtime, output.num_new_tokens)
-            metrics.stream_buffer_tokens.observe(stream_flow.unreceived_tokens)
-            use = usage(output) if continuous else None
-            if output.finished:
-                generation.finished = True
-                if generation.drained:
-                    if output.text:
-                        yield sse_data(chunk(output.text, None, use)), output.num_new_tokens
-                    yield sse_data(drain_notice(generation)), 0
-                    yield DONE, 0
-                    return
-                if output.finish_reason == FinishReason.ERROR:
-                    record_finish(runtime, generation, "error")
-                    yield sse_data(engine_failure(generation, output).body()), 0
-                    yield DONE, 0
-                    return
-                record_finish(runtime, generation, finish_reason_text(output.finish_reason) or "")
-                num_tokens = output.num_new_tokens + carried
-                if output.text:
-                    yield sse_data(chunk(output.text, None, use)), num_tokens
-                    yield sse_data(chunk("", finish_reason_text(output.finish_reason), use)), 0
-                else:
-                    yield (
-                        sse_data(chunk("", finish_reason_text(output.finish_reason), use)),
-                        num_tokens,
-                    )
-                if include_usage:
-                    final = chunk("", None, {**usage(output), "sluicegate": generation.timing()})
-                    final["choices"] = []
-                    yield sse_data(final), 0
-                yield DONE, 0
-                return
-            if output.text or continuous:
-                yield sse_data(chunk(output.text, None, use)), output.num_new_tokens + carried
-                carried = 0
-            else:
-                # Tokens with no text yet (part of a UTF-8 character) ride with the next
-                # write, so delivery accounting counts every token exactly once.
-                carried += output.num_new_tokens
-
-    def eviction_event() -> bytes:
-        record_finish(runtime, generation, "evicted")
-        return sse_data(
-            {
-                "error": {
-                    "message": (
-                        f"The client accepted no data for "
-                        f"{runtime.settings.stall_timeout_seconds:g} seconds; the stream was "
-                        "closed and its generation cancelled."
-                    ),
-                    "type": "stream_stalled",
-                    "param": None,
-                    "code": "stream_stalled",
-                }
-            }
-        )
-
-    def on_close() -> None:
-        if stream_flow.evicted and not generation.finished:
-            generation.finished = True  # evicted: the controller aborted the sequence
-            return
-        abort_generation(runtime, generation)
-
-    stream_flow = StreamFlow(stream)
-    generation.flow = stream_flow
-    return EventStreamResponse(
-        events(),
-        stream_flow,
-        runtime.flow,
-        on_close=on_close,
-        eviction_event=eviction_event,
-        headers=generation.headers,
-        on_send_blocked=metrics.stream_send_blocked_seconds.observe,
-    )

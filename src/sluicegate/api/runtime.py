@@ -14,11 +14,13 @@ from sluicegate.api.front_door import FrontDoor
 if TYPE_CHECKING:
     from sluicegate.api.generation import Generation
     from sluicegate.api.jobs import JobRunner
+    from sluicegate.api.session import SessionRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.metrics.registry import Metrics
 from sluicegate.metrics.window import SlidingWindow
+from sluicegate.store.base import Store
 from sluicegate.stream.flow import FlowConfig, FlowController
 from sluicegate.stream.output import FlushPolicy
 
@@ -83,6 +85,10 @@ class Runtime:
     preemptions_seen: dict[str, int] = field(default_factory=dict)
     flow: FlowController = field(init=False)
     flush_policy: FlushPolicy = field(init=False)
+    #: Replay logs, leases and shared buckets (connected at startup, before the engine).
+    store: Store | None = None
+    #: The resumable streams produced by this replica (set by ``create_app``).
+    sessions: SessionRegistry = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings

@@ -90,6 +90,8 @@ class EngineCore:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._assemblers: dict[str, TextAssembler] = {}
+        #: Per request: output tokens already committed before the assembler was built.
+        self._committed_base: dict[str, int] = {}
         self._on_step = on_step
         self._on_abort = on_abort
         self._thread = threading.Thread(target=self._run, name="sluicegate-engine", daemon=True)
@@ -188,13 +190,18 @@ class EngineCore:
     def _add(self, command: _Add) -> None:
         request = command.request
         self._streams[request.request_id] = command.stream
-        decoder = self.tokenizer.decode_stream(request.prompt_token_ids)
+        # All known tokens, not only the prompt: a resumed request arrives with the output
+        # it already delivered (prompt + committed tokens), and its text continues from
+        # there.  Only tokens generated here are committed by this assembler.
+        decoder = self.tokenizer.decode_stream(request.all_token_ids)
         self._assemblers[request.request_id] = TextAssembler(decoder, request.sampling.stop)
+        self._committed_base[request.request_id] = request.num_output_tokens
         self.scheduler.add_request(request)
 
     def _abort(self, command: _Abort) -> None:
         request = self.scheduler.finish_request(command.request_id, RequestStatus.FINISHED_ABORTED)
         self._assemblers.pop(command.request_id, None)
+        self._committed_base.pop(command.request_id, None)
         stream = self._streams.pop(command.request_id, None)
         if request is not None and self._on_abort is not None:
             self._on_abort(time.monotonic() - command.requested_at)
@@ -216,6 +223,7 @@ class EngineCore:
             if assembler is None or stream is None:
                 continue
             text = ""
+            committed_before = assembler.num_committed_tokens
             if token_id is not None:
                 is_eos = request.finish_reason == FinishReason.STOP and (
                     token_id in self.scheduler.eos_token_ids
@@ -227,8 +235,16 @@ class EngineCore:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             if request.status.is_finished:
                 text += assembler.flush()
+            committed: list[int] = []
+            if assembler.num_committed_tokens > committed_before:
+                start = request.num_prompt_tokens + self._committed_base.get(rid, 0)
+                committed = request.all_token_ids[
+                    start + committed_before : start + assembler.num_committed_tokens
+                ]
+            if request.status.is_finished:
                 del self._assemblers[rid]
                 del self._streams[rid]
+                self._committed_base.pop(rid, None)
             outputs.append(
                 (
                     stream,
@@ -239,6 +255,7 @@ class EngineCore:
                         num_prompt_tokens=request.num_prompt_tokens,
                         num_output_tokens=request.num_output_tokens,
                         finish_reason=request.finish_reason if request.status.is_finished else None,
+                        committed_token_ids=committed,
                     ),
                 )
             )
@@ -250,6 +267,7 @@ class EngineCore:
             request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
             stream = self._streams.pop(rid, None)
             self._assemblers.pop(rid, None)
+            self._committed_base.pop(rid, None)
             if request is not None and stream is not None:
                 failed.append(
                     (

@@ -140,3 +140,30 @@ class Metrics:
         )
         self.engine_up.labels(engine).set(0)
         self.engine = engine
+
+        # --- resumable streams and the shared store ---
+        self.store_available = Gauge(
+            p + "store_available",
+            "1 when the store (replay logs, leases, shared buckets) answered its last call.",
+            registry=r,
+        )  # fmt: skip
+        self.store_available.set(1)
+        self.store_degraded_operations_total = Counter(
+            p + "store_degraded_operations",
+            "Store operations run while the store was unreachable, by what they did instead "
+            "(dropped, admitted, granted, raised).",
+            ["operation", "outcome"], registry=r,
+        )  # fmt: skip
+        self.stream_resumes_total = Counter(
+            p + "stream_resumes",
+            "Resume requests (GET /v1/streams/{id}) by how they were served: attach (still "
+            "generating here), replay (finished), follow (generating elsewhere), takeover "
+            "(continued here), rejected.",
+            ["status"], registry=r,
+        )  # fmt: skip
+        self.streams_checkpointed_total = Counter(
+            p + "streams_checkpointed",
+            "Streams stopped with their state saved for any replica to continue, by reason "
+            "(draining, detached, degraded_log).",
+            ["reason"], registry=r,
+        )  # fmt: skip

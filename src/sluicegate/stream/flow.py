@@ -10,6 +10,11 @@ At ``high_water_tokens`` the sequence is paused (the scheduler skips it; it keep
 KV cache); at ``low_water_tokens`` it resumes.  Paused longer than
 ``pause_preempt_seconds``, its KV cache is freed (it re-prefills on resume).  When the
 client accepts no bytes for ``stall_timeout_seconds``, the stream is evicted.
+
+A resumable stream outlives its connection: while no client is attached
+(:meth:`StreamFlow.detach`) nothing is received, so its backlog grows to the high-water
+mark and the sequence pauses like any slow reader's; a client that reattaches
+(:meth:`StreamFlow.attach`) starts from the tokens it says it has.
 """
 
 from __future__ import annotations
@@ -90,6 +95,36 @@ class StreamFlow:
     total_paused_seconds: float = 0.0
     #: WebSocket credit flow: tokens the client has allowed in total (None: byte-based).
     credit_tokens: int | None = None
+    #: No client connected (a resumable stream between connections): nothing is received.
+    detached: bool = False
+    #: Bumped by every attach, so a writer of an earlier connection stops counting.
+    attachment: int = 0
+
+    def attach(self, tokens_received: int) -> int:
+        """A client (re)connected holding ``tokens_received`` tokens; returns its attachment.
+
+        Byte accounting restarts for the new connection; token accounting continues from
+        what the client already has.
+        """
+        self.attachment += 1
+        self.detached = False
+        self.transport = None
+        self.writes.clear()
+        self.bytes_written = 0
+        self.last_acked_bytes = 0
+        self.tokens_written = tokens_received
+        self.tokens_received = tokens_received
+        self.sending = False
+        self.last_progress_time = time.monotonic()
+        return self.attachment
+
+    def detach(self) -> None:
+        """The client went away: what was written but not acknowledged was not received."""
+        self.attachment += 1
+        self.detached = True
+        self.transport = None
+        self.writes.clear()
+        self.sending = False
 
     @property
     def credit_available(self) -> int:
@@ -104,6 +139,8 @@ class StreamFlow:
 
     def refresh_received(self) -> int:
         """Update and return the tokens whose bytes the peer has acknowledged."""
+        if self.detached:
+            return self.tokens_received
         if self.transport is None:
             acked = self.bytes_written
         else:
@@ -121,7 +158,10 @@ class StreamFlow:
 
     @property
     def waiting_on_client(self) -> bool:
-        """Something is produced that the client has not taken."""
+        """Something is produced that the client has not taken (never while detached: a
+        stream without a client is governed by its detach grace, not the stall timeout)."""
+        if self.detached:
+            return False
         return self.stream.pending_tokens > 0 or self.last_acked_bytes < self.bytes_written
 
 

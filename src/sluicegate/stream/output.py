@@ -30,6 +30,10 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None
+    #: Output tokens whose text is complete with this delta's text (see
+    #: :class:`~sluicegate.stream.text.TextAssembler`): the text of every delta so far is
+    #: exactly the text of every committed token so far.
+    committed_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -94,7 +98,11 @@ class RequestStream:
         return self._take()
 
     async def next(self, policy: FlushPolicy) -> RequestOutput | None:
-        """The next flush by ``policy``; None when a heartbeat is due instead."""
+        """The next flush by ``policy``; None when a heartbeat is due instead.
+
+        With a zero interval every delta is its own flush, even when several wait (the
+        caller decides how far ahead of its reader it may run).
+        """
         loop = asyncio.get_running_loop()
         if not self._pending:
             self._ready.clear()
@@ -102,6 +110,9 @@ class RequestStream:
                 await asyncio.wait_for(self._ready.wait(), policy.heartbeat_seconds)
             except TimeoutError:
                 return None
+        if policy.interval_seconds <= 0:
+            self._first_taken = True
+            return self._take_one()
         if self._first_taken and policy.interval_seconds > 0:
             deadline = self._last_take_time + policy.interval_seconds
             while (
@@ -142,6 +153,7 @@ class RequestStream:
             num_output_tokens=last.num_output_tokens,
             finish_reason=last.finish_reason,
             error=last.error,
+            committed_token_ids=[t for o in taken for t in o.committed_token_ids],
         )
 
     async def wait(self) -> None:
@@ -150,16 +162,24 @@ class RequestStream:
             self._ready.clear()
             await self._ready.wait()
 
+    def _take_one(self) -> RequestOutput:
+        output = self._pending.popleft()
+        self.pending_tokens -= output.num_new_tokens
+        self.pending_bytes -= len(output.text.encode())
+        return output
+
     def _take(self) -> RequestOutput:
         first = self._pending.popleft()
         if self._pending:
             parts = [first.text]
             num_new = first.num_new_tokens
+            committed = list(first.committed_token_ids)
             last = first
             while self._pending:
                 last = self._pending.popleft()
                 parts.append(last.text)
                 num_new += last.num_new_tokens
+                committed += last.committed_token_ids
             first = RequestOutput(
                 request_id=first.request_id,
                 text="".join(parts),
@@ -168,6 +188,7 @@ class RequestStream:
                 num_output_tokens=last.num_output_tokens,
                 finish_reason=last.finish_reason,
                 error=last.error,
+                committed_token_ids=committed,
             )
         self.pending_tokens = 0
         self.pending_bytes = 0

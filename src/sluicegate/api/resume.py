@@ -1,0 +1,292 @@
+"""``GET /v1/streams/{stream_id}``: resume a stream after a dropped connection.
+
+The client says what it has with ``Last-Event-ID: <stream-id>:<seq>`` (what an
+``EventSource`` sends by itself) or ``?after=<seq>``; with neither, the stream is replayed
+from its start.  It gets the events after that position, then the live ones:
+
+* the stream is still generated here: the connection attaches to it;
+* it is finished: its log is replayed to the end;
+* nobody generates it (its replica drained, gave it up after the detach grace, or died
+  and its lease expired): this replica takes it over and continues it exactly;
+* another replica generates it: the log is followed live, and taken over as soon as the
+  other replica lets go (or its lease expires).
+
+Only the tenant that created a stream can resume it; for anyone else it does not exist
+(404, never 403).  A stream whose log expired is 410.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from starlette.responses import Response
+
+from sluicegate.admission.tenants import Tenant
+from sluicegate.api.errors import APIError
+from sluicegate.api.runtime import Runtime, get_runtime
+from sluicegate.api.session import (
+    REPLAY_BATCH_EVENTS,
+    StreamSession,
+    error_event,
+    replay_error,
+)
+from sluicegate.api.sse import EventStreamResponse, SSEConnection, with_event_id
+from sluicegate.store.base import (
+    InvalidReplayPosition,
+    ReplayResult,
+    ReplayTrimmed,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    StreamExpired,
+    StreamNotFound,
+)
+from sluicegate.store.event_id import (
+    format_event_id,
+    parse_after_seq,
+    parse_event_id,
+    validate_stream_id,
+)
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+#: How often a follower looks for new events and for the lease to free up.
+FOLLOW_POLL_SECONDS = 0.05
+
+
+@router.get("/v1/streams/{stream_id}")
+async def resume_stream(stream_id: str, request: HTTPRequest) -> Response:
+    runtime = get_runtime(request)
+    if runtime.front_door is None or runtime.store is None or not runtime.ready:
+        raise APIError(
+            503, "The model is still loading; retry shortly.", code="not_ready",
+            headers={"retry-after": "2"},
+        )  # fmt: skip
+    tenant = runtime.front_door.authenticate(request.headers.get("authorization"))
+    after_seq = _position(stream_id, request)
+    try:
+        return await _resume(runtime, tenant, stream_id, after_seq)
+    except APIError as error:
+        status = "rejected" if error.status_code != 404 else "not_found"
+        runtime.metrics.stream_resumes_total.labels(status).inc()
+        raise
+
+
+async def _resume(runtime: Runtime, tenant: Tenant, stream_id: str, after_seq: int) -> Response:
+    store = runtime.store
+    assert store is not None
+    metrics = runtime.metrics
+    headers = {"x-sluicegate-stream-id": stream_id, "x-request-id": stream_id}
+    local = runtime.sessions.get(stream_id)
+    if local is not None and local.stop_reason is not None:
+        # Stopping (detach grace over, drain, lease lost): once it has checkpointed, the
+        # stream is served from the store like any other.
+        await local.wait_done()
+        local = None
+    if local is not None and not local.done:
+        if local.tenant_name != tenant.name:
+            raise _not_found(stream_id)
+        if after_seq > local.last_seq:
+            raise _bad_position(InvalidReplayPosition(stream_id, after_seq, local.last_seq))
+        metrics.stream_resumes_total.labels("attach").inc()
+        return local.response(after_seq, headers)
+    try:
+        meta = await store.get_meta(stream_id)
+        if meta.tenant != tenant.name:
+            raise _not_found(stream_id)
+        head = await store.read(stream_id, after_seq, limit=REPLAY_BATCH_EVENTS)
+    except StreamExpired:
+        raise _expired(stream_id) from None
+    except StreamNotFound:
+        raise _not_found(stream_id) from None
+    except InvalidReplayPosition as error:
+        raise _bad_position(error) from None
+    except StoreUnavailable as error:
+        raise _store_down(error) from None
+    if head.trimmed:
+        raise _trimmed(ReplayTrimmed(stream_id, after_seq, head.resumable_from_seq))
+    connection = SSEConnection()
+    if head.finished:
+        metrics.stream_resumes_total.labels("replay").inc()
+        events = _replay(store, stream_id, after_seq, head, connection)
+        return _response(runtime, events, connection, headers)
+    if runtime.draining:
+        raise APIError(
+            503, "The server is shutting down; resume the stream on another replica.",
+            code="server_draining", headers={"retry-after": "1"},
+        )  # fmt: skip
+    session = await _try_take_over(runtime, tenant, stream_id)
+    if session is not None:
+        metrics.stream_resumes_total.labels("takeover").inc()
+        return session.response(after_seq, headers)
+    metrics.stream_resumes_total.labels("follow").inc()
+    events = _follow(runtime, tenant, stream_id, after_seq, connection)
+    return _response(runtime, events, connection, headers)
+
+
+async def _try_take_over(runtime: Runtime, tenant: Tenant, stream_id: str) -> StreamSession | None:
+    try:
+        return await runtime.sessions.take_over(tenant, stream_id)
+    except StreamExpired:
+        raise _expired(stream_id) from None
+    except StoreUnavailable as error:
+        raise _store_down(error) from None
+
+
+def _response(
+    runtime: Runtime,
+    events: AsyncIterator[tuple[bytes, int]],
+    connection: SSEConnection,
+    headers: dict[str, str],
+) -> EventStreamResponse:
+    return EventStreamResponse(
+        events, connection, headers=headers,
+        on_send_blocked=runtime.metrics.stream_send_blocked_seconds.observe,
+    )  # fmt: skip
+
+
+async def _replay(
+    store: Store,
+    stream_id: str,
+    after_seq: int,
+    first: ReplayResult,
+    connection: SSEConnection,
+) -> AsyncIterator[tuple[bytes, int]]:
+    """A finished stream's events after ``after_seq``, to its end."""
+    result = first
+    position = after_seq
+    try:
+        while True:
+            for event in result.events:
+                connection.sent_event_id = True
+                yield with_event_id(event.data, format_event_id(stream_id, event.seq)), 0
+                position = event.seq
+            if position >= result.last_seq or not result.events:
+                return
+            result = await store.read(stream_id, position, limit=REPLAY_BATCH_EVENTS)
+            if result.trimmed:
+                raise ReplayTrimmed(stream_id, position, result.resumable_from_seq)
+    except StoreError as error:
+        yield replay_error(error), 0
+
+
+async def _follow(
+    runtime: Runtime,
+    tenant: Tenant,
+    stream_id: str,
+    after_seq: int,
+    connection: SSEConnection,
+) -> AsyncIterator[tuple[bytes, int]]:
+    """Relay a stream another replica generates, and take it over when that one stops."""
+    store = runtime.store
+    assert store is not None
+    position = after_seq
+    heartbeat_at = asyncio.get_running_loop().time() + runtime.flush_policy.heartbeat_seconds
+    try:
+        while True:
+            result = await store.read(stream_id, position, limit=REPLAY_BATCH_EVENTS)
+            if result.trimmed:
+                raise ReplayTrimmed(stream_id, position, result.resumable_from_seq)
+            for event in result.events:
+                connection.sent_event_id = True
+                yield with_event_id(event.data, format_event_id(stream_id, event.seq)), 0
+                position = event.seq
+            if result.finished and position >= result.last_seq:
+                return
+            if result.events:
+                continue
+            if runtime.draining:
+                yield error_event(
+                    "server_draining",
+                    "The server is shutting down. Resume the stream with GET "
+                    f"/v1/streams/{stream_id} (with Last-Event-ID) on another replica.",
+                    stream_id=stream_id,
+                ), 0  # fmt: skip
+                return
+            session = runtime.sessions.get(stream_id)
+            if session is None and await store.lease_owner(stream_id) is None:
+                session = await runtime.sessions.take_over(tenant, stream_id)
+            if session is not None and not session.done:
+                feed = session.attach(position)
+                async for item in session.events(feed, connection, position):
+                    yield item
+                return
+            now = asyncio.get_running_loop().time()
+            if now >= heartbeat_at:
+                heartbeat_at = now + runtime.flush_policy.heartbeat_seconds
+                yield connection.comment("keep-alive"), 0
+            await asyncio.sleep(FOLLOW_POLL_SECONDS)
+    except StoreError as error:
+        yield replay_error(error), 0
+    except APIError as error:  # it could not be taken over here (limits, model)
+        yield error_event(error.code or "resume_failed", error.message, stream_id=stream_id), 0
+
+
+def _position(stream_id: str, request: HTTPRequest) -> int:
+    """The client's position: ``Last-Event-ID`` (it wins: it is newer), ``?after``, or 0."""
+    try:
+        validate_stream_id(stream_id)
+    except ValueError:
+        raise _not_found(stream_id) from None
+    last_event_id = request.headers.get("last-event-id")
+    if last_event_id:
+        try:
+            event_stream, seq = parse_event_id(last_event_id)
+        except ValueError as error:
+            raise APIError(400, str(error), param="Last-Event-ID") from None
+        if event_stream != stream_id:
+            raise APIError(
+                400,
+                f"Last-Event-ID names stream '{event_stream}', not '{stream_id}'.",
+                param="Last-Event-ID",
+            )
+        return seq
+    after = request.query_params.get("after")
+    if after is None:
+        return 0
+    try:
+        return parse_after_seq(after)
+    except ValueError as error:
+        raise APIError(400, str(error), param="after") from None
+
+
+def _not_found(stream_id: str) -> APIError:
+    return APIError(
+        404, f"No stream with id '{stream_id[:200]}'.", param="stream_id", code="not_found"
+    )
+
+
+def _expired(stream_id: str) -> APIError:
+    return APIError(
+        410,
+        f"Stream '{stream_id}' has expired: its replay log is dropped replay_ttl_seconds "
+        "after its last event, so it can no longer be resumed. Send the request again.",
+        param="stream_id",
+        code="stream_expired",
+    )
+
+
+def _trimmed(error: ReplayTrimmed) -> APIError:
+    return APIError(
+        410,
+        f"{error}. Resume with Last-Event-ID {error.stream_id}:{error.resumable_from_seq} or "
+        "later, or send the request again.",
+        param="Last-Event-ID",
+        code="replay_trimmed",
+    )
+
+
+def _bad_position(error: InvalidReplayPosition) -> APIError:
+    return APIError(400, str(error), param="Last-Event-ID", code="invalid_position")
+
+
+def _store_down(error: StoreUnavailable) -> APIError:
+    return APIError(
+        503, f"The replay store is unreachable: {error}. Retry shortly.",
+        code="store_unavailable", headers={"retry-after": "1"},
+    )  # fmt: skip

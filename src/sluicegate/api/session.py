@@ -1,0 +1,890 @@
+"""Resumable streams: one stream's production on this replica, its replay log, and the
+connections that read it.
+
+A streamed request becomes a :class:`StreamSession`.  Its *producer* task turns the
+engine's output into SSE events, appends each to the stream's replay log in the store
+(the store numbers them: the SSE id is ``<stream-id>:<seq>``), and hands it to the
+connection attached at the moment, if any.  A connection's writer first replays from the
+log what its client missed, then writes live events.  So connections come and go:
+
+* A client that disconnects leaves the session *detached*: it goes on generating and
+  logging, until flow control pauses it at the high-water mark (nothing is received),
+  for ``detached_grace_seconds``.  A client that resumes in time attaches and loses
+  nothing.
+* After the grace, or at a drain's deadline, the sequence is stopped and the stream
+  *checkpointed*: its log holds every event with the token ids they contain, its status
+  says so, its lease is released, and any replica can continue it.
+* A replica generates a stream only while it holds the stream's lease in the store,
+  renewed while it generates; appends are fenced by it, so two replicas never write one
+  log.  A replica that dies stops renewing, and another takes over when it expires.
+
+Exactly once, across replicas: each event is logged atomically with exactly the token
+ids whose text it completes (the text assembler releases text only at clean token
+boundaries), so a replica that takes over re-prefills prompt + those tokens with the same
+sampling state and regenerates, identically, whatever was never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from sluicegate.admission.tenants import Tenant
+from sluicegate.api.errors import APIError
+from sluicegate.api.generation import (
+    Generation,
+    abort_generation,
+    drain_notice,
+    engine_failure,
+    finish_reason_text,
+    record_finish,
+    start_generation,
+    stop_generation,
+    usage,
+)
+from sluicegate.api.sse import DONE, EventStreamResponse, SSEConnection, sse_data, with_event_id
+from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
+from sluicegate.store.base import (
+    JSONValue,
+    LeaseLost,
+    ReplayTrimmed,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    StreamExpired,
+    StreamMeta,
+    StreamStatus,
+)
+from sluicegate.store.event_id import format_event_id
+from sluicegate.stream.flow import StreamFlow
+from sluicegate.stream.output import FlushPolicy, RequestOutput, RequestStream
+
+if TYPE_CHECKING:
+    from sluicegate.api.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+#: Events per store read while replaying.
+REPLAY_BATCH_EVENTS = 256
+#: Events a connection's feed holds before the producer waits for its writer.  Two, not
+#: one: the hop from producer to writer must not make a fast reader's events coalesce.
+FEED_MAX_WAITING = 2
+
+Kind = Literal["chat", "completion"]
+#: Why a session stopped generating without finishing its stream.
+StopReason = Literal["draining", "detached", "lease_lost", "evicted", "store_unavailable"]
+
+
+# --- framing ---
+
+
+@dataclass(slots=True, frozen=True)
+class StreamFormat:
+    """How a stream's chunks look; kept in ``StreamMeta.extra`` so that a replica that
+    takes the stream over frames its continuation exactly like the start."""
+
+    kind: Kind
+    created: int
+    model: str
+    include_usage: bool = False
+    continuous_usage: bool = False
+    flush_interval_seconds: float | None = None
+    flush_max_tokens: int | None = None
+    priority: str = "interactive"
+    max_tokens_per_second: float | None = None
+
+    def chunk(
+        self, stream_id: str, text: str, finish: str | None, use: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """One ``chat.completion.chunk`` or ``text_completion`` object."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
+            choice: dict[str, Any] = {
+                "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+            }  # fmt: skip
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {
+            "id": stream_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": use,
+        }
+
+    def first_chunk(self, stream_id: str, num_prompt_tokens: int) -> bytes | None:
+        """The opening chat chunk (the assistant role); completions have none."""
+        if self.kind != "chat":
+            return None
+        first = self.chunk(stream_id, "", None, None)
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        if self.continuous_usage:
+            first["usage"] = {
+                "prompt_tokens": num_prompt_tokens,
+                "completion_tokens": 0,
+                "total_tokens": num_prompt_tokens,
+            }
+        return sse_data(first)
+
+    def flush_policy(self, default: FlushPolicy) -> FlushPolicy:
+        if self.flush_interval_seconds is None and self.flush_max_tokens is None:
+            return default
+        return FlushPolicy(
+            interval_seconds=(
+                default.interval_seconds
+                if self.flush_interval_seconds is None
+                else self.flush_interval_seconds
+            ),
+            max_tokens=self.flush_max_tokens or default.max_tokens,
+            heartbeat_seconds=default.heartbeat_seconds,
+        )
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {
+            "kind": self.kind,
+            "created": self.created,
+            "include_usage": self.include_usage,
+            "continuous_usage": self.continuous_usage,
+            "flush_interval_seconds": self.flush_interval_seconds,
+            "flush_max_tokens": self.flush_max_tokens,
+            "priority": self.priority,
+            "max_tokens_per_second": self.max_tokens_per_second,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], model: str) -> StreamFormat:
+        kind: Kind = "chat" if data.get("kind") == "chat" else "completion"
+        return cls(
+            kind=kind,
+            created=int(data.get("created") or time.time()),
+            model=model,
+            include_usage=bool(data.get("include_usage")),
+            continuous_usage=bool(data.get("continuous_usage")),
+            flush_interval_seconds=_optional_float(data.get("flush_interval_seconds")),
+            flush_max_tokens=_optional_int(data.get("flush_max_tokens")),
+            priority=str(data.get("priority") or "interactive"),
+            max_tokens_per_second=_optional_float(data.get("max_tokens_per_second")),
+        )
+
+
+def sampling_to_json(sampling: SamplingParams) -> dict[str, JSONValue]:
+    """Everything but the seed (``StreamMeta.seed``), for :func:`sampling_from_json`."""
+    return {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+    }
+
+
+def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=int(data["max_tokens"]),
+        seed=seed,
+        temperature=float(data.get("temperature", 1.0)),
+        top_p=float(data.get("top_p", 1.0)),
+        top_k=int(data.get("top_k", 0)),
+        stop=tuple(str(s) for s in data.get("stop", ())),
+        stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
+        ignore_eos=bool(data.get("ignore_eos", False)),
+    )
+
+
+def is_final_event(data: bytes) -> bool:
+    """Whether a logged event ends its stream (it carries the ``[DONE]`` message)."""
+    return data.endswith(DONE)
+
+
+def error_event(status: str, message: str, **extra: JSONValue) -> bytes:
+    """A final SSE error event in OpenAI's shape, with ``[DONE]``."""
+    body: dict[str, JSONValue] = {
+        "message": message, "type": status, "param": None, "code": status, **extra,
+    }  # fmt: skip
+    return sse_data({"error": body}) + DONE
+
+
+def replay_error(error: StoreError) -> bytes:
+    """The event that ends a replay the store cannot serve."""
+    if isinstance(error, ReplayTrimmed):
+        return error_event(
+            "replay_trimmed", str(error), resumable_from_seq=error.resumable_from_seq
+        )
+    if isinstance(error, StreamExpired):
+        return error_event("stream_expired", f"{error}. Send the request again.")
+    message = f"The replay log cannot be read: {error}. Resume later."
+    return error_event("store_unavailable", message)
+
+
+# --- one attached connection ---
+
+
+@dataclass(slots=True)
+class _Item:
+    data: bytes
+    seq: int | None
+    num_tokens: int
+    comment: str | None = None
+
+
+class Feed:
+    """Events for one attached connection, from the producer to the writer, in order."""
+
+    def __init__(self, watermark: int, attachment: int, on_empty: asyncio.Event) -> None:
+        #: Events up to this seq were logged before the attach: the writer replays them.
+        self.watermark = watermark
+        self.attachment = attachment
+        self.items: deque[_Item] = deque()
+        self.closed = False
+        self._changed = asyncio.Event()
+        self._on_empty = on_empty
+
+    @property
+    def exhausted(self) -> bool:
+        return self.closed and not self.items
+
+    def push(self, item: _Item) -> None:
+        if not self.closed:
+            self.items.append(item)
+            self._changed.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._changed.set()
+
+    async def next(self, heartbeat_seconds: float) -> _Item | None:
+        """The next event; ``None`` when a heartbeat is due (or the feed is exhausted)."""
+        if not self.items:
+            self._on_empty.set()
+            if self.closed:
+                return None
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), heartbeat_seconds)
+            if not self.items:
+                return None
+        item = self.items.popleft()
+        if len(self.items) < FEED_MAX_WAITING:
+            self._on_empty.set()
+        return item
+
+
+# --- what the producer emits ---
+
+
+@dataclass(slots=True)
+class Emission:
+    """One write of the producer: whole SSE messages, the tokens they carry, and the
+    output tokens whose text they complete (logged with them)."""
+
+    data: bytes
+    num_tokens: int = 0
+    committed_token_ids: list[int] = field(default_factory=list)
+    logged: bool = True
+    final: bool = False
+    comment: str | None = None
+
+
+# --- the session ---
+
+
+class StreamSession:
+    """One resumable stream produced on this replica.  Owned by the event loop."""
+
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        generation: Generation,
+        tenant_name: str,
+        fmt: StreamFormat,
+        *,
+        first_chunk: bytes | None,
+        last_seq: int = 0,
+    ) -> None:
+        runtime = registry.runtime
+        assert runtime.store is not None
+        self.registry = registry
+        self.runtime = runtime
+        self.store: Store = runtime.store
+        self.generation = generation
+        generation.session = self
+        self.stream_id = generation.request_id
+        self.tenant_name = tenant_name
+        self.format = fmt
+        self.flow = StreamFlow(generation.stream)
+        generation.flow = self.flow
+        runtime.flow.register(self.flow)
+        self.feed: Feed | None = None
+        #: Seq of the last event this replica logged (or found logged, at a takeover).
+        self.last_seq = last_seq
+        #: (seq, tokens carried by events up to it): what a client at a seq has received.
+        self._tokens_through: list[tuple[int, int]] = []
+        self._tokens_emitted = 0
+        #: False once an append failed: the log stays a consistent prefix of the stream.
+        self.logging = True
+        self.log_finished = False
+        self.stop_reason: StopReason | None = None
+        self.done = False
+        self._writer_back = asyncio.Event()
+        self._grace: asyncio.TimerHandle | None = None
+        registry.add(self)
+        self._task = asyncio.create_task(
+            self._produce(first_chunk), name=f"sluicegate-stream-{self.stream_id}"
+        )
+
+    # --- connections ---
+
+    def attach(self, after_seq: int) -> Feed:
+        """A client connects holding the events up to ``after_seq``; returns its feed.
+
+        Replaces any connection attached before.  Events logged so far (up to the feed's
+        watermark) come from the log; every later one through the feed, so none is
+        missed or repeated.
+        """
+        if self.feed is not None:
+            self.feed.close()  # superseded: its writer ends after what it already has
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        attachment = self.flow.attach(self.tokens_through(after_seq))
+        self.feed = Feed(self.last_seq, attachment, self._writer_back)
+        self._writer_back.set()
+        return self.feed
+
+    def detach(self, feed: Feed) -> None:
+        """``feed``'s connection closed; from now on the stream is detached (if current)."""
+        if self.feed is not feed:
+            return
+        self.feed = None
+        feed.close()
+        self.flow.detach()
+        self._writer_back.set()
+        if self.done:
+            self.runtime.flow.unregister(self.stream_id)
+        elif self.stop_reason is None and not self.generation.finished:
+            grace = self.runtime.settings.detached_grace_seconds
+            self._grace = asyncio.get_running_loop().call_later(grace, self._grace_expired)
+
+    def tokens_through(self, seq: int) -> int:
+        """Tokens carried by this session's events up to ``seq``."""
+        index = bisect.bisect_right(self._tokens_through, (seq, 1 << 62))
+        return self._tokens_through[index - 1][1] if index else 0
+
+    def response(self, after_seq: int, headers: dict[str, str]) -> EventStreamResponse:
+        """Attach a new connection and stream to it from ``after_seq``."""
+        feed = self.attach(after_seq)
+        connection = SSEConnection()
+        return EventStreamResponse(
+            self.events(feed, connection, after_seq),
+            connection,
+            headers=headers,
+            on_send_blocked=self.runtime.metrics.stream_send_blocked_seconds.observe,
+        )
+
+    async def events(
+        self, feed: Feed, connection: SSEConnection, after_seq: int
+    ) -> AsyncIterator[tuple[bytes, int]]:
+        """What one attached connection writes: the missed events, then live ones."""
+        connection.bind(self.flow, feed.attachment, lambda: self.detach(feed), self.eviction_event)
+        position = after_seq
+        before = self.tokens_through(after_seq)
+        try:
+            while position < feed.watermark:
+                result = await self.store.read(self.stream_id, position, limit=REPLAY_BATCH_EVENTS)
+                if result.trimmed:
+                    raise ReplayTrimmed(self.stream_id, position, result.resumable_from_seq)
+                events = [e for e in result.events if e.seq <= feed.watermark]
+                if not events:
+                    break
+                for event in events:
+                    through = self.tokens_through(event.seq)
+                    connection.sent_event_id = True
+                    yield (
+                        with_event_id(event.data, format_event_id(self.stream_id, event.seq)),
+                        through - before,
+                    )
+                    before = through
+                    position = event.seq
+        except StoreError as error:
+            yield replay_error(error), 0
+            return
+        heartbeat = self.runtime.flush_policy.heartbeat_seconds
+        while not feed.exhausted:
+            item = await feed.next(heartbeat)
+            if item is None:
+                if not feed.exhausted:
+                    yield connection.comment("keep-alive"), 0
+                continue
+            if item.comment is not None:
+                yield connection.comment(item.comment), 0
+            elif item.seq is not None:
+                connection.sent_event_id = True
+                event_id = format_event_id(self.stream_id, item.seq)
+                yield with_event_id(item.data, event_id), item.num_tokens
+            else:
+                yield item.data, item.num_tokens
+
+    def eviction_event(self) -> bytes:
+        """The stalled client is cut off: what it is told (the log gets it too)."""
+        if not self.generation.finished:
+            self.stop_reason = "evicted"
+        record_finish(self.runtime, self.generation, "evicted")
+        return sse_data(self._stall_error())
+
+    # --- stopping ---
+
+    def stop(self, reason: StopReason, status: str) -> None:
+        """Stop generating; the stream stays resumable from what was logged."""
+        if self.done or self.generation.finished:
+            return
+        self.stop_reason = reason
+        self.generation.keep_reservation = True
+        stop_generation(self.runtime, self.generation, status)
+
+    def _grace_expired(self) -> None:
+        self._grace = None
+        if self.feed is not None or self.done or self.generation.finished:
+            return
+        self.stop("detached", "cancelled")
+        self.runtime.metrics.cancellations_total.inc()
+        # Nobody reads it any more: not a paused stream, whatever is left to log.
+        self.runtime.flow.unregister(self.stream_id)
+
+    def lease_lost(self) -> None:
+        """Another replica holds the lease now (we stalled past it): stop at once."""
+        if self.stop_reason is None and not self.done:
+            logger.warning("stream %s: generation lease lost; stopping", self.stream_id)
+            self.stop("lease_lost", "moved")
+            self.stop_reason = "lease_lost"
+
+    async def wait_done(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(self._task)
+
+    async def cancel(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    # --- the producer ---
+
+    async def _produce(self, first_chunk: bytes | None) -> None:
+        try:
+            async for emission in self._emissions(first_chunk):
+                if not await self._publish(emission) or emission.final:
+                    break
+                await self._wait_for_writer()
+            await self._settle()
+        except Exception:
+            logger.exception("stream %s: producer failed", self.stream_id)
+            abort_generation(self.runtime, self.generation)
+        finally:
+            self._ended()
+
+    async def _wait_for_writer(self) -> None:
+        """With a connection attached, take the next flush only while its writer keeps up
+        (fewer than ``FEED_MAX_WAITING`` events wait for it): a slow socket lets output
+        accumulate in the request's stream (coalesced, and seen by flow control), as if
+        the writer pulled it directly."""
+        while self.feed is not None and len(self.feed.items) >= FEED_MAX_WAITING:
+            self._writer_back.clear()
+            await self._writer_back.wait()
+
+    async def _emissions(self, first_chunk: bytes | None) -> AsyncIterator[Emission]:
+        runtime = self.runtime
+        generation = self.generation
+        stream = generation.stream
+        fmt = self.format
+        front_door = runtime.front_door
+        policy = fmt.flush_policy(runtime.flush_policy)
+        queued_policy = FlushPolicy(
+            policy.interval_seconds, policy.max_tokens, min(1.0, policy.heartbeat_seconds)
+        )
+        if first_chunk is not None:
+            yield Emission(first_chunk)
+        carried = 0
+        carried_ids: list[int] = []
+        while True:
+            queued = not generation.dispatched and front_door is not None
+            if queued and generation.ticket is not None and front_door is not None:
+                # Queued: tell the client where it stands, once a second, until it starts.
+                position, eta = front_door.position(generation.ticket)
+                comment = f"queued position={position} eta_ms={eta * 1000:.0f}"
+                yield Emission(b"", logged=False, comment=comment)
+                output = await stream.next(queued_policy)
+            else:
+                output = await stream.next(policy)
+            if output is None:
+                continue  # heartbeats are the writer's
+            generation.record_write(runtime, output.num_new_tokens)
+            runtime.metrics.stream_buffer_tokens.observe(self.flow.unreceived_tokens)
+            use = usage(output) if fmt.continuous_usage else None
+            num_tokens = output.num_new_tokens + carried
+            committed = carried_ids + output.committed_token_ids
+            if output.finished:
+                generation.finished = True
+                for emission in self._last(output, num_tokens, committed, use):
+                    yield emission
+                return
+            if output.text or fmt.continuous_usage:
+                chunk = fmt.chunk(self.stream_id, output.text, None, use)
+                yield Emission(sse_data(chunk), num_tokens, committed)
+                carried, carried_ids = 0, []
+            else:
+                # Tokens with no text yet (part of a UTF-8 character) ride with the next
+                # write, so delivery accounting counts every token exactly once.
+                carried, carried_ids = num_tokens, committed
+
+    def _last(
+        self,
+        output: RequestOutput,
+        num_tokens: int,
+        committed: list[int],
+        use: dict[str, Any] | None,
+    ) -> list[Emission]:
+        """The end of the stream: one logged event (so that a takeover never sees half of
+        it), or, when stopped to stay resumable, the last text and an unlogged notice."""
+        runtime = self.runtime
+        generation = self.generation
+        fmt = self.format
+        sid = self.stream_id
+        text = sse_data(fmt.chunk(sid, output.text, None, use)) if output.text else b""
+        if generation.drained:
+            emissions = [Emission(text, num_tokens, committed)] if text else []
+            notice = self._notice()
+            if notice is not None:
+                emissions.append(Emission(notice, logged=False))
+            return emissions
+        if self.stop_reason == "evicted":
+            data = text + sse_data(self._stall_error()) + DONE
+            return [Emission(data, num_tokens, committed, final=True)]
+        if output.finish_reason == FinishReason.ERROR:
+            record_finish(runtime, generation, "error")
+            data = text + sse_data(engine_failure(generation, output).body()) + DONE
+            return [Emission(data, num_tokens, committed, final=True)]
+        finish = finish_reason_text(output.finish_reason)
+        record_finish(runtime, generation, finish or "")
+        data = text + sse_data(fmt.chunk(sid, "", finish, use))
+        if fmt.include_usage:
+            final = fmt.chunk(sid, "", None, {**usage(output), "sluicegate": generation.timing()})
+            final["choices"] = []
+            data += sse_data(final)
+        return [Emission(data + DONE, num_tokens, committed, final=True)]
+
+    def _notice(self) -> bytes | None:
+        """Why a stream stopped while a client may be reading it; None: nobody is."""
+        sid = self.stream_id
+        resume = f"Resume it with GET /v1/streams/{sid} (with Last-Event-ID) on any replica."
+        if self.stop_reason == "detached":
+            return None
+        if self.stop_reason == "lease_lost":
+            return error_event(
+                "stream_moved",
+                f"Another replica continues this stream. {resume}",
+                stream_id=sid,
+            )
+        return sse_data(drain_notice(self.generation)) + DONE
+
+    def _stall_error(self) -> dict[str, object]:
+        seconds = self.runtime.settings.stall_timeout_seconds
+        return {
+            "error": {
+                "message": (
+                    f"The client accepted no data for {seconds:g} seconds; the stream was "
+                    "closed and its generation cancelled."
+                ),
+                "type": "stream_stalled",
+                "param": None,
+                "code": "stream_stalled",
+            }
+        }
+
+    async def _publish(self, emission: Emission) -> bool:
+        """Log an emission and hand it to the connection; False: stop producing."""
+        seq: int | None = None
+        if emission.logged and self.logging:
+            try:
+                seq = await self.store.append(
+                    self.stream_id,
+                    emission.data,
+                    token_ids=emission.committed_token_ids,
+                    owner=self.registry.owner,
+                )
+            except LeaseLost:
+                self.lease_lost()
+                self._deliver(_Item(self._notice() or b"", None, 0))
+                return False
+            except StoreUnavailable as error:  # fail_closed: no stream without its log
+                self.logging = False
+                self.stop_reason = "store_unavailable"
+                abort_generation(self.runtime, self.generation)
+                message = f"The replay store is unreachable ({error}); the stream was stopped."
+                self._deliver(_Item(error_event("store_unavailable", message), None, 0))
+                return False
+            except StoreError as error:  # expired (a very long pause) or closed
+                logger.warning("stream %s: no longer logged: %s", self.stream_id, error)
+                self.logging = False
+            if seq is None and self.logging:
+                # fail_open and the store is down: the log keeps what it has, a consistent
+                # prefix; the rest is sent without ids (it cannot be resumed past).
+                self.logging = False
+        self._tokens_emitted += emission.num_tokens
+        if seq is not None:
+            self.last_seq = seq
+            self._tokens_through.append((seq, self._tokens_emitted))
+        if emission.comment is not None:
+            self._deliver(_Item(b"", None, 0, emission.comment))
+        elif emission.data:
+            self._deliver(_Item(emission.data, seq, emission.num_tokens))
+        if emission.final and seq is not None:
+            try:
+                await self.store.finish(self.stream_id, owner=self.registry.owner)
+                self.log_finished = True
+            except StoreError as error:
+                logger.warning("stream %s: log not closed: %s", self.stream_id, error)
+        return True
+
+    def _deliver(self, item: _Item) -> None:
+        if self.feed is not None:
+            self.feed.push(item)
+
+    async def _settle(self) -> None:
+        """After the last event: close the lease, or checkpoint for another replica."""
+        store = self.store
+        owner = self.registry.owner
+        reason = self.stop_reason
+        if reason == "lease_lost":
+            return
+        if not self.log_finished and reason != "store_unavailable":
+            label = reason if reason in ("draining", "detached") else "degraded_log"
+            try:
+                await store.update_meta(self.stream_id, status=StreamStatus.CHECKPOINTED)
+            except StoreError as error:
+                logger.warning("stream %s: checkpoint not saved: %s", self.stream_id, error)
+            self.runtime.metrics.streams_checkpointed_total.labels(label).inc()
+            logger.info(
+                "stream %s checkpointed (%s) after seq %d", self.stream_id, label, self.last_seq
+            )
+        await store.release_lease(self.stream_id, owner)
+
+    def _ended(self) -> None:
+        self.done = True
+        self.registry.remove(self)
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        if self.feed is not None:
+            self.feed.close()  # its writer ends after what it has; detach unregisters
+        else:
+            self.runtime.flow.unregister(self.stream_id)
+
+
+# --- the registry ---
+
+
+class SessionRegistry:
+    """This replica's sessions, its owner id for leases, and the lease renewal loop."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        #: This process's identity in the store's leases.
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._sessions: dict[str, StreamSession] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, stream_id: str) -> StreamSession | None:
+        return self._sessions.get(stream_id)
+
+    def add(self, session: StreamSession) -> None:
+        self._sessions[session.stream_id] = session
+
+    def remove(self, session: StreamSession) -> None:
+        if self._sessions.get(session.stream_id) is session:
+            del self._sessions[session.stream_id]
+
+    @property
+    def lease_ttl_seconds(self) -> float:
+        return self.runtime.settings.lease_ttl_seconds
+
+    @property
+    def store(self) -> Store:
+        store = self.runtime.store
+        if store is None:
+            raise APIError(503, "The server is starting; retry shortly.", code="not_ready",
+                           headers={"retry-after": "1"})  # fmt: skip
+        return store
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._renew_leases(), name="sluicegate-leases")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for session in list(self._sessions.values()):
+            await session.cancel()
+
+    async def wait_all(self, within_seconds: float) -> None:
+        """Wait (at most ``within_seconds``) until every producer has ended."""
+        sessions = list(self._sessions.values())
+        if sessions:
+            waiters = [asyncio.ensure_future(s.wait_done()) for s in sessions]
+            await asyncio.wait(waiters, timeout=within_seconds)
+
+    async def _renew_leases(self) -> None:
+        interval = self.lease_ttl_seconds / 3.0
+        while True:
+            await asyncio.sleep(interval)
+            sessions = [s for s in self._sessions.values() if s.stop_reason is None]
+            if not sessions:
+                continue
+            results = await asyncio.gather(
+                *(self._renew(s) for s in sessions), return_exceptions=True
+            )
+            for session, renewed in zip(sessions, results, strict=True):
+                if renewed is False:
+                    session.lease_lost()
+
+    async def _renew(self, session: StreamSession) -> bool:
+        try:
+            return await self.store.renew_lease(
+                session.stream_id, self.owner, self.lease_ttl_seconds
+            )
+        except StoreUnavailable:
+            return True  # fail_closed: its next append says whether it may go on
+
+    # --- starting and continuing streams ---
+
+    async def open(
+        self, generation: Generation, tenant: Tenant, fmt: StreamFormat
+    ) -> StreamSession:
+        """A new stream: its metadata and lease in the store, then its producer."""
+        store = self.store
+        request = generation.request
+        meta = StreamMeta(
+            tenant=tenant.name,
+            model=fmt.model,
+            prompt_token_ids=list(request.prompt_token_ids),
+            seed=request.sampling.seed,
+            sampling_params=sampling_to_json(request.sampling),
+            extra=fmt.to_json(),
+        )
+        try:
+            await store.put_meta(generation.request_id, meta)
+            await store.acquire_lease(generation.request_id, self.owner, self.lease_ttl_seconds)
+        except StoreUnavailable as error:  # fail_closed
+            abort_generation(self.runtime, generation)
+            raise APIError(
+                503,
+                f"The replay store is unreachable ({error}); streams cannot be made "
+                "resumable. Retry shortly.",
+                code="store_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
+        first = fmt.first_chunk(generation.request_id, request.num_prompt_tokens)
+        return StreamSession(self, generation, tenant.name, fmt, first_chunk=first)
+
+    async def take_over(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
+        """Continue a stream nobody generates (its replica drained, stopped or died).
+
+        ``None`` when another replica holds its lease, or when its log turns out to be
+        complete (then it only needs replaying).  Raises :class:`APIError` when this
+        replica cannot run it now (limits, draining, another model).
+        """
+        store = self.store
+        if not await store.acquire_lease(stream_id, self.owner, self.lease_ttl_seconds):
+            return None
+        try:
+            return await self._continue(tenant, stream_id)
+        except BaseException:
+            await store.release_lease(stream_id, self.owner)
+            raise
+
+    async def _continue(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
+        store = self.store
+        runtime = self.runtime
+        meta = await store.get_meta(stream_id)
+        head = await store.read(stream_id, 0, limit=1)
+        last_seq = head.last_seq
+        complete = head.finished
+        if not complete and last_seq > 0:
+            tail = await store.read(stream_id, last_seq - 1)
+            complete = bool(tail.events) and is_final_event(tail.events[-1].data)
+            if complete:
+                # Its replica logged the end but died before closing the log.
+                await store.finish(stream_id, owner=self.owner)
+        if complete:
+            await store.release_lease(stream_id, self.owner)
+            return None
+        if meta.model != runtime.model_name:
+            raise APIError(
+                503,
+                f"Stream '{stream_id}' was generated by model '{meta.model}'; this replica "
+                f"serves '{runtime.model_name}'. Resume it on a replica serving that model.",
+                code="model_mismatch",
+            )
+        fmt = StreamFormat.from_json(meta.extra, meta.model)
+        sampling = sampling_from_json(meta.seed, meta.sampling_params)
+        generated = meta.generated_token_ids
+        if len(generated) >= sampling.max_tokens:
+            generation = self._finished_generation(meta, sampling, stream_id)
+        else:
+            generation = await start_generation(
+                runtime, tenant, fmt.priority, stream_id, meta.prompt_token_ids, sampling,
+                fmt.max_tokens_per_second, output_token_ids=generated, resumed=True,
+            )  # fmt: skip
+        try:
+            await store.update_meta(stream_id, status=StreamStatus.RUNNING)
+        except StoreUnavailable:
+            abort_generation(runtime, generation)
+            raise
+        logger.info(
+            "stream %s taken over after seq %d (%d tokens re-prefilled)",
+            stream_id, last_seq, len(meta.prompt_token_ids) + len(generated),
+        )  # fmt: skip
+        return StreamSession(self, generation, tenant.name, fmt, first_chunk=None,
+                             last_seq=last_seq)  # fmt: skip
+
+    def _finished_generation(
+        self, meta: StreamMeta, sampling: SamplingParams, stream_id: str
+    ) -> Generation:
+        """Every token was delivered, only the end was not logged: end it, no engine."""
+        prompt = meta.prompt_token_ids
+        generated = meta.generated_token_ids
+        request = Request(stream_id, prompt, sampling, all_token_ids=[*prompt, *generated])
+        stream = RequestStream(stream_id)
+        stream.put(
+            RequestOutput(stream_id, "", 0, len(prompt), len(generated), FinishReason.LENGTH)
+        )
+        generation = Generation(stream_id, request, stream, num_resumed_tokens=len(generated))
+        self.runtime.generations[stream_id] = generation
+        return generation
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,111 @@
+"""Who may resume what, expiry, and a store that goes away at run time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import ServerProcess, start_server, stop_server
+from tests.resume.conftest import (
+    SIM,
+    completion_body,
+    config_file,
+    read_stream,
+    resume,
+)
+from tests.simtext import expected_completion
+from tests.store.conftest import start_redis
+
+TENANTS = [
+    {"name": "alpha", "api_key": "key-alpha"},
+    {"name": "beta", "api_key": "key-beta"},
+]
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_only_the_creating_tenant_can_resume_and_expired_streams_are_410(tmp_path: Path) -> None:
+    config = config_file(tmp_path, "tenants", {"tenants": TENANTS})
+    srv = start_server([*SIM, "--config", config, "--replay-ttl-seconds", "1"], "access")
+    try:
+        url = srv.v1 + "/completions"
+        first = read_stream(
+            "POST", url, json=completion_body("mine", 9, 30), headers=auth("key-alpha")
+        )
+        stream_id = first.headers["x-sluicegate-stream-id"]
+        streams = f"{srv.v1}/streams/{stream_id}"
+
+        other = httpx.get(streams, headers=auth("key-beta"), timeout=5)
+        unknown = httpx.get(f"{srv.v1}/streams/cmpl-nope", headers=auth("key-beta"), timeout=5)
+        assert other.status_code == unknown.status_code == 404
+        # Indistinguishable from an id that never existed.
+        assert other.json()["error"]["code"] == unknown.json()["error"]["code"] == "not_found"
+        assert httpx.get(streams, timeout=5).status_code == 401
+        mine = resume(srv, stream_id, None, headers=auth("key-alpha"))
+        assert mine.status == 200 and mine.text == expected_completion("mine", 9, 30)
+
+        time.sleep(1.5)  # replay_ttl_seconds 1: the log is gone
+        expired = httpx.get(streams, headers=auth("key-alpha"), timeout=5)
+        assert expired.status_code == 410
+        error = expired.json()["error"]
+        assert error["code"] == "stream_expired" and "expired" in error["message"]
+    finally:
+        stop_server(srv)
+
+
+def store_metrics(server: ServerProcess) -> str:
+    return httpx.get(server.base_url + "/metrics", timeout=5).text
+
+
+def test_redis_lost_at_run_time_fail_open_serves_without_ids(tmp_path: Path) -> None:
+    redis = start_redis(tmp_path)
+    srv = start_server([*SIM, "--store", f"redis://127.0.0.1:{redis.port}/0"], "fail-open")
+    try:
+        ok = read_stream("POST", srv.v1 + "/completions", json=completion_body("up", 1, 20))
+        assert ok.seqs
+        redis.kill()
+        body = completion_body("down", 2, 20)
+        down = read_stream("POST", srv.v1 + "/completions", json=body)
+        assert down.status == 200 and down.done
+        assert down.text == expected_completion("down", 2, 20)
+        assert not down.seqs  # not logged: nothing to resume past
+        metrics = store_metrics(srv)
+        assert "sluicegate_store_available 0.0" in metrics
+        assert (
+            'sluicegate_store_degraded_operations_total{operation="append",outcome="dropped"}'
+            in metrics
+        )
+        assert srv.process.poll() is None
+    finally:
+        stop_server(srv)
+        redis.kill()
+
+
+def test_redis_lost_at_run_time_fail_closed_refuses(tmp_path: Path) -> None:
+    redis = start_redis(tmp_path)
+    tenants = [{"name": "limited", "api_key": "key-limited", "requests_per_second": 100}]
+    config = config_file(tmp_path, "closed", {"tenants": tenants})
+    args = [
+        *SIM, "--store", f"redis://127.0.0.1:{redis.port}/0", "--config", config,
+        "--store-failure-mode", "fail_closed",
+    ]  # fmt: skip
+    srv = start_server(args, "fail-closed")
+    try:
+        redis.kill()
+        refused = httpx.post(
+            srv.v1 + "/completions", json=completion_body("down", 2, 20),
+            headers=auth("key-limited"), timeout=10,
+        )  # fmt: skip
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "store_unavailable"
+        assert "retry-after" in refused.headers
+        metrics = store_metrics(srv)
+        assert 'outcome="raised"' in metrics
+        assert srv.process.poll() is None
+    finally:
+        stop_server(srv)
+        redis.kill()

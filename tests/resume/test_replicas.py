@@ -1,0 +1,182 @@
+"""Two replicas sharing one real Redis: crash and drain take-overs, shared rate limits."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.resume.conftest import (
+    MODEL,
+    SIM,
+    Received,
+    assert_continues,
+    completion_body,
+    config_file,
+    kill,
+    read_stream,
+    resume,
+    servers,
+)
+from tests.simtext import expected_completion
+
+RATE = 5
+TENANTS = [
+    {"name": "open", "api_key": "k-open"},
+    {"name": "shared-rl", "api_key": "k-shared", "requests_per_second": RATE},
+]
+OPEN = {"authorization": "Bearer k-open"}
+
+
+def replica_args(redis_url: str, config: str, *extra: str) -> list[str]:
+    return [
+        *SIM, "--store", f"{redis_url}/1", "--config", config, "--flush-interval-ms", "0",
+        "--lease-ttl-seconds", "1", "--detached-grace-seconds", "0.5", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return config_file(tmp_path_factory.mktemp("replicas"), "replicas", {"tenants": TENANTS})
+
+
+@pytest.fixture(scope="module")
+def pair(redis_url: str, config: str) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """Two replicas sharing one Redis (tests that stop a replica bring their own)."""
+    args = replica_args(redis_url, config)
+    with servers((args, "replica-a"), (args, "replica-b")) as (a, b):
+        yield a, b
+
+
+def test_sigkill_mid_stream_then_resume_on_another_replica(
+    redis_url: str, config: str, pair: tuple[ServerProcess, ServerProcess]
+) -> None:
+    _, b = pair
+    with servers((replica_args(redis_url, config), "doomed")) as (a,):
+        n = 500  # ~2 s on replica A
+        body = completion_body("crash me", 21, n)
+        first = read_stream(
+            "POST", a.v1 + "/completions", json=body, headers=OPEN, stop_after_events=40
+        )
+        kill(a)
+        started = time.monotonic()
+        sid = first.headers["x-sluicegate-stream-id"]
+        rest = resume(b, sid, first.last_event_id, headers=OPEN)
+        # B waited for A's lease to expire (1 s), then re-prefilled and went on.
+        assert time.monotonic() - started < 5
+        assert first.text + rest.text == expected_completion("crash me", 21, n)
+        assert_continues(first, rest)
+        metrics = httpx.get(b.base_url + "/metrics", timeout=5).text
+        assert 'sluicegate_stream_resumes_total{status="follow"} 1.0' in metrics
+
+
+def test_client_reconnects_to_another_replica_while_the_first_still_runs(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    a, b = pair
+    n = 400
+    body = completion_body("moved", 4, n)
+    first = read_stream(
+        "POST", a.v1 + "/completions", json=body, headers=OPEN, stop_after_events=10
+    )
+    # B relays A's log, then continues the stream once A gives it up (its grace).
+    rest = resume(b, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=OPEN)
+    assert first.text + rest.text == expected_completion("moved", 4, n)
+    assert_continues(first, rest)
+
+
+def test_sigterm_drain_checkpoints_the_rest_for_another_replica(
+    redis_url: str, config: str, pair: tuple[ServerProcess, ServerProcess]
+) -> None:
+    _, b = pair
+    args = replica_args(redis_url, config, "--drain-grace-seconds", "1")
+    with servers((args, "draining")) as (a,):
+        # At 4 ms a step, ~350 tokens fit the 0.4 s before SIGTERM plus the 1 s grace.
+        lengths = [30, 40, 50, 60, 80, 700, 750, 800, 850, 900]
+        results: dict[int, Received] = {}
+        resumed: dict[int, Received] = {}
+
+        def run(i: int) -> None:
+            body = completion_body(f"drain {i}", 100 + i, lengths[i])
+            results[i] = read_stream("POST", a.v1 + "/completions", json=body, headers=OPEN)
+
+        def run_rest(i: int) -> None:
+            got = results[i]
+            sid = got.headers["x-sluicegate-stream-id"]
+            resumed[i] = resume(b, sid, got.last_event_id, headers=OPEN)
+
+        streams = start_threads(run, range(len(lengths)))
+        time.sleep(0.4)
+        a.process.send_signal(signal.SIGTERM)
+        join(streams, 20)
+        assert a.process.wait(10) == 0
+        cut = [i for i, n in enumerate(lengths) if n > 100]
+        for i, n in enumerate(lengths):
+            got = results[i]
+            if i not in cut:  # fits the grace period: completes on A
+                assert got.done and got.text == expected_completion(f"drain {i}", 100 + i, n)
+                continue
+            notice = got.events[-2].error
+            assert notice is not None and notice["type"] == "server_draining", i
+            assert notice["stream_id"] == got.headers["x-sluicegate-stream-id"]
+        join(start_threads(run_rest, cut), 30)
+        for i in cut:
+            expected = expected_completion(f"drain {i}", 100 + i, lengths[i])
+            assert results[i].text + resumed[i].text == expected, i
+            assert_continues(results[i], resumed[i])
+
+
+def start_threads(target: Callable[[int], None], items: Iterable[int]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=target, args=(i,)) for i in items]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def join(threads: list[threading.Thread], timeout: float) -> None:
+    for thread in threads:
+        thread.join(timeout)
+
+
+def test_rate_limit_is_shared_across_replicas(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    a, b = pair
+    url_a, url_b = a.v1 + "/completions", b.v1 + "/completions"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    headers = {"authorization": "Bearer k-shared"}
+    admitted = {url_a: 0, url_b: 0}
+    seconds = 2.0
+
+    def hammer(url: str) -> None:
+        with httpx.Client(timeout=10) as client:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if client.post(url, json=body, headers=headers).status_code == 200:
+                    admitted[url] += 1
+
+    threads = [threading.Thread(target=hammer, args=(u,)) for u in (url_a, url_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    total = admitted[url_a] + admitted[url_b]
+    # One bucket for both: a burst of RATE plus RATE per second, not twice that.
+    expected = RATE + RATE * seconds
+    assert abs(total - expected) <= 2, admitted
+    assert admitted[url_a] > 0 and admitted[url_b] > 0
+
+
+def test_redis_unreachable_at_startup_is_a_clear_error() -> None:
+    dead = "redis://127.0.0.1:1/0"
+    done = subprocess.run(
+        [sys.executable, "-m", "sluicegate", "serve", "--port", "0", *SIM, "--store", dead],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "cannot reach the Redis store at redis://127.0.0.1:1/0" in done.stderr

@@ -1,0 +1,148 @@
+"""Drop a connection, resume with Last-Event-ID: the same text as an unbroken stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, start_server, stop_server
+from tests.resume.conftest import (
+    SIM,
+    assert_continues,
+    chat_body,
+    completion_body,
+    read_stream,
+    resume,
+)
+from tests.simtext import expected_chat, expected_completion
+
+STORES = ["memory", "redis"]
+
+
+@pytest.fixture(scope="module", params=STORES)
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    store = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
+    srv = start_server(
+        [*SIM, "--store", store, "--flush-interval-ms", "0", "--detached-grace-seconds", "5"],
+        f"resume-{request.param}",
+    )
+    yield srv
+    stop_server(srv)
+
+
+def test_every_event_has_an_id_and_the_stream_id_is_the_chunk_id(server: ServerProcess) -> None:
+    got = read_stream("POST", server.v1 + "/completions", json=completion_body("ids", 1, 40))
+    stream_id = got.headers["x-sluicegate-stream-id"]
+    assert got.headers["x-request-id"] == stream_id
+    assert len(stream_id) >= 32
+    chunks = [e for e in got.events if e.json is not None]
+    assert all(e.event_id is not None and e.event_id.startswith(stream_id + ":") for e in chunks)
+    assert all(e.json is not None and e.json["id"] == stream_id for e in chunks)
+    assert got.seqs == sorted(set(got.seqs)) and got.seqs[0] == 1
+    assert got.text == expected_completion("ids", 1, 40) and got.done
+
+
+@pytest.mark.parametrize("cut_after", [1, 40])
+def test_drop_and_resume_gives_the_uninterrupted_text(
+    server: ServerProcess, cut_after: int
+) -> None:
+    # Multi-byte characters (水門, σήμα, 🌊) are split over byte tokens in the sim engine.
+    n = 200
+    body = completion_body("resume me", 7, n)
+    first = read_stream("POST", server.v1 + "/completions", json=body, stop_after_events=cut_after)
+    assert not first.done
+    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    assert rest.status == 200
+    assert first.text + rest.text == expected_completion("resume me", 7, n)
+    assert_continues(first, rest)
+
+
+def test_a_detached_stream_pauses_at_the_high_water_mark(server: ServerProcess) -> None:
+    n = 300
+    body = completion_body("paused while away", 8, n)
+    first = read_stream("POST", server.v1 + "/completions", json=body, stop_after_events=5)
+    deadline = time.monotonic() + 5
+    while not server.stats()["requests_paused"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = server.stats()
+    assert stats["requests_paused"] == 1 and stats["streams_paused"] == 1
+    streams: list[dict[str, int]] = stats["streams"]  # type: ignore[assignment]
+    assert len(streams) == 1
+    produced = streams[0]["tokens_produced"]
+    assert 128 <= produced < n  # the high-water mark (128 tokens nobody received)
+    time.sleep(0.2)
+    assert server.stats()["streams"][0]["tokens_produced"] == produced  # type: ignore[index]
+    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    assert first.text + rest.text == expected_completion("paused while away", 8, n)
+    assert_continues(first, rest)
+    assert server.stats()["streams_paused"] == 0
+
+
+def test_chat_stream_resumes_after_the_role_chunk(server: ServerProcess) -> None:
+    n = 120
+    body = chat_body("a chat to resume", 11, n, stream_options={"include_usage": True})
+    first = read_stream("POST", server.v1 + "/chat/completions", json=body, stop_after_events=3)
+    assert first.events[0].json is not None
+    assert first.events[0].json["choices"][0]["delta"]["role"] == "assistant"
+    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    messages = body["messages"]
+    assert first.text + rest.text == expected_chat(messages, 11, n)
+    assert_continues(first, rest)
+    usage = [e.json["usage"] for e in rest.events if e.json and not e.json["choices"]]
+    assert usage and usage[0]["completion_tokens"] == n
+
+
+@pytest.mark.parametrize("stop", ["日本", "🌊", "the river"])
+def test_stop_strings_across_a_resume(server: ServerProcess, stop: str) -> None:
+    n = 400
+    full = expected_completion("resume me", 7, n)
+    assert stop in full
+    body = completion_body("resume me", 7, n, stop=[stop])
+    first = read_stream("POST", server.v1 + "/completions", json=body, stop_after_events=20)
+    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    assert first.text + rest.text == full[: full.index(stop)]
+    finish = [e.json for e in rest.events if e.json and e.json["choices"]]
+    assert finish[-1]["choices"][0]["finish_reason"] == "stop"
+    assert_continues(first, rest)
+
+
+def test_after_query_parameter_and_replay_of_a_finished_stream(server: ServerProcess) -> None:
+    got = read_stream("POST", server.v1 + "/completions", json=completion_body("done", 3, 50))
+    stream_id = got.headers["x-sluicegate-stream-id"]
+    whole = read_stream("GET", f"{server.v1}/streams/{stream_id}")
+    assert whole.text == got.text and whole.seqs == got.seqs and whole.done
+    tail = read_stream("GET", f"{server.v1}/streams/{stream_id}?after=2")
+    assert tail.seqs == got.seqs[2:] and whole.text.endswith(tail.text)
+    nothing = read_stream("GET", f"{server.v1}/streams/{stream_id}?after={got.seqs[-1]}")
+    assert nothing.status == 200 and nothing.events == []
+    beyond = httpx.get(f"{server.v1}/streams/{stream_id}?after=999", timeout=5)
+    assert beyond.status_code == 400 and "last event is seq" in beyond.json()["error"]["message"]
+    other = httpx.get(
+        f"{server.v1}/streams/{stream_id}", headers={"last-event-id": "cmpl-other:3"}, timeout=5
+    )
+    assert other.status_code == 400 and other.json()["error"]["param"] == "Last-Event-ID"
+
+
+def test_a_stream_left_alone_past_the_grace_is_stopped_and_still_resumable() -> None:
+    srv = start_server(
+        [*SIM, "--flush-interval-ms", "0", "--detached-grace-seconds", "0.3"], "grace"
+    )
+    try:
+        n = 300  # far from done when the grace runs out (it pauses at 128 tokens anyway)
+        body = completion_body("left alone", 5, n)
+        first = read_stream("POST", srv.v1 + "/completions", json=body, stop_after_events=5)
+        deadline = time.monotonic() + 5
+        while srv.stats()["requests_running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = srv.stats()
+        assert stats["requests_running"] == 0 and stats["live_requests"] == 0
+        metrics = httpx.get(srv.base_url + "/metrics", timeout=5).text
+        assert 'sluicegate_streams_checkpointed_total{reason="detached"} 1.0' in metrics
+        rest = resume(srv, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+        assert first.text + rest.text == expected_completion("left alone", 5, n)
+        assert_continues(first, rest)
+    finally:
+        stop_server(srv)
