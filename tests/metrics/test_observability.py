@@ -25,7 +25,9 @@ from sluicegate.metrics.tracing import use_tracer
 from tests.conftest import ServerProcess, free_port, start_server, stop_server
 
 MODEL = "sluicegate-sim"
-ALLOWED_LABELS = {"status", "reason", "priority", "engine", "tenant", "le", "quantile"}
+ALLOWED_LABELS = {
+    "status", "reason", "priority", "engine", "tenant", "operation", "outcome", "le", "quantile",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
