@@ -186,3 +186,32 @@ def test_chunking_reduces_writes_and_zero_means_every_token(sim_server: ServerPr
     assert chunked <= every / 4
     # The first token is flushed at once, not after a chunk interval.
     assert first_chunked < 0.040 + first_every
+
+
+def test_queued_work_takes_a_paused_readers_place() -> None:
+    # One sequence slot and a long preemption delay: without handing the paused
+    # sequence's slot over, the second request would wait 30 s.
+    server = start_server(
+        [*FLOW_ARGS, "--max-num-seqs", "1", "--max-num-batched-tokens", "64",
+         "--pause-preempt-seconds", "30"],
+        "slot-handover",
+    )  # fmt: skip
+    try:
+        slow = open_stream(
+            "127.0.0.1", port_of(server), "/v1/chat/completions", body(6, 3000),
+            receive_buffer_bytes=4096,
+        )  # fmt: skip
+        next(slow.events(max_read_bytes=256))
+        wait_for(lambda: server.stats()["streams_paused"] == 1, 10.0, "the slow reader's pause")
+        started = time.monotonic()
+        r = httpx.post(
+            server.v1 + "/completions",
+            json={"model": MODEL, "prompt": "next", "max_tokens": 20, "ignore_eos": True},
+            timeout=20,
+        )
+        assert r.status_code == 200
+        assert time.monotonic() - started < 10
+        assert server.stats()["preemptions_by_reason"].get("kv_pressure", 0) >= 1
+        slow.close()
+    finally:
+        stop_server(server)

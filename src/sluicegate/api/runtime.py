@@ -36,6 +36,10 @@ class EngineFlowActions:
     def pause(self, request_id: str) -> None:
         if self._runtime.core is not None:
             self._runtime.core.pause_request(request_id)
+        if self._runtime.front_door is not None:
+            # A paused sequence computes nothing: queued work may be dispatched in its
+            # place (the scheduler gives it the paused sequence's slot when it needs one).
+            self._runtime.front_door.set_parked(request_id, True)
         self._runtime.metrics.streams_paused.inc()
 
     def resume(self, request_id: str, paused_seconds: float) -> None:
