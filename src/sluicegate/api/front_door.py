@@ -137,7 +137,6 @@ class FrontDoor:
         self.kv_capacity_tokens = settings.total_kv_blocks * settings.kv_block_size
         self.block_size = settings.kv_block_size
         self.max_model_len = max_model_len
-        self._tickets: dict[str, Ticket] = {}
         self._active: dict[str, Ticket] = {}  # dispatched, not finished
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -244,7 +243,6 @@ class FrontDoor:
             raise rejection_error(rejection)
         for victim in result.evicted:
             self._drop(victim, "drop-oldest: a newer request took its place in the full queue")
-        self._tickets[request.request_id] = ticket
         self._pump(time.monotonic())  # straight to the engine when it has room
         return ticket
 
@@ -325,7 +323,6 @@ class FrontDoor:
             return
         ticket.done = True
         rid = ticket.request.request_id
-        self._tickets.pop(rid, None)
         self._active.pop(rid, None)
         ticket.admitted.release(prompt_tokens, output_tokens)
         self._wake.set()
@@ -390,7 +387,6 @@ class FrontDoor:
         ticket.dispatched = True
         ticket.dispatched_at = now
         rid = ticket.request.request_id
-        self._tickets.pop(rid, None)
         self._active[rid] = ticket
         waited = now - ticket.enqueued_at
         if self.breaker is not None:

@@ -152,7 +152,7 @@ class Scheduler:
             if self.kv.num_free_slots == 0:
                 # A paused reader's slot is idle: hand it to waiting work (the paused
                 # sequence keeps its tokens and re-prefills when its reader catches up).
-                paused = next((r for r in reversed(self.running) if r.paused), None)
+                paused = self._last_paused()
                 if paused is None:
                     break
                 self._preempt(paused, PreemptReason.KV_PRESSURE)
@@ -198,8 +198,12 @@ class Scheduler:
             and now < request.next_token_time
         )
 
+    def _last_paused(self) -> Request | None:
+        """The newest running sequence whose reader is behind (first to give up its KV)."""
+        return next((r for r in reversed(self.running) if r.paused), None)
+
     def _pick_victim(self) -> Request:
-        paused = next((r for r in reversed(self.running) if r.paused), None)
+        paused = self._last_paused()
         return paused if paused is not None else self.running[-1]
 
     # ------------------------------------------------------------ flow control

@@ -137,24 +137,10 @@ class RequestStream:
         taken: list[RequestOutput] = []
         budget = max_tokens
         while self._pending and self._pending[0].num_new_tokens <= budget:
-            out = self._pending.popleft()
+            out = self._take_one()
             budget -= out.num_new_tokens
-            self.pending_tokens -= out.num_new_tokens
-            self.pending_bytes -= len(out.text.encode())
             taken.append(out)
-        if not taken:
-            return None
-        last = taken[-1]
-        return RequestOutput(
-            request_id=last.request_id,
-            text="".join(o.text for o in taken),
-            num_new_tokens=sum(o.num_new_tokens for o in taken),
-            num_prompt_tokens=last.num_prompt_tokens,
-            num_output_tokens=last.num_output_tokens,
-            finish_reason=last.finish_reason,
-            error=last.error,
-            committed_token_ids=[t for o in taken for t in o.committed_token_ids],
-        )
+        return _merge(taken) if taken else None
 
     async def wait(self) -> None:
         """Wait until something is pending."""
@@ -169,27 +155,25 @@ class RequestStream:
         return output
 
     def _take(self) -> RequestOutput:
-        first = self._pending.popleft()
-        if self._pending:
-            parts = [first.text]
-            num_new = first.num_new_tokens
-            committed = list(first.committed_token_ids)
-            last = first
-            while self._pending:
-                last = self._pending.popleft()
-                parts.append(last.text)
-                num_new += last.num_new_tokens
-                committed += last.committed_token_ids
-            first = RequestOutput(
-                request_id=first.request_id,
-                text="".join(parts),
-                num_new_tokens=num_new,
-                num_prompt_tokens=last.num_prompt_tokens,
-                num_output_tokens=last.num_output_tokens,
-                finish_reason=last.finish_reason,
-                error=last.error,
-                committed_token_ids=committed,
-            )
+        merged = _merge(list(self._pending))
+        self._pending.clear()
         self.pending_tokens = 0
         self.pending_bytes = 0
-        return first
+        return merged
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one delta (the last one's totals and finish)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        text="".join(o.text for o in outputs),
+        num_new_tokens=sum(o.num_new_tokens for o in outputs),
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        finish_reason=last.finish_reason,
+        error=last.error,
+        committed_token_ids=[t for o in outputs for t in o.committed_token_ids],
+    )
