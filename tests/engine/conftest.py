@@ -45,3 +45,27 @@ def engine_f32(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine
     )
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def engine_bf16(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
+    """SmolLM2 in bfloat16 (the fast dtype), 8 slots of 512 positions."""
+    from sluicegate.engine.torch import TorchEngine
+
+    engine = TorchEngine(
+        smollm2_path,
+        dtype="bfloat16",
+        max_num_seqs=8,
+        max_model_len=512,
+        cache_dir=str(torch_cache_dir),
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def engine(request: pytest.FixtureRequest) -> TorchEngine:
+    """Each dtype in turn: for the properties both must have bit for bit."""
+    name = "engine_f32" if request.param == "float32" else "engine_bf16"
+    result: TorchEngine = request.getfixturevalue(name)
+    return result

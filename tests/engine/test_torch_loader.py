@@ -10,6 +10,7 @@ import torch
 
 from sluicegate.engine.torch import loader
 from sluicegate.engine.torch.convert import hf_model_args
+from sluicegate.engine.torch.model import packing_supported
 
 LLAMA_CONFIG = {
     "model_type": "llama",
@@ -24,11 +25,19 @@ LLAMA_CONFIG = {
 
 
 def test_dtype_names() -> None:
-    assert loader.resolve_dtype("auto") == torch.float32  # reproducible by default
+    native = loader.native_bfloat16() and packing_supported(torch.bfloat16)
+    assert loader.resolve_dtype("auto") == (torch.bfloat16 if native else torch.float32)
     assert loader.resolve_dtype("bf16") == torch.bfloat16
     assert loader.resolve_dtype("float32") == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         loader.resolve_dtype("float16")
+
+
+def test_auto_falls_back_to_float32_without_native_bfloat16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(loader, "native_bfloat16", lambda: False)
+    assert loader.resolve_dtype("auto") == torch.float32
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict, unpermute_rotary_rows
 from sluicegate.engine.torch.model import (
+    KEY_ALIGN,
     ModelArgs,
     RopeScaling,
     SequenceChunk,
@@ -144,15 +145,22 @@ def test_build_batch_puts_decode_first_and_masks_prefix() -> None:
     assert batch.positions.tolist() == [9, 4, 5, 6, 0, 1]
     assert batch.slots.tolist() == [1, 0, 0, 0, 2, 2]
     assert batch.logits_indices.tolist() == [0, 5]
-    assert batch.decode_max_len == 10
+    assert batch.decode_max_len == KEY_ALIGN  # 10 keys, padded
+    assert (batch.decode_bias[0, 0, 0] == 0).tolist() == [True] * 10 + [False] * (KEY_ALIGN - 10)
     first, second = batch.prefills
-    assert second.mask is None  # starts at 0: plain causal
-    assert first.mask is not None
-    assert first.mask.tolist() == [
-        [True] * 5 + [False, False],
-        [True] * 6 + [False],
-        [True] * 7,
+    pad = [False] * (KEY_ALIGN - 7)
+    visible = [row[0] for row in (first.bias == 0).tolist()]  # bias is [C, 1, S]
+    assert visible == [
+        [True] * 5 + [False, False] + pad,
+        [True] * 6 + [False] + pad,
+        [True] * 7 + pad,
     ]
+    pad = [False] * (KEY_ALIGN - 2)
+    assert [row[0] for row in (second.bias == 0).tolist()] == [
+        [True, False, *pad],
+        [True] * 2 + pad,
+    ]
+    assert set(first.bias.unique().tolist()) == {0.0, float("-inf")}
 
 
 def test_unused_slots_are_not_touched() -> None:
