@@ -65,8 +65,15 @@ def encode(engine: TorchEngine, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_model(engine_f32: TorchEngine) -> torch.nn.Module:
-    """transformers' LlamaForCausalLM holding exactly our dequantised float32 weights."""
+    """transformers' LlamaForCausalLM holding exactly our dequantised float32 weights.
+
+    Tests call it through ``engine.call``: all tensor work stays on the one torch thread
+    (a second OpenMP team would slow every step; see TorchEngine)."""
     pytest.importorskip("transformers")
+    return engine_f32.call(_build_hf_model, engine_f32)
+
+
+def _build_hf_model(engine_f32: TorchEngine) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -123,6 +130,10 @@ def test_qk_unpermute_matches_transformers_gguf_loader(
 
 
 def test_logits_match_transformers(engine_f32: TorchEngine, hf_model: torch.nn.Module) -> None:
+    engine_f32.call(_logits_match_transformers, engine_f32, hf_model)
+
+
+def _logits_match_transformers(engine_f32: TorchEngine, hf_model: torch.nn.Module) -> None:
     prompts = [encode(engine_f32, p) for p in PROMPTS[:3]]
     prompts.append(engine_f32.tokenizer.encode_chat([{"role": "user", "content": "Hi there!"}]))
     with torch.inference_mode():
@@ -143,6 +154,12 @@ def test_greedy_continuation_matches_transformers(
 ) -> None:
     prompts = [encode(engine_f32, p) for p in PROMPTS[:2]]
     outputs = generate(engine_f32, prompts, max_new_tokens=16, chunk=5)
+    engine_f32.call(_greedy_matches, hf_model, prompts, outputs)
+
+
+def _greedy_matches(
+    hf_model: torch.nn.Module, prompts: list[list[int]], outputs: list[list[int]]
+) -> None:
     with torch.inference_mode():
         for ids, ours in zip(prompts, outputs, strict=True):
             seq = list(ids)
@@ -217,6 +234,13 @@ CHAT_QUESTIONS = [
 ]
 
 
+def last_logits(engine: TorchEngine, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        batch, _ = build_batch([SequenceChunk(0, 0, len(ids), True)])
+        result: torch.Tensor = engine.model(torch.tensor(ids), batch)[-1]
+    return result
+
+
 def chat_prompts(engine: TorchEngine) -> list[list[int]]:
     return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
 
@@ -227,20 +251,20 @@ def test_twelve_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngi
     "preemption" half-way, give the same tokens."""
     prompts = chat_prompts(engine)
     params = [
-        SamplingParams(max_tokens=32, seed=100 + i, temperature=0.8, top_p=0.95, ignore_eos=True)
+        SamplingParams(max_tokens=24, seed=100 + i, temperature=0.8, top_p=0.95, ignore_eos=True)
         for i in range(len(prompts))
     ]
     alone = [
-        generate(engine, [p], max_new_tokens=32, sampling=[s])[0]
+        generate(engine, [p], max_new_tokens=24, sampling=[s])[0]
         for p, s in zip(prompts, params, strict=True)
     ]
-    together = generate(engine, prompts, max_new_tokens=32, sampling=params, chunk=13,
+    together = generate(engine, prompts, max_new_tokens=24, sampling=params, chunk=13,
                         max_batched_tokens=96)  # fmt: skip
     assert together == alone
     resumed = []
     for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
         request = Request(f"resumed-{i}", list(p), s)
-        request.all_token_ids.extend(alone[i][:16])
+        request.all_token_ids.extend(alone[i][:12])
         resumed.append(request)
     run_requests(engine, resumed, chunk=11, first_slot=1)
     assert [r.output_token_ids for r in resumed] == alone
@@ -262,10 +286,7 @@ def test_bfloat16_departs_from_float32_only_at_near_ties(
             assert a == b
             identical += 1
             continue
-        context = prompt + a[:first]
-        with torch.inference_mode():
-            batch, _ = build_batch([SequenceChunk(0, 0, len(context), True)])
-            logits = engine_f32.model(torch.tensor(context), batch)[-1]
+        logits = engine_f32.call(last_logits, engine_f32, prompt + a[:first])
         margin = float(logits[a[first]] - logits[b[first]])
         assert 0 <= margin < 0.5, f"bfloat16 overturned a float32 margin of {margin:.3f}"
     assert identical >= len(prompts) // 2
@@ -361,6 +382,7 @@ def test_plan_validation(engine_f32: TorchEngine) -> None:
     assert engine_f32.step(StepPlan([partial])).sampled_token_ids == {}
 
 
+@pytest.mark.caller_thread
 def test_step_runs_on_another_thread(engine_f32: TorchEngine) -> None:
     ids = encode(engine_f32, PROMPTS[0])
     expected = generate(engine_f32, [ids], max_new_tokens=4)[0]

@@ -270,6 +270,9 @@ def engine_command(
     mixed_rate: Annotated[float, typer.Option(help="Mixed arrivals per second.")] = 2.0,
     peer: Annotated[bool, typer.Option(help="Also run transformers generate().")] = True,
     threads: Annotated[int | None, typer.Option(help="Torch threads.")] = None,
+    server_streams: Annotated[
+        int, typer.Option(help="Streams through the real server (0: skip; must be a --batch).")
+    ] = 32,
 ) -> None:
     """The embedded engine against its raw forward pass and against transformers."""
     from sluicegate.bench.engine_bench import markdown_table, run_engine_bench
@@ -278,6 +281,8 @@ def engine_command(
     report = run_engine_bench(
         model, dtype, batch or [1, 8, 32, 64], prompt_tokens, new_tokens, mixed_requests,
         mixed_rate, peer, threads, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
+        server_streams=server_streams,
+        log_dir=json_out.parent if json_out is not None else None,
     )  # fmt: skip
     table = markdown_table(report)
     console.print(table)

@@ -62,8 +62,14 @@ def measure_decode(
 
     ``raw``: the model forward alone on a prebuilt batch (it rewrites the same position
     every step, which costs the same as advancing).  ``step``: ``TorchEngine.step`` with
-    input building and (greedy) sampling included.
+    input building and (greedy) sampling included.  Runs on the engine's torch thread.
     """
+    return engine.call(_measure_decode, engine, batch_size, context, steps, blocks)
+
+
+def _measure_decode(
+    engine: TorchEngine, batch_size: int, context: int, steps: int, blocks: int
+) -> dict[str, float]:
     _prefill_slots(engine, batch_size, context)
     chunks = [SequenceChunk(slot, context, 1, True) for slot in range(batch_size)]
     batch, _ = build_batch(chunks)
@@ -89,6 +95,10 @@ def measure_decode(
 
 def measure_prefill(engine: TorchEngine, length: int, chunk: int, repeats: int) -> float:
     """Milliseconds to prefill one ``length``-token prompt in chunks of ``chunk``."""
+    return engine.call(_measure_prefill, engine, length, chunk, repeats)
+
+
+def _measure_prefill(engine: TorchEngine, length: int, chunk: int, repeats: int) -> float:
     tokens = torch.randint(0, engine.args.vocab_size, (length,))
     plans = []
     for start in range(0, length, chunk):

