@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -40,6 +41,32 @@ _executor_lock = threading.Lock()
 def _remember_thread() -> None:
     global _torch_thread_ident
     _torch_thread_ident = threading.get_ident()
+
+
+#: glibc ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_memory(mmap_threshold: int = 256 << 20) -> bool:
+    """Serve buffers below ``mmap_threshold`` from malloc's heap and stop returning freed
+    heap memory to the OS (glibc only; returns whether it applied).
+
+    A decode step allocates and frees the same multi-megabyte temporaries (the gathered
+    KV of every layer, scores, logits) again and again.  glibc hands each one to a fresh
+    ``mmap`` and unmaps it on free, so every step pays page faults to zero-fill them:
+    measured here, gathering 64 sequences' keys took 0.89 ms with fresh pages and 0.26 ms
+    with reused ones, and that gather runs 60 times a step.  Memory stays at the
+    working set's high-water mark instead, which a server reaches anyway.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    return ok and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1)
 
 
 def torch_thread() -> ThreadPoolExecutor:
@@ -119,6 +146,7 @@ class TorchEngine:
         num_threads: int | None,
         served_model_name: str | None,
     ) -> None:
+        keep_freed_memory()
         self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
         # On two cores the event loop competes with these threads; the caller decides.
         torch.set_num_threads(self.num_threads)
