@@ -282,7 +282,6 @@ def engine_command(
         model, dtype, batch or [1, 8, 32, 64], prompt_tokens, new_tokens, mixed_requests,
         mixed_rate, peer, threads, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
         server_streams=server_streams,
-        log_dir=json_out.parent if json_out is not None else None,
     )  # fmt: skip
     table = markdown_table(report)
     console.print(table)

@@ -4,8 +4,8 @@ Every row of a batch draws its own uniform number from a counter-based hash of i
 request's seed and the index of the token being sampled, never from a shared generator.
 So a request's random numbers do not depend on what else is in the batch, and a
 preempted request re-prefilled later (or on another replica) draws the same ones again.
-(Identical *text* also needs identical logits; see ``loader.resolve_dtype`` on why the
-default dtype is float32.)
+(Identical *text* also needs identical logits: the model is batch-invariant bit for bit
+in both dtypes, see :mod:`sluicegate.engine.torch.model`.)
 
 Sampling is inverse-CDF: with the row's probabilities ``p`` (after temperature, top-k and
 top-p) in vocabulary order, the token is the first ``i`` with ``cumsum(p)[i] > u * sum(p)``.
