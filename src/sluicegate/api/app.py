@@ -22,7 +22,7 @@ from sluicegate.api.jobs import router as jobs_router
 from sluicegate.api.openai_routes import json_response, router
 from sluicegate.api.resume import router as resume_router
 from sluicegate.api.runtime import PRIORITY_NAMES, Runtime, get_runtime
-from sluicegate.api.session import SessionRegistry
+from sluicegate.api.session_registry import SessionRegistry
 from sluicegate.api.web import router as web_router
 from sluicegate.api.websocket import router as ws_router
 from sluicegate.config import Settings

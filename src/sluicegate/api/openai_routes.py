@@ -37,7 +37,7 @@ from sluicegate.api.schemas import (
     completion_prompt,
     parse_body,
 )
-from sluicegate.api.session import StreamFormat
+from sluicegate.api.stream_events import StreamFormat
 from sluicegate.engine.tokenizer import ChatTemplateError
 from sluicegate.scheduler.request import FinishReason, SamplingParams
 from sluicegate.stream.output import RequestOutput

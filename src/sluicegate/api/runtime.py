@@ -14,7 +14,7 @@ from sluicegate.api.front_door import FrontDoor
 if TYPE_CHECKING:
     from sluicegate.api.generation import Generation
     from sluicegate.api.jobs import JobRunner
-    from sluicegate.api.session import SessionRegistry
+    from sluicegate.api.session_registry import SessionRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
 from sluicegate.engine.tokenizer import TextTokenizer

@@ -30,17 +30,11 @@ import asyncio
 import bisect
 import contextlib
 import logging
-import os
-import secrets
-import socket
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from sluicegate.admission.tenants import Tenant
-from sluicegate.api.errors import APIError
 from sluicegate.api.generation import (
     Generation,
     abort_generation,
@@ -48,29 +42,30 @@ from sluicegate.api.generation import (
     engine_failure,
     finish_reason_text,
     record_finish,
-    start_generation,
     stop_generation,
     usage,
 )
 from sluicegate.api.sse import DONE, EventStreamResponse, SSEConnection, sse_data, with_event_id
-from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
+from sluicegate.api.stream_events import (
+    StreamFormat,
+    error_event,
+    replay_error,
+)
+from sluicegate.scheduler.request import FinishReason
 from sluicegate.store.base import (
-    JSONValue,
     LeaseLost,
     ReplayTrimmed,
     Store,
     StoreError,
     StoreUnavailable,
-    StreamExpired,
-    StreamMeta,
     StreamStatus,
 )
 from sluicegate.store.event_id import format_event_id
 from sluicegate.stream.flow import StreamFlow
-from sluicegate.stream.output import FlushPolicy, RequestOutput, RequestStream
+from sluicegate.stream.output import FlushPolicy, RequestOutput
 
 if TYPE_CHECKING:
-    from sluicegate.api.runtime import Runtime
+    from sluicegate.api.session_registry import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -80,155 +75,8 @@ REPLAY_BATCH_EVENTS = 256
 #: one: the hop from producer to writer must not make a fast reader's events coalesce.
 FEED_MAX_WAITING = 2
 
-Kind = Literal["chat", "completion"]
 #: Why a session stopped generating without finishing its stream.
 StopReason = Literal["draining", "detached", "lease_lost", "evicted", "store_unavailable"]
-
-
-# --- framing ---
-
-
-@dataclass(slots=True, frozen=True)
-class StreamFormat:
-    """How a stream's chunks look; kept in ``StreamMeta.extra`` so that a replica that
-    takes the stream over frames its continuation exactly like the start."""
-
-    kind: Kind
-    created: int
-    model: str
-    include_usage: bool = False
-    continuous_usage: bool = False
-    flush_interval_seconds: float | None = None
-    flush_max_tokens: int | None = None
-    priority: str = "interactive"
-    max_tokens_per_second: float | None = None
-
-    def chunk(
-        self, stream_id: str, text: str, finish: str | None, use: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        """One ``chat.completion.chunk`` or ``text_completion`` object."""
-        if self.kind == "chat":
-            delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
-            choice: dict[str, Any] = {
-                "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
-            }  # fmt: skip
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {
-            "id": stream_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": use,
-        }
-
-    def first_chunk(self, stream_id: str, num_prompt_tokens: int) -> bytes | None:
-        """The opening chat chunk (the assistant role); completions have none."""
-        if self.kind != "chat":
-            return None
-        first = self.chunk(stream_id, "", None, None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        if self.continuous_usage:
-            first["usage"] = {
-                "prompt_tokens": num_prompt_tokens,
-                "completion_tokens": 0,
-                "total_tokens": num_prompt_tokens,
-            }
-        return sse_data(first)
-
-    def flush_policy(self, default: FlushPolicy) -> FlushPolicy:
-        if self.flush_interval_seconds is None and self.flush_max_tokens is None:
-            return default
-        return FlushPolicy(
-            interval_seconds=(
-                default.interval_seconds
-                if self.flush_interval_seconds is None
-                else self.flush_interval_seconds
-            ),
-            max_tokens=self.flush_max_tokens or default.max_tokens,
-            heartbeat_seconds=default.heartbeat_seconds,
-        )
-
-    def to_json(self) -> dict[str, JSONValue]:
-        return {
-            "kind": self.kind,
-            "created": self.created,
-            "include_usage": self.include_usage,
-            "continuous_usage": self.continuous_usage,
-            "flush_interval_seconds": self.flush_interval_seconds,
-            "flush_max_tokens": self.flush_max_tokens,
-            "priority": self.priority,
-            "max_tokens_per_second": self.max_tokens_per_second,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], model: str) -> StreamFormat:
-        kind: Kind = "chat" if data.get("kind") == "chat" else "completion"
-        return cls(
-            kind=kind,
-            created=int(data.get("created") or time.time()),
-            model=model,
-            include_usage=bool(data.get("include_usage")),
-            continuous_usage=bool(data.get("continuous_usage")),
-            flush_interval_seconds=_optional_float(data.get("flush_interval_seconds")),
-            flush_max_tokens=_optional_int(data.get("flush_max_tokens")),
-            priority=str(data.get("priority") or "interactive"),
-            max_tokens_per_second=_optional_float(data.get("max_tokens_per_second")),
-        )
-
-
-def sampling_to_json(sampling: SamplingParams) -> dict[str, JSONValue]:
-    """Everything but the seed (``StreamMeta.seed``), for :func:`sampling_from_json`."""
-    return {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "stop": list(sampling.stop),
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "ignore_eos": sampling.ignore_eos,
-    }
-
-
-def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=int(data["max_tokens"]),
-        seed=seed,
-        temperature=float(data.get("temperature", 1.0)),
-        top_p=float(data.get("top_p", 1.0)),
-        top_k=int(data.get("top_k", 0)),
-        stop=tuple(str(s) for s in data.get("stop", ())),
-        stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
-        ignore_eos=bool(data.get("ignore_eos", False)),
-    )
-
-
-def is_final_event(data: bytes) -> bool:
-    """Whether a logged event ends its stream (it carries the ``[DONE]`` message)."""
-    return data.endswith(DONE)
-
-
-def error_event(status: str, message: str, **extra: JSONValue) -> bytes:
-    """A final SSE error event in OpenAI's shape, with ``[DONE]``."""
-    body: dict[str, JSONValue] = {
-        "message": message, "type": status, "param": None, "code": status, **extra,
-    }  # fmt: skip
-    return sse_data({"error": body}) + DONE
-
-
-def replay_error(error: StoreError) -> bytes:
-    """The event that ends a replay the store cannot serve."""
-    if isinstance(error, ReplayTrimmed):
-        return error_event(
-            "replay_trimmed", str(error), resumable_from_seq=error.resumable_from_seq
-        )
-    if isinstance(error, StreamExpired):
-        return error_event("stream_expired", f"{error}. Send the request again.")
-    message = f"The replay log cannot be read: {error}. Resume later."
-    return error_event("store_unavailable", message)
 
 
 # --- one attached connection ---
@@ -695,196 +543,3 @@ class StreamSession:
 
 
 # --- the registry ---
-
-
-class SessionRegistry:
-    """This replica's sessions, its owner id for leases, and the lease renewal loop."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        #: This process's identity in the store's leases.
-        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._sessions: dict[str, StreamSession] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def get(self, stream_id: str) -> StreamSession | None:
-        return self._sessions.get(stream_id)
-
-    def add(self, session: StreamSession) -> None:
-        self._sessions[session.stream_id] = session
-
-    def remove(self, session: StreamSession) -> None:
-        if self._sessions.get(session.stream_id) is session:
-            del self._sessions[session.stream_id]
-
-    @property
-    def lease_ttl_seconds(self) -> float:
-        return self.runtime.settings.lease_ttl_seconds
-
-    @property
-    def store(self) -> Store:
-        store = self.runtime.store
-        if store is None:
-            raise APIError(503, "The server is starting; retry shortly.", code="not_ready",
-                           headers={"retry-after": "1"})  # fmt: skip
-        return store
-
-    # --- lifecycle ---
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._renew_leases(), name="sluicegate-leases")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for session in list(self._sessions.values()):
-            await session.cancel()
-
-    async def wait_all(self, within_seconds: float) -> None:
-        """Wait (at most ``within_seconds``) until every producer has ended."""
-        sessions = list(self._sessions.values())
-        if sessions:
-            waiters = [asyncio.ensure_future(s.wait_done()) for s in sessions]
-            await asyncio.wait(waiters, timeout=within_seconds)
-
-    async def _renew_leases(self) -> None:
-        interval = self.lease_ttl_seconds / 3.0
-        while True:
-            await asyncio.sleep(interval)
-            sessions = [s for s in self._sessions.values() if s.stop_reason is None]
-            if not sessions:
-                continue
-            results = await asyncio.gather(
-                *(self._renew(s) for s in sessions), return_exceptions=True
-            )
-            for session, renewed in zip(sessions, results, strict=True):
-                if renewed is False:
-                    session.lease_lost()
-
-    async def _renew(self, session: StreamSession) -> bool:
-        try:
-            return await self.store.renew_lease(
-                session.stream_id, self.owner, self.lease_ttl_seconds
-            )
-        except StoreUnavailable:
-            return True  # fail_closed: its next append says whether it may go on
-
-    # --- starting and continuing streams ---
-
-    async def open(
-        self, generation: Generation, tenant: Tenant, fmt: StreamFormat
-    ) -> StreamSession:
-        """A new stream: its metadata and lease in the store, then its producer."""
-        store = self.store
-        request = generation.request
-        meta = StreamMeta(
-            tenant=tenant.name,
-            model=fmt.model,
-            prompt_token_ids=list(request.prompt_token_ids),
-            seed=request.sampling.seed,
-            sampling_params=sampling_to_json(request.sampling),
-            extra=fmt.to_json(),
-        )
-        try:
-            await store.put_meta(generation.request_id, meta)
-            await store.acquire_lease(generation.request_id, self.owner, self.lease_ttl_seconds)
-        except StoreUnavailable as error:  # fail_closed
-            abort_generation(self.runtime, generation)
-            raise APIError(
-                503,
-                f"The replay store is unreachable ({error}); streams cannot be made "
-                "resumable. Retry shortly.",
-                code="store_unavailable",
-                headers={"retry-after": "1"},
-            ) from None
-        first = fmt.first_chunk(generation.request_id, request.num_prompt_tokens)
-        return StreamSession(self, generation, tenant.name, fmt, first_chunk=first)
-
-    async def take_over(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
-        """Continue a stream nobody generates (its replica drained, stopped or died).
-
-        ``None`` when another replica holds its lease, or when its log turns out to be
-        complete (then it only needs replaying).  Raises :class:`APIError` when this
-        replica cannot run it now (limits, draining, another model).
-        """
-        store = self.store
-        if not await store.acquire_lease(stream_id, self.owner, self.lease_ttl_seconds):
-            return None
-        try:
-            return await self._continue(tenant, stream_id)
-        except BaseException:
-            await store.release_lease(stream_id, self.owner)
-            raise
-
-    async def _continue(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
-        store = self.store
-        runtime = self.runtime
-        meta = await store.get_meta(stream_id)
-        head = await store.read(stream_id, 0, limit=1)
-        last_seq = head.last_seq
-        complete = head.finished
-        if not complete and last_seq > 0:
-            tail = await store.read(stream_id, last_seq - 1)
-            complete = bool(tail.events) and is_final_event(tail.events[-1].data)
-            if complete:
-                # Its replica logged the end but died before closing the log.
-                await store.finish(stream_id, owner=self.owner)
-        if complete:
-            await store.release_lease(stream_id, self.owner)
-            return None
-        if meta.model != runtime.model_name:
-            raise APIError(
-                503,
-                f"Stream '{stream_id}' was generated by model '{meta.model}'; this replica "
-                f"serves '{runtime.model_name}'. Resume it on a replica serving that model.",
-                code="model_mismatch",
-            )
-        fmt = StreamFormat.from_json(meta.extra, meta.model)
-        sampling = sampling_from_json(meta.seed, meta.sampling_params)
-        generated = meta.generated_token_ids
-        if len(generated) >= sampling.max_tokens:
-            generation = self._finished_generation(meta, sampling, stream_id)
-        else:
-            generation = await start_generation(
-                runtime, tenant, fmt.priority, stream_id, meta.prompt_token_ids, sampling,
-                fmt.max_tokens_per_second, output_token_ids=generated, resumed=True,
-            )  # fmt: skip
-        try:
-            await store.update_meta(stream_id, status=StreamStatus.RUNNING)
-        except StoreUnavailable:
-            abort_generation(runtime, generation)
-            raise
-        logger.info(
-            "stream %s taken over after seq %d (%d tokens re-prefilled)",
-            stream_id, last_seq, len(meta.prompt_token_ids) + len(generated),
-        )  # fmt: skip
-        return StreamSession(self, generation, tenant.name, fmt, first_chunk=None,
-                             last_seq=last_seq)  # fmt: skip
-
-    def _finished_generation(
-        self, meta: StreamMeta, sampling: SamplingParams, stream_id: str
-    ) -> Generation:
-        """Every token was delivered, only the end was not logged: end it, no engine."""
-        prompt = meta.prompt_token_ids
-        generated = meta.generated_token_ids
-        request = Request(stream_id, prompt, sampling, all_token_ids=[*prompt, *generated])
-        stream = RequestStream(stream_id)
-        stream.put(
-            RequestOutput(stream_id, "", 0, len(prompt), len(generated), FinishReason.LENGTH)
-        )
-        generation = Generation(stream_id, request, stream, num_resumed_tokens=len(generated))
-        self.runtime.generations[stream_id] = generation
-        return generation
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)

@@ -1,0 +1,168 @@
+"""How a resumable stream's events look: the chunk format kept with the stream (so a
+replica that takes a stream over frames its continuation like the start), sampling
+parameters as stored, and the final error events of a stream or a replay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sluicegate.api.sse import DONE, sse_data
+from sluicegate.scheduler.request import SamplingParams
+from sluicegate.store.base import JSONValue, ReplayTrimmed, StoreError, StreamExpired
+from sluicegate.stream.output import FlushPolicy
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(slots=True, frozen=True)
+class StreamFormat:
+    """How a stream's chunks look; kept in ``StreamMeta.extra`` so that a replica that
+    takes the stream over frames its continuation exactly like the start."""
+
+    kind: Kind
+    created: int
+    model: str
+    include_usage: bool = False
+    continuous_usage: bool = False
+    flush_interval_seconds: float | None = None
+    flush_max_tokens: int | None = None
+    priority: str = "interactive"
+    max_tokens_per_second: float | None = None
+
+    def chunk(
+        self, stream_id: str, text: str, finish: str | None, use: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """One ``chat.completion.chunk`` or ``text_completion`` object."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
+            choice: dict[str, Any] = {
+                "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+            }  # fmt: skip
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {
+            "id": stream_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": use,
+        }
+
+    def first_chunk(self, stream_id: str, num_prompt_tokens: int) -> bytes | None:
+        """The opening chat chunk (the assistant role); completions have none."""
+        if self.kind != "chat":
+            return None
+        first = self.chunk(stream_id, "", None, None)
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        if self.continuous_usage:
+            first["usage"] = {
+                "prompt_tokens": num_prompt_tokens,
+                "completion_tokens": 0,
+                "total_tokens": num_prompt_tokens,
+            }
+        return sse_data(first)
+
+    def flush_policy(self, default: FlushPolicy) -> FlushPolicy:
+        if self.flush_interval_seconds is None and self.flush_max_tokens is None:
+            return default
+        return FlushPolicy(
+            interval_seconds=(
+                default.interval_seconds
+                if self.flush_interval_seconds is None
+                else self.flush_interval_seconds
+            ),
+            max_tokens=self.flush_max_tokens or default.max_tokens,
+            heartbeat_seconds=default.heartbeat_seconds,
+        )
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {
+            "kind": self.kind,
+            "created": self.created,
+            "include_usage": self.include_usage,
+            "continuous_usage": self.continuous_usage,
+            "flush_interval_seconds": self.flush_interval_seconds,
+            "flush_max_tokens": self.flush_max_tokens,
+            "priority": self.priority,
+            "max_tokens_per_second": self.max_tokens_per_second,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], model: str) -> StreamFormat:
+        kind: Kind = "chat" if data.get("kind") == "chat" else "completion"
+        return cls(
+            kind=kind,
+            created=int(data.get("created") or time.time()),
+            model=model,
+            include_usage=bool(data.get("include_usage")),
+            continuous_usage=bool(data.get("continuous_usage")),
+            flush_interval_seconds=_optional_float(data.get("flush_interval_seconds")),
+            flush_max_tokens=_optional_int(data.get("flush_max_tokens")),
+            priority=str(data.get("priority") or "interactive"),
+            max_tokens_per_second=_optional_float(data.get("max_tokens_per_second")),
+        )
+
+
+def sampling_to_json(sampling: SamplingParams) -> dict[str, JSONValue]:
+    """Everything but the seed (``StreamMeta.seed``), for :func:`sampling_from_json`."""
+    return {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "stop": list(sampling.stop),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+    }
+
+
+def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=int(data["max_tokens"]),
+        seed=seed,
+        temperature=float(data.get("temperature", 1.0)),
+        top_p=float(data.get("top_p", 1.0)),
+        top_k=int(data.get("top_k", 0)),
+        stop=tuple(str(s) for s in data.get("stop", ())),
+        stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
+        ignore_eos=bool(data.get("ignore_eos", False)),
+    )
+
+
+def is_final_event(data: bytes) -> bool:
+    """Whether a logged event ends its stream (it carries the ``[DONE]`` message)."""
+    return data.endswith(DONE)
+
+
+def error_event(status: str, message: str, **extra: JSONValue) -> bytes:
+    """A final SSE error event in OpenAI's shape, with ``[DONE]``."""
+    body: dict[str, JSONValue] = {
+        "message": message, "type": status, "param": None, "code": status, **extra,
+    }  # fmt: skip
+    return sse_data({"error": body}) + DONE
+
+
+def replay_error(error: StoreError) -> bytes:
+    """The event that ends a replay the store cannot serve."""
+    if isinstance(error, ReplayTrimmed):
+        return error_event(
+            "replay_trimmed", str(error), resumable_from_seq=error.resumable_from_seq
+        )
+    if isinstance(error, StreamExpired):
+        return error_event("stream_expired", f"{error}. Send the request again.")
+    message = f"The replay log cannot be read: {error}. Resume later."
+    return error_event("store_unavailable", message)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
