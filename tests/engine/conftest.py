@@ -45,36 +45,27 @@ def torch_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sluicegate-torch-cache")
 
 
-@pytest.fixture(scope="session")
-def engine_f32(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
-    """SmolLM2 in float32 (exact comparisons), 8 slots of 512 positions."""
+def _smollm2_engine(path: str, cache_dir: Path, dtype: str) -> Iterator[TorchEngine]:
+    """SmolLM2 in ``dtype``, 8 slots of 512 positions."""
     from sluicegate.engine.torch import TorchEngine
 
     engine = TorchEngine(
-        smollm2_path,
-        dtype="float32",
-        max_num_seqs=8,
-        max_model_len=512,
-        cache_dir=str(torch_cache_dir),
+        path, dtype=dtype, max_num_seqs=8, max_model_len=512, cache_dir=str(cache_dir)
     )
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def engine_f32(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
+    """SmolLM2 in float32 (exact comparisons against transformers)."""
+    yield from _smollm2_engine(smollm2_path, torch_cache_dir, "float32")
 
 
 @pytest.fixture(scope="session")
 def engine_bf16(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
-    """SmolLM2 in bfloat16 (the fast dtype), 8 slots of 512 positions."""
-    from sluicegate.engine.torch import TorchEngine
-
-    engine = TorchEngine(
-        smollm2_path,
-        dtype="bfloat16",
-        max_num_seqs=8,
-        max_model_len=512,
-        cache_dir=str(torch_cache_dir),
-    )
-    yield engine
-    engine.close()
+    """SmolLM2 in bfloat16 (the fast dtype)."""
+    yield from _smollm2_engine(smollm2_path, torch_cache_dir, "bfloat16")
 
 
 @pytest.fixture(params=["float32", "bfloat16"])

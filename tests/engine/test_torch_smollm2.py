@@ -67,8 +67,8 @@ def encode(engine: TorchEngine, text: str) -> list[int]:
 def hf_model(engine_f32: TorchEngine) -> torch.nn.Module:
     """transformers' LlamaForCausalLM holding exactly our dequantised float32 weights.
 
-    Tests call it through ``engine.call``: all tensor work stays on the one torch thread
-    (a second OpenMP team would slow every step; see TorchEngine)."""
+    Built on the torch thread, where the tests run too (see conftest.py): a second
+    OpenMP team in the process would slow every step (see TorchEngine)."""
     pytest.importorskip("transformers")
     return engine_f32.call(_build_hf_model, engine_f32)
 
@@ -130,10 +130,6 @@ def test_qk_unpermute_matches_transformers_gguf_loader(
 
 
 def test_logits_match_transformers(engine_f32: TorchEngine, hf_model: torch.nn.Module) -> None:
-    engine_f32.call(_logits_match_transformers, engine_f32, hf_model)
-
-
-def _logits_match_transformers(engine_f32: TorchEngine, hf_model: torch.nn.Module) -> None:
     prompts = [encode(engine_f32, p) for p in PROMPTS[:3]]
     prompts.append(engine_f32.tokenizer.encode_chat([{"role": "user", "content": "Hi there!"}]))
     with torch.inference_mode():
@@ -154,12 +150,6 @@ def test_greedy_continuation_matches_transformers(
 ) -> None:
     prompts = [encode(engine_f32, p) for p in PROMPTS[:2]]
     outputs = generate(engine_f32, prompts, max_new_tokens=16, chunk=5)
-    engine_f32.call(_greedy_matches, hf_model, prompts, outputs)
-
-
-def _greedy_matches(
-    hf_model: torch.nn.Module, prompts: list[list[int]], outputs: list[list[int]]
-) -> None:
     with torch.inference_mode():
         for ids, ours in zip(prompts, outputs, strict=True):
             seq = list(ids)
@@ -286,7 +276,7 @@ def test_bfloat16_departs_from_float32_only_at_near_ties(
             assert a == b
             identical += 1
             continue
-        logits = engine_f32.call(last_logits, engine_f32, prompt + a[:first])
+        logits = last_logits(engine_f32, prompt + a[:first])
         margin = float(logits[a[first]] - logits[b[first]])
         assert 0 <= margin < 0.5, f"bfloat16 overturned a float32 margin of {margin:.3f}"
     assert identical >= len(prompts) // 2

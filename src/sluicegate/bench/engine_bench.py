@@ -33,7 +33,7 @@ import orjson
 import torch
 import yaml
 
-from sluicegate.engine.torch.benchmark import _best_seconds, measure_decode, measure_prefill
+from sluicegate.engine.torch.benchmark import best_seconds, measure_decode, measure_prefill
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
 from sluicegate.engine.torch.model import ModelArgs
 from sluicegate.engine.torch.runner import TorchEngine
@@ -179,7 +179,7 @@ def gemm_peak_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> 
     """Best GFLOP/s of a ``size``-cubed matrix product in ``dtype`` (the practical peak)."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    seconds = _best_seconds(lambda: torch.mm(a, b), steps=1, blocks=repeats)
+    seconds = best_seconds(lambda: torch.mm(a, b), steps=1, blocks=repeats)
     return 2 * size**3 / seconds / 1e9
 
 
@@ -223,7 +223,7 @@ def peer_forward_decode(model: Any, batch_size: int, context: int, vocab_size: i
             state["cache"] = o.past_key_values
             state["next"] = o.logits[:, -1:].argmax(-1)
 
-        seconds = _best_seconds(step, steps=5, blocks=3)
+        seconds = best_seconds(step, steps=5, blocks=3)
     return batch_size / seconds
 
 

@@ -42,7 +42,7 @@ def _prefill_slots(engine: TorchEngine, batch_size: int, context: int) -> None:
             engine.model(tokens, batch)
 
 
-def _best_seconds(fn: Callable[[], object], steps: int, blocks: int) -> float:
+def best_seconds(fn: Callable[[], object], steps: int, blocks: int) -> float:
     """Seconds per call: the best block of ``steps`` calls (a shared machine adds noise
     only upwards, so the minimum is the stable statistic)."""
     fn()  # warm-up
@@ -75,7 +75,7 @@ def _measure_decode(
     batch, _ = build_batch(chunks)
     tokens = torch.ones(batch_size, dtype=torch.long)
     with torch.inference_mode():
-        raw = _best_seconds(lambda: engine.model(tokens, batch), steps, blocks)
+        raw = best_seconds(lambda: engine.model(tokens, batch), steps, blocks)
 
     sampling = SamplingParams(max_tokens=1 << 30, seed=0, temperature=0.0)
     histories = [[1] * (context + 1) for _ in range(batch_size)]
@@ -85,7 +85,7 @@ def _measure_decode(
             for slot in range(batch_size)
         ]
     )
-    stepped = _best_seconds(lambda: engine.step(plan), steps, blocks)
+    stepped = best_seconds(lambda: engine.step(plan), steps, blocks)
     return {
         "raw_tok_s": batch_size / raw,
         "raw_ms_per_step": 1e3 * raw,

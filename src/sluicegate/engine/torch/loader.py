@@ -12,6 +12,7 @@ Hugging Face directories are already safetensors; they are fused in memory and n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -79,6 +80,7 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "sluicegate"
 
 
+@functools.cache
 def native_bfloat16() -> bool:
     """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX-BF16).
 

@@ -202,7 +202,7 @@ class AttentionBatch:
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_indices: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     #: ``[B, KVH, Lpad, hd]`` buffers the decode rows' keys and values are gathered into,
-    #: allocated once per forward pass and reused by every layer.
+    #: allocated once per forward pass by :meth:`Transformer.forward`, reused by each layer.
     gathered: tuple[Tensor, Tensor] | None = None
     #: ``[T * KVH]`` rows of a layer's cache viewed as ``[S * KVH * L, hd]`` where the new
     #: keys and values go (set by :meth:`Transformer.forward`, which knows ``L``).
@@ -378,9 +378,7 @@ class Attention(nn.Module):
             # and matmul would copy even a contiguous slot-range view.
             live = slice(0, batch.decode_max_len)
             slots = batch.decode_slots
-            if batch.gathered is None:
-                shape = (nd, nkv, batch.decode_max_len, hd)
-                batch.gathered = (k_cache.new_empty(shape), v_cache.new_empty(shape))
+            assert batch.gathered is not None
             keys, values = batch.gathered  # [B, KVH, Lmax, hd] each
             torch.index_select(k_cache[:, :, live], 0, slots, out=keys)
             torch.index_select(v_cache[:, :, live], 0, slots, out=values)
@@ -547,9 +545,11 @@ class Transformer(nn.Module):
         cos = self.rope_cos[batch.positions][:, None, :]  # [T, 1, hd]
         sin = self.rope_sin[batch.positions][:, None, :]  # [T, 1, hd]
         caches = zip(self._k_layers, self._v_layers, strict=True)
+        if batch.num_decode:
+            shape = (batch.num_decode, kv_heads, batch.decode_max_len, self.args.head_dim)
+            batch.gathered = (self.k_cache.new_empty(shape), self.v_cache.new_empty(shape))
         for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, batch)
-        batch.gathered = None
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.args.vocab_size)
         h = self.norm(x[batch.logits_indices])  # [N, D]

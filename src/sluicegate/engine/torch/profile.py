@@ -9,8 +9,8 @@ per-operator self times are grouped into categories:
 - **attention**: ``q·Kᵀ`` and ``P·V`` matmuls, the softmax, the KV gather and write;
 - **norms, RoPE, activations**: every other operator inside the forward pass;
 - **sampling**: every operator inside the engine's ``sluicegate.sample`` region;
-- **Python and dispatch**: the forward and sampling regions' time not spent inside any
-  operator (module calls, argument parsing, allocation), plus input building.
+- **Python and dispatch**: the engine step's time not spent inside any operator (module
+  calls, argument parsing, allocation, input building).
 
 The profiler adds a few microseconds per operator, so its categories are shown as shares
 of the profiled step and scaled to the plain wall time.  ``docs/engine-performance.md``
@@ -92,19 +92,14 @@ def profile_batch(
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         profiled = _decode(engine, scheduler, steps)
     self_us: dict[str, float] = defaultdict(float)
-    region_us: dict[str, float] = {}
     for event in prof.key_averages():
-        if event.key.startswith("sluicegate."):
-            region_us[event.key] = event.cpu_time_total
-        else:
+        if not event.key.startswith("sluicegate."):
             self_us[event.key] += event.self_cpu_time_total
     # Operators inside the sampling region, by a second pass over the raw events.
     sample_ops_us = 0.0
     for event in prof.events():
         if event.name == "sluicegate.sample":
             sample_ops_us += sum(child.self_cpu_time_total for child in _descendants(event))
-    forward_us = region_us.get("sluicegate.forward", 0.0)
-    sample_us = region_us.get("sluicegate.sample", 0.0)
     ops_us = sum(self_us.values())
     projections = sum(v for k, v in self_us.items() if k in PROJECTION_OPS)
     attention = sum(v for k, v in self_us.items() if k in ATTENTION_OPS)
@@ -125,8 +120,6 @@ def profile_batch(
     result["step_ms"] = step_ms
     result["total_ms"] = step_ms + result["scheduler"]
     result["tok_s"] = batch_size / (result["total_ms"] / 1e3)
-    result["forward_share_profiled"] = forward_us / step_us if step_us else 0.0
-    result["sample_share_profiled"] = sample_us / step_us if step_us else 0.0
     # The next batch size gets a fresh scheduler; the engine keeps no per-request state.
     return result
 

@@ -38,11 +38,6 @@ _torch_thread_ident: int | None = None
 _executor_lock = threading.Lock()
 
 
-def _remember_thread() -> None:
-    global _torch_thread_ident
-    _torch_thread_ident = threading.get_ident()
-
-
 #: glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -69,13 +64,19 @@ def keep_freed_memory(mmap_threshold: int = 256 << 20) -> bool:
     return ok and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1)
 
 
+def _init_torch_thread() -> None:
+    global _torch_thread_ident
+    _torch_thread_ident = threading.get_ident()
+    keep_freed_memory()
+
+
 def torch_thread() -> ThreadPoolExecutor:
     """The process's one thread for tensor work (see :class:`TorchEngine`), started lazily."""
     global _torch_executor
     with _executor_lock:
         if _torch_executor is None:
             _torch_executor = ThreadPoolExecutor(
-                1, thread_name_prefix="sluicegate-torch", initializer=_remember_thread
+                1, thread_name_prefix="sluicegate-torch", initializer=_init_torch_thread
             )
         return _torch_executor
 
@@ -101,8 +102,8 @@ class TorchEngine:
 
     **One OS thread does all the tensor work.**  Loading, every step and :meth:`call` run
     on the process's ``sluicegate-torch`` thread (shared by every engine), whoever calls
-    them.  OpenMP (which
-    torch and oneDNN parallelise with) keeps a team of worker threads per calling thread;
+    them.  OpenMP (which torch and oneDNN parallelise with) keeps a team of worker
+    threads per calling thread;
     with two teams on a machine with as many cores as one team, libgomp throttles its
     spin-waiting and every operator pays a wake-up: measured here, a decode step took 4x
     longer on a second thread than on the thread that had loaded the model.
@@ -146,7 +147,6 @@ class TorchEngine:
         num_threads: int | None,
         served_model_name: str | None,
     ) -> None:
-        keep_freed_memory()
         self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
         # On two cores the event loop competes with these threads; the caller decides.
         torch.set_num_threads(self.num_threads)
@@ -225,12 +225,11 @@ class TorchEngine:
             raise ValueError("token id out of the model's vocabulary")
         # Logit rows come out in batch order, so the sampled sequences are listed that way.
         sampled = [sequences[i] for i in order if sequences[i].sample]
-        # The labels cost ~1 us when no profiler listens; `...torch.profile` reads them.
         with torch.inference_mode():
-            with record_function("sluicegate.forward"):
-                logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
+            logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
             if not sampled:
                 return StepResult()
+            # The label costs ~1 us when no profiler listens; `...torch.profile` reads it.
             with record_function("sluicegate.sample"):
                 params = SamplingBatch.build(
                     [s.sampling for s in sampled], [s.output_index for s in sampled]
