@@ -19,7 +19,7 @@ from pydantic_settings import (
 
 from sluicegate.admission.tenants import TenantConfig, validate_tenants
 
-EngineKind = Literal["torch", "sim", "upstream"]
+EngineKind = Literal["torch", "sim"]
 
 
 class Settings(BaseSettings):
@@ -40,7 +40,7 @@ class Settings(BaseSettings):
 
     # --- engine ---
     engine: EngineKind = Field(
-        "torch", description="Engine: torch (embedded model), sim or upstream."
+        "torch", description="Engine: torch (the embedded model) or sim (simulated)."
     )
     model: str | None = Field(
         None,
@@ -57,7 +57,6 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(
         None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
     )
-    upstream_url: str | None = Field(None, description="Base URL of the upstream engine.")
 
     # --- sim engine ---
     sim_step_base_ms: float = Field(5.0, ge=0.0, description="Sim step time: fixed part (ms).")
@@ -200,9 +199,7 @@ class Settings(BaseSettings):
         64, ge=1, description="Background jobs held in memory; the rest wait in the journal."
     )
 
-    @field_validator(
-        "model", "upstream_url", "served_model_name", "cache_dir", "journal_path", mode="before"
-    )
+    @field_validator("model", "served_model_name", "cache_dir", "journal_path", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
@@ -219,8 +216,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.engine == "upstream" and not self.upstream_url:
-            raise ValueError("engine 'upstream' needs upstream_url (--upstream-url URL)")
         validate_tenants(self.tenants)
         if self.breaker_queue_wait_open_seconds < self.breaker_queue_wait_shed_seconds:
             raise ValueError("breaker_queue_wait_open_seconds must be >= the shed threshold")

@@ -9,7 +9,7 @@ from sluicegate.admission.controller import AdmissionConfig, AdmissionController
 from sluicegate.admission.decision import Rejection, RejectReason
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.tenants import Tenant, TenantConfig, TenantRegistry
-from sluicegate.admission.types import PriorityClass
+from sluicegate.types import PriorityClass
 from tests.admission.fake_clock import FakeClock
 
 INTERACTIVE = PriorityClass.INTERACTIVE

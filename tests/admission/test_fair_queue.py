@@ -15,7 +15,7 @@ from sluicegate.admission.fair_queue import (
     OverflowPolicy,
     QueueItem,
 )
-from sluicegate.admission.types import PriorityClass
+from sluicegate.types import PriorityClass
 
 INTERACTIVE = PriorityClass.INTERACTIVE
 BATCH = PriorityClass.BATCH

@@ -14,7 +14,7 @@ from sluicegate.admission.tenants import (
     TenantConfigError,
     TenantRegistry,
 )
-from sluicegate.admission.types import PriorityClass
+from sluicegate.types import PriorityClass
 
 
 def _registry() -> TenantRegistry:

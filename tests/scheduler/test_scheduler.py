@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from sluicegate.engine.base import StepPlan, StepResult
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+from sluicegate.scheduler.step import StepPlan, StepResult
 
 EOS = 0
 

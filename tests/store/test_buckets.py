@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from sluicegate.admission.token_bucket import Acquire, TokenBucket
 from sluicegate.store.base import SharedBucket, StoreConfig
 from sluicegate.store.memory import MemoryStore
 from sluicegate.store.redis_store import RedisStore
+from sluicegate.store.token_bucket import Acquire, TokenBucket
 from tests.admission.fake_clock import FakeClock
 from tests.store.conftest import BACKENDS, TEST_CONFIG, MakeStore, RedisServer
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sluicegate.admission.types import Clock
+from sluicegate.types import Clock
 
 
 class BreakerState(enum.IntEnum):

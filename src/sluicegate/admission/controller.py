@@ -33,9 +33,9 @@ from sluicegate.admission.concurrency import ConcurrencyLimiter, ConcurrencySlot
 from sluicegate.admission.decision import RateLimitSnapshot, Rejection, RejectReason
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.tenants import Tenant, TenantRegistry
-from sluicegate.admission.types import Clock, PriorityClass
 from sluicegate.store.base import SharedBucket, StoreUnavailable
 from sluicegate.store.buckets import MemoryBucket
+from sluicegate.types import Clock, PriorityClass
 
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sluicegate.admission.decision import Rejection, RejectReason, queue_full_rejection
-from sluicegate.admission.types import PriorityClass
+from sluicegate.types import PriorityClass
 
 _CLASS_ORDER = (PriorityClass.INTERACTIVE, PriorityClass.BATCH)
 

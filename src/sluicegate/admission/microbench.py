@@ -15,7 +15,7 @@ from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshol
 from sluicegate.admission.controller import AdmissionController, Admitted
 from sluicegate.admission.decision import Rejection, RejectReason
 from sluicegate.admission.tenants import TenantConfig, TenantRegistry
-from sluicegate.admission.types import PriorityClass
+from sluicegate.types import PriorityClass
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from sluicegate.admission.types import Clock
+from sluicegate.types import Clock
 
 
 def retry_after_header_value(seconds: float, max_seconds: float = math.inf) -> int:

@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluicegate.admission.decision import Rejection, RejectReason
-from sluicegate.admission.types import PriorityClass
+from sluicegate.types import PriorityClass
 
 DEFAULT_TENANT_NAME = "default"
 

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from sluicegate import __version__
-from sluicegate.api.errors import APIError, install_error_handlers
+from sluicegate.api.errors import install_error_handlers
 from sluicegate.api.front_door import FrontDoor
 from sluicegate.api.generation import drain_generation
 from sluicegate.api.jobs import JobRunner, open_journal
@@ -28,6 +28,7 @@ from sluicegate.api.websocket import router as ws_router
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore, StepStats
 from sluicegate.engine.factory import build_engine
+from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from sluicegate.store import Store, StoreConfig, StoreFailureMode, StoreUnavailable, open_store

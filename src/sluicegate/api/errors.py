@@ -1,73 +1,15 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Error handlers: every error a client sees is in OpenAI's shape (:mod:`sluicegate.errors`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    410: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    """An error a client sees.  ``message`` says what was wrong and what to do."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        error_type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        self.code = code
-        self.error_type = error_type or _TYPE_BY_STATUS.get(status_code, "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def to_response(self) -> Response:
-        return Response(
-            content=orjson.dumps(self.body()),
-            status_code=self.status_code,
-            media_type="application/json",
-            headers=self.headers,
-        )
-
-
-def invalid_param(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
+from sluicegate.errors import APIError
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:

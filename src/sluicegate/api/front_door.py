@@ -34,13 +34,13 @@ from sluicegate.admission.fair_queue import (
 )
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.tenants import AuthError, Tenant, TenantRegistry
-from sluicegate.admission.types import PriorityClass
-from sluicegate.api.errors import APIError
 from sluicegate.config import Settings
+from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.scheduler.request import FinishReason, Request
 from sluicegate.store.base import StoreUnavailable
-from sluicegate.stream.output import RequestOutput, RequestStream
+from sluicegate.types import PriorityClass
 
 logger = logging.getLogger(__name__)
 

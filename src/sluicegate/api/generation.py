@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sluicegate.admission.tenants import Tenant
-from sluicegate.api.errors import APIError, invalid_param
 from sluicegate.api.front_door import Ticket, rejection_error
 from sluicegate.api.runtime import Runtime
 from sluicegate.api.schemas import _Common, stop_sequences
+from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.errors import APIError, invalid_param
 from sluicegate.metrics.request_log import request_logger
 from sluicegate.metrics.tracing import RequestTimeline, record_request_spans
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 from sluicegate.stream.flow import StreamFlow
-from sluicegate.stream.output import RequestOutput, RequestStream
 
 if TYPE_CHECKING:
     from sluicegate.api.session import StreamSession

@@ -27,8 +27,8 @@ from starlette.responses import Response
 
 from sluicegate.admission.journal import JobJournal, JobRecord, JobState
 from sluicegate.admission.tenants import Tenant
-from sluicegate.api.errors import APIError
 from sluicegate.api.runtime import Runtime, get_runtime
+from sluicegate.errors import APIError
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

@@ -14,7 +14,6 @@ from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
 from sluicegate.admission.tenants import Tenant
-from sluicegate.api.errors import APIError
 from sluicegate.api.generation import (
     Generation,
     abort_generation,
@@ -38,9 +37,10 @@ from sluicegate.api.schemas import (
     parse_body,
 )
 from sluicegate.api.stream_events import StreamFormat
+from sluicegate.engine.output import RequestOutput
 from sluicegate.engine.tokenizer import ChatTemplateError
+from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason, SamplingParams
-from sluicegate.stream.output import RequestOutput
 
 router = APIRouter()
 

@@ -26,11 +26,11 @@ from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
 from sluicegate.admission.tenants import Tenant
-from sluicegate.api.errors import APIError
 from sluicegate.api.runtime import Runtime, get_runtime
 from sluicegate.api.session import REPLAY_BATCH_EVENTS, StreamSession
 from sluicegate.api.sse import EventStreamResponse, SSEConnection, with_event_id
 from sluicegate.api.stream_events import error_event, replay_error
+from sluicegate.errors import APIError
 from sluicegate.store.base import (
     InvalidReplayPosition,
     ReplayResult,

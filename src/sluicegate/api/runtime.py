@@ -17,12 +17,12 @@ if TYPE_CHECKING:
     from sluicegate.api.session_registry import SessionRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.core import EngineCore
+from sluicegate.engine.output import FlushPolicy
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.metrics.registry import Metrics
 from sluicegate.metrics.window import SlidingWindow
 from sluicegate.store.base import Store
 from sluicegate.stream.flow import FlowConfig, FlowController
-from sluicegate.stream.output import FlushPolicy
 
 PRIORITY_NAMES = {0: "interactive", 1: "batch"}
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from sluicegate.api.errors import APIError, invalid_param
+from sluicegate.errors import APIError, invalid_param
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256

@@ -51,6 +51,7 @@ from sluicegate.api.stream_events import (
     error_event,
     replay_error,
 )
+from sluicegate.engine.output import FlushPolicy, RequestOutput
 from sluicegate.scheduler.request import FinishReason
 from sluicegate.store.base import (
     LeaseLost,
@@ -62,7 +63,6 @@ from sluicegate.store.base import (
 )
 from sluicegate.store.event_id import format_event_id
 from sluicegate.stream.flow import StreamFlow
-from sluicegate.stream.output import FlushPolicy, RequestOutput
 
 if TYPE_CHECKING:
     from sluicegate.api.session_registry import SessionRegistry

@@ -11,7 +11,6 @@ import socket
 from typing import TYPE_CHECKING
 
 from sluicegate.admission.tenants import Tenant
-from sluicegate.api.errors import APIError
 from sluicegate.api.generation import Generation, abort_generation, start_generation
 from sluicegate.api.session import StreamSession
 from sluicegate.api.stream_events import (
@@ -20,9 +19,10 @@ from sluicegate.api.stream_events import (
     sampling_from_json,
     sampling_to_json,
 )
+from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 from sluicegate.store.base import Store, StoreUnavailable, StreamMeta, StreamStatus
-from sluicegate.stream.output import RequestOutput, RequestStream
 
 if TYPE_CHECKING:
     from sluicegate.api.runtime import Runtime

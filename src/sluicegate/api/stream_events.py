@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sluicegate.api.sse import DONE, sse_data
+from sluicegate.engine.output import FlushPolicy
 from sluicegate.scheduler.request import SamplingParams
-from sluicegate.store.base import JSONValue, ReplayTrimmed, StoreError, StreamExpired
-from sluicegate.stream.output import FlushPolicy
+from sluicegate.store.base import ReplayTrimmed, StoreError, StreamExpired
+from sluicegate.types import JSONValue
 
 Kind = Literal["chat", "completion"]
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
-from sluicegate.api.errors import APIError
+from sluicegate.errors import APIError
 
 router = APIRouter(include_in_schema=False)
 

@@ -28,7 +28,6 @@ import orjson
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from sluicegate.api.errors import APIError
 from sluicegate.api.generation import (
     Generation,
     abort_generation,
@@ -36,6 +35,7 @@ from sluicegate.api.generation import (
     record_finish,
 )
 from sluicegate.api.runtime import Runtime
+from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
 from sluicegate.stream.flow import StreamFlow
 

@@ -1,73 +1,16 @@
-"""The engine protocol: the boundary between scheduling and computing.
+"""The engine protocol: computes the steps the scheduler plans.
 
-The scheduler plans a step (:class:`StepPlan`); the engine computes it and returns one
-sampled token per sequence whose plan asked for a sample (:class:`StepResult`).  The
-engine owns its KV cache storage; the scheduler owns the *accounting* (which slot a
-sequence lives in and how many of its tokens are cached).
+The engine owns its KV cache storage; the scheduler owns the *accounting* (which slot a
+sequence lives in and how many of its tokens are cached).  The step's boundary types
+(:class:`~sluicegate.scheduler.step.StepPlan`, ``StepResult``) live in the scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from sluicegate.scheduler.request import SamplingParams
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """One sequence's share of a step.
-
-    The engine computes positions ``[start_position, start_position + num_new_tokens)``
-    of ``all_token_ids`` into KV slot ``kv_slot``.  When ``sample`` is true the chunk
-    reaches the end of the known tokens and the engine samples the token at position
-    ``start_position + num_new_tokens`` (the ``output_index``-th output token) with
-    random numbers derived from ``(sampling.seed, output_index)``.
-
-    ``all_token_ids`` is the request's own list (prompt + output), shared, read-only.
-    """
-
-    request_id: str
-    kv_slot: int
-    all_token_ids: list[int]
-    start_position: int
-    num_new_tokens: int
-    sample: bool
-    sampling: SamplingParams
-    num_prompt_tokens: int
-
-    @property
-    def new_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.start_position : self.start_position + self.num_new_tokens]
-
-    @property
-    def output_index(self) -> int:
-        """Index among output tokens of the token this step samples."""
-        return self.start_position + self.num_new_tokens - self.num_prompt_tokens
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What the scheduler asks the engine to compute in one step."""
-
-    sequences: list[ScheduledSequence] = field(default_factory=list)
-    #: KV slots released since the previous step (the engine may clear them lazily).
-    freed_kv_slots: list[int] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.sequences)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.sequences
-
-
-@dataclass(slots=True)
-class StepResult:
-    """Sampled token per request id (only for sequences planned with ``sample``)."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+from sluicegate.scheduler.step import StepPlan, StepResult
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluicegate.engine.base import Engine
+from sluicegate.engine.detokenizer import TextAssembler
+from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerStats, TokenEvent
-from sluicegate.stream.output import RequestOutput, RequestStream
-from sluicegate.stream.text import TextAssembler
 
 logger = logging.getLogger(__name__)
 

@@ -27,21 +27,17 @@ def build_engine(settings: Settings) -> LoadedEngine:
         sim = SimEngine(settings.sim_step_base_ms, settings.sim_step_per_token_ms)
         name = settings.served_model_name or sim.model_name
         return LoadedEngine(sim, sim.tokenizer, name, settings.max_model_len)
-    if settings.engine == "torch":
-        try:
-            from sluicegate.engine.torch.runner import TorchEngine
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise EngineLoadError(f"the torch engine is not available: {exc}") from exc
-        engine = TorchEngine(
-            model_path=settings.model,
-            dtype=settings.dtype,
-            max_num_seqs=settings.max_num_seqs,
-            max_model_len=settings.max_model_len,
-            cache_dir=settings.cache_dir,
-            num_threads=settings.torch_threads,
-        )
-        name = settings.served_model_name or engine.model_name
-        return LoadedEngine(engine, engine.tokenizer, name, engine.max_model_len)
-    raise EngineLoadError(
-        "engine 'upstream' is not available in this version; use --engine torch or sim"
+    try:  # imported here so that a sim server never loads torch
+        from sluicegate.engine.torch.runner import TorchEngine
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise EngineLoadError(f"the torch engine is not available: {exc}") from exc
+    engine = TorchEngine(
+        model_path=settings.model,
+        dtype=settings.dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        cache_dir=settings.cache_dir,
+        num_threads=settings.torch_threads,
     )
+    name = settings.served_model_name or engine.model_name
+    return LoadedEngine(engine, engine.tokenizer, name, engine.max_model_len)

@@ -12,8 +12,8 @@ import hashlib
 import random
 import time
 
-from sluicegate.engine.base import StepPlan, StepResult
 from sluicegate.engine.tokenizer import TextTokenizer, byte_level_tokenizer
+from sluicegate.scheduler.step import StepPlan, StepResult
 
 # Words with multi-byte characters on purpose: their bytes span several tokens.
 _WORDS = (

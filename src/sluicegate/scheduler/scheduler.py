@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sluicegate.engine.base import ScheduledSequence, StepPlan, StepResult
 from sluicegate.scheduler.kv_cache import KVCacheManager, KVCacheStats
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
+from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.scheduler.waiting import WaitingQueue
 
 

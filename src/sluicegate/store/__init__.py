@@ -6,7 +6,6 @@ from __future__ import annotations
 from sluicegate.store.base import (
     DegradedOutcome,
     InvalidReplayPosition,
-    JSONValue,
     LeaseLost,
     ReplayResult,
     ReplayTrimmed,
@@ -30,7 +29,6 @@ from sluicegate.store.factory import open_store
 __all__ = [
     "DegradedOutcome",
     "InvalidReplayPosition",
-    "JSONValue",
     "LeaseLost",
     "ReplayResult",
     "ReplayTrimmed",

@@ -27,13 +27,12 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, TypeAlias
+from typing import Protocol
 
-from sluicegate.admission.token_bucket import Acquire
+from sluicegate.store.token_bucket import Acquire
+from sluicegate.types import JSONValue
 
 logger = logging.getLogger("sluicegate.store")
-
-JSONValue: TypeAlias = "str | int | float | bool | list[JSONValue] | dict[str, JSONValue] | None"
 
 
 # --- errors ---
@@ -268,7 +267,7 @@ class ReplayResult:
 class SharedBucket(Protocol):
     """A token bucket that every replica sharing the store sees as one.
 
-    Same semantics as :class:`~sluicegate.admission.token_bucket.TokenBucket`
+    Same semantics as :class:`~sluicegate.store.token_bucket.TokenBucket`
     (continuous refill, burst, debt), asynchronously.  When the store is unreachable,
     ``try_acquire``/``peek`` admit (fail_open) or raise :class:`StoreUnavailable`
     (fail_closed); ``charge``/``refund`` never raise (they run in cleanup paths; a lost

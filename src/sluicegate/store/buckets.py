@@ -1,6 +1,6 @@
 """Shared token buckets: in this process, or one Lua script in Redis for every replica.
 
-Both follow :class:`~sluicegate.admission.token_bucket.TokenBucket` exactly: continuous
+Both follow :class:`~sluicegate.store.token_bucket.TokenBucket` exactly: continuous
 refill at ``rate_per_second`` up to ``burst``, all-or-nothing ``try_acquire(n)`` with the
 exact ``retry_after_seconds``, ``charge`` (may go into debt) and ``refund`` (capped at the
 burst), and the same 1e-9·burst float tolerance.  The Redis bucket reads the clock of
@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from redis.commands.core import AsyncScript
 
-from sluicegate.admission.token_bucket import Acquire, TokenBucket
-from sluicegate.admission.types import Clock
 from sluicegate.store.base import DegradedOutcome, StoreFailureMode, StoreUnavailable
 from sluicegate.store.redis_connection import RedisConnection
+from sluicegate.store.token_bucket import Acquire, TokenBucket
+from sluicegate.types import Clock
 
 
 def check_bucket_params(rate_per_second: float, burst: float) -> None:

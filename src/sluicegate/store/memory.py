@@ -16,10 +16,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sluicegate.admission.types import Clock
 from sluicegate.store.base import (
     InvalidReplayPosition,
-    JSONValue,
     LeaseLost,
     ReplayResult,
     SharedBucket,
@@ -39,6 +37,7 @@ from sluicegate.store.base import (
 )
 from sluicegate.store.buckets import MemoryBucket
 from sluicegate.store.event_id import validate_stream_id
+from sluicegate.types import Clock, JSONValue
 
 _SWEEP_INTERVAL_SECONDS = 1.0
 

@@ -24,12 +24,10 @@ from typing import Any, TypeVar
 import orjson
 import redis.asyncio as aioredis
 
-from sluicegate.admission.types import Clock
-from sluicegate.store import redis_scripts as lua
+import sluicegate.store.redis_scripts as lua
 from sluicegate.store.base import (
     DegradedOutcome,
     InvalidReplayPosition,
-    JSONValue,
     LeaseLost,
     ReplayResult,
     SharedBucket,
@@ -53,6 +51,7 @@ from sluicegate.store.base import (
 from sluicegate.store.buckets import BUCKET_LUA, RedisBucket, check_bucket_params
 from sluicegate.store.event_id import validate_stream_id
 from sluicegate.store.redis_connection import RedisConnection
+from sluicegate.types import Clock, JSONValue
 
 T = TypeVar("T")
 

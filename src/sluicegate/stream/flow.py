@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sluicegate.stream.output import RequestStream
+from sluicegate.engine.output import RequestStream
 
 logger = logging.getLogger(__name__)
 

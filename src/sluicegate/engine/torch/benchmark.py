@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from sluicegate.engine.base import ScheduledSequence, StepPlan
 from sluicegate.engine.torch.model import SequenceChunk, build_batch
 from sluicegate.engine.torch.runner import TorchEngine
 from sluicegate.scheduler.request import SamplingParams
+from sluicegate.scheduler.step import ScheduledSequence, StepPlan
 
 
 def measure_load(model_path: str | None, dtype: str) -> dict[str, float]:

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from sluicegate.engine.base import Engine, EngineLimits, ScheduledSequence, StepPlan
+from sluicegate.engine.base import Engine, EngineLimits
 from sluicegate.scheduler.request import Request, SamplingParams
+from sluicegate.scheduler.step import ScheduledSequence, StepPlan
 
 
 class LimitedEngine(Engine, Protocol):

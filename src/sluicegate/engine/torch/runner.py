@@ -13,13 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.profiler import record_function
 
-from sluicegate.engine.base import (
-    Engine,
-    EngineLimits,
-    ScheduledSequence,
-    StepPlan,
-    StepResult,
-)
+from sluicegate.engine.base import Engine, EngineLimits
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.loader import (
     build_model,
@@ -30,6 +24,7 @@ from sluicegate.engine.torch.loader import (
 )
 from sluicegate.engine.torch.model import ModelArgs, SequenceChunk, Transformer, build_batch
 from sluicegate.engine.torch.sampling import SamplingBatch, sample
+from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 
 _T = TypeVar("_T")
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from sluicegate.admission.token_bucket import TokenBucket
+from sluicegate.store.token_bucket import TokenBucket
 from tests.admission.fake_clock import FakeClock
 
 

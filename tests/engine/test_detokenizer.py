@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from sluicegate.engine.detokenizer import TextAssembler
 from sluicegate.engine.tokenizer import byte_level_tokenizer
-from sluicegate.stream.text import TextAssembler
 
 TOK = byte_level_tokenizer()
 

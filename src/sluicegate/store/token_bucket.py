@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from sluicegate.admission.types import Clock
+from sluicegate.types import Clock
 
 
 @dataclass(slots=True)

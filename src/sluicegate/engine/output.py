@@ -31,7 +31,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     #: Output tokens whose text is complete with this delta's text (see
-    #: :class:`~sluicegate.stream.text.TextAssembler`): the text of every delta so far is
+    #: :class:`~sluicegate.engine.detokenizer.TextAssembler`): the text of every delta so far is
     #: exactly the text of every committed token so far.
     committed_token_ids: list[int] = field(default_factory=list)
 
