@@ -11,11 +11,12 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from sluicegate.api.app import create_app, drain
-from sluicegate.api.sse import TransportCapture
+from sluicegate.api.app import create_app
+from sluicegate.api.lifecycle import drain
 from sluicegate.config import Settings
 from sluicegate.metrics.request_log import configure_request_log
 from sluicegate.metrics.tracing import setup_tracing
+from sluicegate.stream.sse import TransportCapture
 
 
 def make_listen_socket(host: str, port: int, send_buffer_bytes: int = 0) -> socket.socket:
@@ -56,7 +57,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            await drain(self._app.state.runtime)
+            await drain(self._app.state.sluicegate)
         finally:
             self.should_exit = True
 

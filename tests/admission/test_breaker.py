@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from sluicegate.admission.breaker import BreakerConfig, BreakerState, CircuitBreaker, Threshold
-from tests.admission.fake_clock import FakeClock
+from tests.fake_clock import FakeClock
 
 CONFIG = BreakerConfig(
     queue_wait_shed_batch=Threshold(enter_seconds=2.0, exit_seconds=1.0),

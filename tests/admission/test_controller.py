@@ -10,7 +10,7 @@ from sluicegate.admission.decision import Rejection, RejectReason
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.tenants import Tenant, TenantConfig, TenantRegistry
 from sluicegate.types import PriorityClass
-from tests.admission.fake_clock import FakeClock
+from tests.fake_clock import FakeClock
 
 INTERACTIVE = PriorityClass.INTERACTIVE
 BATCH = PriorityClass.BATCH

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from sluicegate.admission.retry_after import ServiceRateEstimator, retry_after_header_value
-from tests.admission.fake_clock import FakeClock
+from tests.fake_clock import FakeClock
 
 
 def _steady(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,15 +123,19 @@ def read_stream(
     headers: dict[str, str] | None = None,
     stop_after_events: int | None = None,
     timeout: float = 30.0,
+    on_response: Callable[[], None] | None = None,
 ) -> Received:
     """Read an SSE response; with ``stop_after_events``, drop the connection after that
-    many events that carry an id (a client whose connection broke)."""
+    many events that carry an id (a client whose connection broke).  ``on_response`` is
+    called when the response's headers have arrived."""
     reader = SSEReader()
     events: list[Event] = []
     with (
         httpx.Client(timeout=timeout) as client,
         client.stream(method, url, json=json, headers=headers) as resp,
     ):
+        if on_response is not None:
+            on_response()
         if resp.status_code != 200:
             resp.read()
             return Received([Event(resp.text, None)], dict(resp.headers), resp.status_code)

@@ -103,9 +103,13 @@ def test_sigterm_drain_checkpoints_the_rest_for_another_replica(
         results: dict[int, Received] = {}
         resumed: dict[int, Received] = {}
 
+        started = threading.Semaphore(0)
+
         def run(i: int) -> None:
             body = completion_body(f"drain {i}", 100 + i, lengths[i])
-            results[i] = read_stream("POST", a.v1 + "/completions", json=body, headers=OPEN)
+            results[i] = read_stream(
+                "POST", a.v1 + "/completions", json=body, headers=OPEN, on_response=started.release
+            )
 
         def run_rest(i: int) -> None:
             got = results[i]
@@ -113,7 +117,8 @@ def test_sigterm_drain_checkpoints_the_rest_for_another_replica(
             resumed[i] = resume(b, sid, got.last_event_id, headers=OPEN)
 
         streams = start_threads(run, range(len(lengths)))
-        time.sleep(0.4)
+        for _ in lengths:  # every stream admitted before the drain starts
+            assert started.acquire(timeout=10)
         a.process.send_signal(signal.SIGTERM)
         join(streams, 20)
         assert a.process.wait(10) == 0

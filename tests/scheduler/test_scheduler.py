@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from sluicegate.scheduler.step import StepPlan, StepResult
+from tests.fake_clock import FakeClock
 
 EOS = 0
 
@@ -49,7 +54,7 @@ def run_to_completion(sched: Scheduler, engine: FakeEngine, max_steps: int = 10_
     return steps
 
 
-def config(**kw: int) -> SchedulerConfig:
+def config(**kw: Any) -> SchedulerConfig:
     base = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 512}
     base.update(kw)
     return SchedulerConfig(**base)  # type: ignore[arg-type]
@@ -188,3 +193,160 @@ def test_waiting_work_takes_the_slot_of_a_paused_sequence() -> None:
     sched.resume("slow")  # back in line, re-prefilled from its tokens
     run_to_completion(sched, engine)
     assert slow.num_output_tokens == 50 and fresh.num_output_tokens == 3
+
+
+# --- pause, preemption and throttling: the scheduler owns them ---
+
+
+def clocked(**kw: Any) -> tuple[Scheduler, FakeClock]:
+    clock = FakeClock()
+    return Scheduler(config(**kw), eos_token_ids=(EOS,), clock=clock), clock
+
+
+def step(sched: Scheduler, engine: FakeEngine) -> StepPlan:
+    plan = sched.schedule()
+    sched.update_from_output(plan, engine.step(plan))
+    return plan
+
+
+def test_a_paused_sequence_is_skipped_keeps_its_kv_and_gives_up_its_seat() -> None:
+    sched, clock = clocked(max_num_seqs=2)
+    engine = FakeEngine()
+    slow, other = make_request("slow", 4, 50), make_request("other", 4, 50)
+    sched.add_request(slow)
+    sched.add_request(other)
+    assert sched.capacity.try_reserve("slow", slow.max_total_tokens)
+    assert sched.capacity.try_reserve("other", other.max_total_tokens)
+    step(sched, engine)
+    assert sched.capacity.num_holding == 2
+    assert sched.pause("slow") and not sched.pause("slow")  # asking twice is harmless
+    assert sched.capacity.num_holding == 1  # its seat is free for queued work
+    produced = slow.num_output_tokens
+    for _ in range(5):
+        plan = step(sched, engine)
+        assert [s.request_id for s in plan.sequences] == ["other"]
+    assert slow.num_output_tokens == produced
+    assert slow.status == RequestStatus.RUNNING and slow.kv_slot is not None  # KV kept
+    assert sched.make_stats().num_paused == 1
+    clock.advance(2.5)
+    assert sched.resume("slow") == 2.5
+    assert sched.resume("slow") is None
+    assert sched.capacity.num_holding == 2
+    assert slow.total_paused_seconds == 2.5
+    assert "slow" in {s.request_id for s in step(sched, engine).sequences}
+
+
+def test_a_long_pause_frees_kv_and_resume_re_prefills_the_same_tokens() -> None:
+    sched, clock = (
+        Scheduler(
+            config(pause_preempt_seconds=1.0), eos_token_ids=(EOS,), clock=(c := FakeClock())
+        ),
+        c,
+    )
+    engine = FakeEngine()
+    slow = make_request("slow", 8, 20)
+    sched.add_request(slow)
+    for _ in range(3):
+        step(sched, engine)
+    sched.pause("slow")
+    clock.advance(0.4)
+    assert sched.preempt_long_pauses() == 0
+    assert sched.seconds_until_long_pause() == pytest.approx(0.6)
+    clock.advance(0.6)
+    assert sched.preempt_long_pauses() == 1
+    assert slow.status == RequestStatus.PREEMPTED and slow.kv_slot is None
+    assert sched.make_stats().kv_cache.num_used_blocks == 0
+    assert sched.make_stats().preemptions_by_reason == {"long_pause": 1}
+    assert sched.seconds_until_long_pause() is None
+    assert not sched.has_schedulable_work  # parked: nothing to compute until resumed
+    tokens = list(slow.all_token_ids)
+    sched.resume("slow")
+    plan = step(sched, engine)
+    (seq,) = plan.sequences
+    assert seq.start_position == 0 and seq.num_new_tokens == len(tokens)  # re-prefill
+    run_to_completion(sched, engine)
+    assert slow.all_token_ids[: len(tokens)] == tokens and slow.num_output_tokens == 20
+
+
+def test_without_a_long_pause_limit_a_paused_sequence_keeps_its_kv() -> None:
+    sched, clock = clocked()
+    engine = FakeEngine()
+    slow = make_request("slow", 8, 20)
+    sched.add_request(slow)
+    step(sched, engine)
+    sched.pause("slow")
+    clock.advance(3600)
+    assert sched.preempt_long_pauses() == 0 and sched.seconds_until_long_pause() is None
+    assert slow.status == RequestStatus.RUNNING
+
+
+def test_kv_pressure_preempts_a_paused_sequence_before_a_running_one() -> None:
+    sched, _ = clocked(max_num_seqs=3, num_kv_blocks=6, kv_block_size=16)
+    engine = FakeEngine()
+    reqs = [make_request(name, 20, 40) for name in ("a", "b", "c")]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched, engine)
+    sched.pause("a")
+    run_to_completion_or(sched, engine, until=lambda: reqs[0].status == RequestStatus.PREEMPTED)
+    assert reqs[0].num_preemptions == 1
+    assert reqs[1].num_preemptions == 0 and reqs[2].num_preemptions == 0
+
+
+def run_to_completion_or(
+    sched: Scheduler, engine: FakeEngine, until: Callable[[], bool], max_steps: int = 1000
+) -> None:
+    for _ in range(max_steps):
+        if until() or not sched.has_unfinished_requests:
+            return
+        step(sched, engine)
+
+
+def test_a_throttled_sequence_decodes_at_its_pace() -> None:
+    sched, clock = clocked()
+    engine = FakeEngine()
+    slow, fast = make_request("slow", 4, 10), make_request("fast", 4, 10)
+    slow.min_token_interval_seconds = 0.5
+    sched.add_request(slow)
+    sched.add_request(fast)
+    step(sched, engine)  # prefill: both sample their first token
+    assert slow.num_output_tokens == 1
+    for _ in range(4):
+        step(sched, engine)
+    # One token of slack, then one per 0.5 s while the batch runs on.
+    assert slow.num_output_tokens == 2 and fast.num_output_tokens == 5
+    clock.advance(0.5)
+    step(sched, engine)
+    assert slow.num_output_tokens == 3
+
+
+def test_a_stop_token_is_flagged_once_by_the_scheduler() -> None:
+    sched, _ = clocked()
+    engine = FakeEngine(eos_after={"a": 2})
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, seed=1, stop_token_ids=(7,)))
+    sched.add_request(req)
+    plan = sched.schedule()
+    (event,) = sched.update_from_output(plan, engine.step(plan))
+    assert event.finished and event.is_stop_token  # 7 is a stop token id
+    assert req.finish_reason == FinishReason.STOP
+    ignored = make_request("b", 3, 2)
+    ignored.sampling = SamplingParams(max_tokens=2, seed=1, ignore_eos=True)
+    sched.add_request(ignored)
+    events = []
+    while sched.has_unfinished_requests:
+        plan = sched.schedule()
+        events += sched.update_from_output(plan, FakeEngine(eos_after={"b": 0}).step(plan))
+    assert [e.is_stop_token for e in events] == [False, False]  # EOS ignored: no stop
+    assert ignored.finish_reason == FinishReason.LENGTH
+
+
+def test_finishing_releases_the_dispatch_seat() -> None:
+    sched, _ = clocked(max_num_seqs=1)
+    changes: list[int] = []
+    sched.capacity.on_change = lambda: changes.append(sched.capacity.num_holding)
+    req = make_request("a", 4, 3)
+    assert sched.capacity.try_reserve("a", req.max_total_tokens)
+    assert not sched.capacity.fits(1)
+    sched.add_request(req)
+    run_to_completion(sched, FakeEngine())
+    assert changes == [0] and sched.capacity.fits(1)

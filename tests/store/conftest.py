@@ -20,8 +20,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sluicegate.store.base import Store, StoreConfig
+from sluicegate.store.base import Store
 from sluicegate.store.memory import MemoryStore
+from sluicegate.store.records import StoreConfig
 from sluicegate.store.redis_store import RedisStore
 from tests.conftest import free_port
 

@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from sluicegate.store.base import SharedBucket, StoreConfig
+from sluicegate.store.base import SharedBucket
 from sluicegate.store.memory import MemoryStore
+from sluicegate.store.records import StoreConfig
 from sluicegate.store.redis_store import RedisStore
 from sluicegate.store.token_bucket import Acquire, TokenBucket
-from tests.admission.fake_clock import FakeClock
+from tests.fake_clock import FakeClock
 from tests.store.conftest import BACKENDS, TEST_CONFIG, MakeStore, RedisServer
 
 

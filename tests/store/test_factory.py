@@ -4,12 +4,13 @@ import asyncio
 
 import pytest
 
-from sluicegate.store.base import StoreConfig, StoreFailureMode, StreamNotFound
+from sluicegate.store.errors import StreamNotFound
 from sluicegate.store.factory import open_store
 from sluicegate.store.memory import MemoryStore
+from sluicegate.store.records import StoreConfig, StoreFailureMode
 from sluicegate.store.redis_connection import redact_url
 from sluicegate.store.redis_store import RedisStore
-from tests.admission.fake_clock import FakeClock
+from tests.fake_clock import FakeClock
 from tests.store.conftest import RedisServer
 
 

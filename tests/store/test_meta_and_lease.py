@@ -6,14 +6,9 @@ import asyncio
 
 import pytest
 
-from sluicegate.store.base import (
-    LeaseLost,
-    Store,
-    StreamExpired,
-    StreamMeta,
-    StreamNotFound,
-    StreamStatus,
-)
+from sluicegate.store.base import Store
+from sluicegate.store.errors import LeaseLost, StreamExpired, StreamNotFound
+from sluicegate.store.records import StreamMeta, StreamStatus
 from tests.store.conftest import BACKENDS, MakeStore
 
 

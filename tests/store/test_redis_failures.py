@@ -9,16 +9,10 @@ import time
 
 import pytest
 
-from sluicegate.store.base import (
-    DegradedOutcome,
-    ReplayTrimmed,
-    Store,
-    StoreFailureMode,
-    StoreUnavailable,
-    StreamMeta,
-    StreamStatus,
-)
+from sluicegate.store.base import Store
+from sluicegate.store.errors import ReplayTrimmed, StoreUnavailable
 from sluicegate.store.factory import open_store
+from sluicegate.store.records import DegradedOutcome, StoreFailureMode, StreamMeta, StreamStatus
 from tests.conftest import free_port
 from tests.store.conftest import TEST_CONFIG, MakeStore, RedisServer
 

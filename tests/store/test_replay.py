@@ -7,15 +7,15 @@ import contextlib
 
 import pytest
 
-from sluicegate.store.base import (
+from sluicegate.store.base import Store
+from sluicegate.store.errors import (
     InvalidReplayPosition,
     ReplayTrimmed,
-    Store,
     StreamClosed,
-    StreamEvent,
     StreamExpired,
     StreamNotFound,
 )
+from sluicegate.store.records import StreamEvent
 from tests.store.conftest import BACKENDS, MakeStore
 
 

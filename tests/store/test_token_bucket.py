@@ -5,7 +5,7 @@ import math
 import pytest
 
 from sluicegate.store.token_bucket import TokenBucket
-from tests.admission.fake_clock import FakeClock
+from tests.fake_clock import FakeClock
 
 
 @pytest.mark.parametrize(("rate", "burst"), [(10.0, 5.0), (0.5, 1.0), (3.0, 7.0), (1000.0, 64.0)])

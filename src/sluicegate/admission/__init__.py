@@ -1,3 +1,3 @@
-"""The front door: tenants, rate limits, concurrency caps, the circuit breaker, the bounded
-fair queue and the job journal.  Pure Python; the api layer calls it and maps its
-:class:`~sluicegate.admission.decision.Rejection` objects to HTTP responses."""
+"""Who may enter: tenants and API keys, token buckets, concurrency caps, the circuit
+breaker, and the decision that combines them.  Pure Python; its
+:class:`~sluicegate.admission.decision.Rejection` objects become HTTP answers upstream."""

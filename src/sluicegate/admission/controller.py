@@ -33,8 +33,9 @@ from sluicegate.admission.concurrency import ConcurrencyLimiter, ConcurrencySlot
 from sluicegate.admission.decision import RateLimitSnapshot, Rejection, RejectReason
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.tenants import Tenant, TenantRegistry
-from sluicegate.store.base import SharedBucket, StoreUnavailable
+from sluicegate.store.base import SharedBucket
 from sluicegate.store.buckets import MemoryBucket
+from sluicegate.store.errors import StoreUnavailable
 from sluicegate.types import Clock, PriorityClass
 
 T = TypeVar("T")

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from sluicegate.admission.retry_after import retry_after_header_value
+from sluicegate.errors import APIError
 
 
 class RejectReason(enum.StrEnum):
@@ -143,6 +144,16 @@ class Rejection:
         if self.reason is RejectReason.AUTH:
             out["www-authenticate"] = "Bearer"
         return out
+
+    def to_error(self) -> APIError:
+        """This rejection as the error the client sees."""
+        return APIError(
+            self.http_status,
+            self.message,
+            code=self.error_code,
+            error_type=self.reason.value if self.http_status != 400 else "invalid_request_error",
+            headers=self.headers(),
+        )
 
 
 def queue_full_rejection(detail: str, retry_after_seconds: float) -> Rejection:

@@ -1,1 +1,2 @@
-"""The HTTP layer: OpenAI schemas, SSE, errors, health.  Knows nothing of tensors."""
+"""HTTP and WebSocket: the OpenAI-compatible routes, request validation, errors in OpenAI's
+shape, health and stats, and the app's life cycle.  Knows nothing of tensors."""

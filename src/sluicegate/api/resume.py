@@ -17,7 +17,6 @@ Only the tenant that created a stream can resume it; for anyone else it does not
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -26,59 +25,42 @@ from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
 from sluicegate.admission.tenants import Tenant
-from sluicegate.api.runtime import Runtime, get_runtime
-from sluicegate.api.session import REPLAY_BATCH_EVENTS, StreamSession
-from sluicegate.api.sse import EventStreamResponse, SSEConnection, with_event_id
-from sluicegate.api.stream_events import error_event, replay_error
+from sluicegate.api.state import Ready, ready_state
 from sluicegate.errors import APIError
-from sluicegate.store.base import (
+from sluicegate.store.errors import (
     InvalidReplayPosition,
-    ReplayResult,
     ReplayTrimmed,
-    Store,
-    StoreError,
     StoreUnavailable,
     StreamExpired,
     StreamNotFound,
 )
-from sluicegate.store.event_id import (
-    format_event_id,
-    parse_after_seq,
-    parse_event_id,
-    validate_stream_id,
-)
+from sluicegate.store.event_id import parse_after_seq, parse_event_id, validate_stream_id
+from sluicegate.stream.replay import follow, replay
+from sluicegate.stream.session import REPLAY_BATCH_EVENTS, StreamSession
+from sluicegate.stream.sse import EventStreamResponse, SSEConnection
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
-#: How often a follower looks for new events and for the lease to free up.
-FOLLOW_POLL_SECONDS = 0.05
-
 
 @router.get("/v1/streams/{stream_id}")
 async def resume_stream(stream_id: str, request: HTTPRequest) -> Response:
-    runtime = get_runtime(request)
-    if runtime.front_door is None or runtime.store is None or not runtime.ready:
-        raise APIError(
-            503, "The model is still loading; retry shortly.", code="not_ready",
-            headers={"retry-after": "2"},
-        )  # fmt: skip
-    tenant = runtime.front_door.authenticate(request.headers.get("authorization"))
+    ready = ready_state(request)
+    tenant = ready.service.authenticate(request.headers.get("authorization"))
     after_seq = _position(stream_id, request)
     try:
-        return await _resume(runtime, tenant, stream_id, after_seq)
+        return await _resume(ready, tenant, stream_id, after_seq)
     except APIError as error:
         status = "rejected" if error.status_code != 404 else "not_found"
-        runtime.metrics.stream_resumes_total.labels(status).inc()
+        ready.service.metrics.stream_resumes_total.labels(status).inc()
         raise
 
 
-async def _resume(runtime: Runtime, tenant: Tenant, stream_id: str, after_seq: int) -> Response:
-    store = runtime.store
-    assert store is not None
-    metrics = runtime.metrics
+async def _resume(ready: Ready, tenant: Tenant, stream_id: str, after_seq: int) -> Response:
+    store = ready.store
+    metrics = ready.service.metrics
     headers = {"x-sluicegate-stream-id": stream_id, "x-request-id": stream_id}
-    local = runtime.sessions.get(stream_id)
+    local = ready.sessions.get(stream_id)
     if local is not None and local.stop_reason is not None:
         # Stopping (detach grace over, drain, lease lost): once it has checkpointed, the
         # stream is served from the store like any other.
@@ -109,25 +91,25 @@ async def _resume(runtime: Runtime, tenant: Tenant, stream_id: str, after_seq: i
     connection = SSEConnection()
     if head.finished:
         metrics.stream_resumes_total.labels("replay").inc()
-        events = _replay(store, stream_id, after_seq, head, connection)
-        return _response(runtime, events, connection, headers)
-    if runtime.draining:
+        events = replay(store, stream_id, after_seq, head, connection)
+        return _response(ready, events, connection, headers)
+    if ready.service.admission.draining:
         raise APIError(
             503, "The server is shutting down; resume the stream on another replica.",
             code="server_draining", headers={"retry-after": "1"},
         )  # fmt: skip
-    session = await _try_take_over(runtime, tenant, stream_id)
+    session = await _try_take_over(ready, tenant, stream_id)
     if session is not None:
         metrics.stream_resumes_total.labels("takeover").inc()
         return session.response(after_seq, headers)
     metrics.stream_resumes_total.labels("follow").inc()
-    events = _follow(runtime, tenant, stream_id, after_seq, connection)
-    return _response(runtime, events, connection, headers)
+    events = follow(ready.sessions, tenant, stream_id, after_seq, connection)
+    return _response(ready, events, connection, headers)
 
 
-async def _try_take_over(runtime: Runtime, tenant: Tenant, stream_id: str) -> StreamSession | None:
+async def _try_take_over(ready: Ready, tenant: Tenant, stream_id: str) -> StreamSession | None:
     try:
-        return await runtime.sessions.take_over(tenant, stream_id)
+        return await ready.sessions.take_over(tenant, stream_id)
     except StreamExpired:
         raise _expired(stream_id) from None
     except StoreUnavailable as error:
@@ -135,92 +117,15 @@ async def _try_take_over(runtime: Runtime, tenant: Tenant, stream_id: str) -> St
 
 
 def _response(
-    runtime: Runtime,
+    ready: Ready,
     events: AsyncIterator[tuple[bytes, int]],
     connection: SSEConnection,
     headers: dict[str, str],
 ) -> EventStreamResponse:
     return EventStreamResponse(
         events, connection, headers=headers,
-        on_send_blocked=runtime.metrics.stream_send_blocked_seconds.observe,
+        on_send_blocked=ready.service.metrics.stream_send_blocked_seconds.observe,
     )  # fmt: skip
-
-
-async def _replay(
-    store: Store,
-    stream_id: str,
-    after_seq: int,
-    first: ReplayResult,
-    connection: SSEConnection,
-) -> AsyncIterator[tuple[bytes, int]]:
-    """A finished stream's events after ``after_seq``, to its end."""
-    result = first
-    position = after_seq
-    try:
-        while True:
-            for event in result.events:
-                connection.sent_event_id = True
-                yield with_event_id(event.data, format_event_id(stream_id, event.seq)), 0
-                position = event.seq
-            if position >= result.last_seq or not result.events:
-                return
-            result = await store.read(stream_id, position, limit=REPLAY_BATCH_EVENTS)
-            if result.trimmed:
-                raise ReplayTrimmed(stream_id, position, result.resumable_from_seq)
-    except StoreError as error:
-        yield replay_error(error), 0
-
-
-async def _follow(
-    runtime: Runtime,
-    tenant: Tenant,
-    stream_id: str,
-    after_seq: int,
-    connection: SSEConnection,
-) -> AsyncIterator[tuple[bytes, int]]:
-    """Relay a stream another replica generates, and take it over when that one stops."""
-    store = runtime.store
-    assert store is not None
-    position = after_seq
-    heartbeat_at = asyncio.get_running_loop().time() + runtime.flush_policy.heartbeat_seconds
-    try:
-        while True:
-            result = await store.read(stream_id, position, limit=REPLAY_BATCH_EVENTS)
-            if result.trimmed:
-                raise ReplayTrimmed(stream_id, position, result.resumable_from_seq)
-            for event in result.events:
-                connection.sent_event_id = True
-                yield with_event_id(event.data, format_event_id(stream_id, event.seq)), 0
-                position = event.seq
-            if result.finished and position >= result.last_seq:
-                return
-            if result.events:
-                continue
-            if runtime.draining:
-                yield error_event(
-                    "server_draining",
-                    "The server is shutting down. Resume the stream with GET "
-                    f"/v1/streams/{stream_id} (with Last-Event-ID) on another replica.",
-                    stream_id=stream_id,
-                ), 0  # fmt: skip
-                return
-            session = runtime.sessions.get(stream_id)
-            if session is None and await store.lease_owner(stream_id) is None:
-                session = await runtime.sessions.take_over(tenant, stream_id)
-            if session is not None and not session.done:
-                feed = session.attach(position)
-                async for item in session.events(feed, connection, position):
-                    yield item
-                return
-            now = asyncio.get_running_loop().time()
-            if now >= heartbeat_at:
-                heartbeat_at = now + runtime.flush_policy.heartbeat_seconds
-                yield connection.comment("keep-alive"), 0
-            await asyncio.sleep(FOLLOW_POLL_SECONDS)
-    except StoreError as error:
-        yield replay_error(error), 0
-    except APIError as error:  # it could not be taken over here (limits, model)
-        yield error_event(error.code or "resume_failed", error.message, stream_id=stream_id), 0
 
 
 def _position(stream_id: str, request: HTTPRequest) -> int:

@@ -28,7 +28,7 @@ class StreamOptions(BaseModel):
     flush_max_tokens: int | None = None
 
 
-class _Common(BaseModel):
+class CommonParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -66,7 +66,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -80,7 +80,7 @@ class ChatCompletionRequest(_Common):
     audio: Any = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonParams):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
@@ -88,7 +88,7 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-def parse_body(model: type[_Common], data: Any) -> Any:
+def parse_body(model: type[CommonParams], data: Any) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
     try:
@@ -116,7 +116,7 @@ def _unsupported(param: str, what: str) -> APIError:
     )  # fmt: skip
 
 
-def check_common(req: _Common) -> None:
+def check_common(req: CommonParams) -> None:
     if req.n is not None and req.n != 1:
         raise _unsupported("n", f"only n=1 is supported; got {req.n}")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:

@@ -28,15 +28,13 @@ import orjson
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from sluicegate.api.generation import (
-    Generation,
-    abort_generation,
-    finish_reason_text,
-    record_finish,
-)
-from sluicegate.api.runtime import Runtime
+from sluicegate.api.prepare import prepare
+from sluicegate.api.state import Ready, ready_state
 from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
+from sluicegate.service.generation import Generation
+from sluicegate.service.service import finish_reason_text
+from sluicegate.stream.events import usage
 from sluicegate.stream.flow import StreamFlow
 
 router = APIRouter()
@@ -69,7 +67,6 @@ async def _send_error(websocket: WebSocket, error: APIError) -> None:
 
 @router.websocket("/v1/ws")
 async def chat_websocket(websocket: WebSocket) -> None:
-    runtime: Runtime = websocket.app.state.runtime
     await websocket.accept()
     try:
         first = orjson.loads(await websocket.receive_text())
@@ -78,27 +75,22 @@ async def chat_websocket(websocket: WebSocket) -> None:
             await _send_error(websocket, APIError(400, "The first message must be JSON."))
         return
     try:
-        generation, flow = await _start(runtime, websocket, first)
+        ready = ready_state(websocket)
+        generation, flow = await _start(ready, websocket, first)
     except APIError as error:
         await _send_error(websocket, error)
         return
-    await _serve(runtime, websocket, generation, flow)
+    await _serve(ready, websocket, generation, flow)
 
 
-async def _start(
-    runtime: Runtime, websocket: WebSocket, first: Any
-) -> tuple[Generation, StreamFlow]:
-    from sluicegate.api.openai_routes import admit, prepare
-
+async def _start(ready: Ready, websocket: WebSocket, first: Any) -> tuple[Generation, StreamFlow]:
     if not isinstance(first, dict) or first.get("type", "request") != "request":
         raise APIError(400, 'The first message must be {"type": "request", "body": {...}}.')
-    if runtime.front_door is None:
-        raise APIError(503, "The model is still loading; retry shortly.",
-                       headers={"retry-after": "2"})  # fmt: skip
+    service = ready.service
     header = websocket.headers.get("authorization")
     if header is None and isinstance(first.get("api_key"), str):
         header = f"Bearer {first['api_key']}"
-    tenant = runtime.front_door.authenticate(header)
+    tenant = service.authenticate(header)
     body = first.get("body")
     if not isinstance(body, dict):
         raise APIError(400, "The request message needs a 'body' object.", param="body")
@@ -107,18 +99,21 @@ async def _start(
         raise APIError(400, f"credits must be a non-negative integer; got {credits!r}",
                        param="credits")  # fmt: skip
     body = {**body, "stream": True}
-    prepared = prepare(runtime, "chat", body)
-    generation = await admit(runtime, tenant, prepared)
-    flow = StreamFlow(generation.stream, credit_tokens=credits)
-    generation.flow = flow
-    return generation, flow
+    prepared = prepare(service, "chat", body)
+    req = prepared.req
+    generation = await service.submit(
+        tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
+        req.max_tokens_per_second,
+    )  # fmt: skip
+    return generation, StreamFlow(generation.stream, generation.request, credit_tokens=credits)
 
 
 async def _serve(
-    runtime: Runtime, websocket: WebSocket, generation: Generation, flow: StreamFlow
+    ready: Ready, websocket: WebSocket, generation: Generation, flow: StreamFlow
 ) -> None:
+    service = ready.service
     stream = generation.stream
-    controller = runtime.flow
+    controller = ready.flow
     controller.register(flow)
     credit_changed = asyncio.Event()
     writer = asyncio.current_task()
@@ -136,10 +131,10 @@ async def _serve(
                         controller.check(flow)
                         credit_changed.set()
                 elif kind == "cancel":
-                    abort_generation(runtime, generation)
+                    service.cancel(generation)
                     return
         except (WebSocketDisconnect, orjson.JSONDecodeError, RuntimeError):
-            abort_generation(runtime, generation)
+            service.cancel(generation)
             writer.cancel()
 
     reader = asyncio.create_task(read_client())
@@ -160,13 +155,13 @@ async def _serve(
                     for w in waiters:
                         w.cancel()
                 continue
-            generation.record_write(runtime, output.num_new_tokens)
+            service.delivered(generation, output.num_new_tokens)
             if output.text:
                 chunk = {
                     "id": generation.request_id,
                     "object": "chat.completion.chunk",
                     "created": created,
-                    "model": runtime.model_name,
+                    "model": service.model_name,
                     "choices": [{"index": 0, "delta": {"content": output.text},
                                  "logprobs": None, "finish_reason": None}],
                 }  # fmt: skip
@@ -175,23 +170,16 @@ async def _serve(
             flow.record_write(0, output.num_new_tokens)
             controller.check(flow)
             if output.finished:
-                generation.finished = True
                 if output.finish_reason == FinishReason.ERROR:
-                    record_finish(runtime, generation, "error")
-                    from sluicegate.api.generation import engine_failure
-
-                    await _send_error(websocket, engine_failure(generation, output))
+                    service.complete(generation, "error")
+                    await _send_error(websocket, service.failure(generation, output))
                     return
-                record_finish(runtime, generation, finish_reason_text(output.finish_reason) or "")
+                service.complete(generation, finish_reason_text(output.finish_reason) or "")
                 done = {
                     "type": "done",
                     "id": generation.request_id,
                     "finish_reason": finish_reason_text(output.finish_reason),
-                    "usage": {
-                        "prompt_tokens": output.num_prompt_tokens,
-                        "completion_tokens": output.num_output_tokens,
-                        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
-                    },
+                    "usage": usage(output),
                 }
                 await websocket.send_text(orjson.dumps(done).decode())
                 await websocket.close(CLOSE_NORMAL)
@@ -201,7 +189,7 @@ async def _serve(
     except (WebSocketDisconnect, RuntimeError):
         pass
     finally:
-        abort_generation(runtime, generation)
+        service.cancel(generation)
         controller.unregister(generation.request_id)
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):

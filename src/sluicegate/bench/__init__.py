@@ -1,1 +1,2 @@
-"""Load generation and measurement: slow readers, disconnects, overload."""
+"""Every benchmark and profiler: load generation (overload, slow readers, disconnects),
+capacity search, side-by-side comparisons, and the engine's speed measurements."""

@@ -41,10 +41,10 @@ class _Abort:
 
 @dataclass(slots=True)
 class _Flow:
-    """Flow control from the stream side: pause, resume or preempt (long pause)."""
+    """Flow control from the stream side: pause or resume a sequence."""
 
     request_id: str
-    action: str
+    pause: bool
 
 
 @dataclass(slots=True)
@@ -65,6 +65,18 @@ class StepStats:
 
 
 @dataclass(slots=True)
+class CoreHooks:
+    """What the engine thread reports as it goes (called on the engine thread)."""
+
+    #: After every step.
+    on_step: Callable[[StepStats], None] | None = None
+    #: An abort took effect, this many seconds after it was asked for.
+    on_abort: Callable[[float], None] | None = None
+    #: A paused sequence was resumed after this many seconds.
+    on_resume: Callable[[float], None] | None = None
+
+
+@dataclass(slots=True)
 class EngineCoreStats:
     scheduler: SchedulerStats
     num_steps: int
@@ -80,8 +92,7 @@ class EngineCore:
         tokenizer: TextTokenizer,
         scheduler: Scheduler,
         loop: asyncio.AbstractEventLoop,
-        on_step: Callable[[StepStats], None] | None = None,
-        on_abort: Callable[[float], None] | None = None,
+        hooks: CoreHooks | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -92,8 +103,7 @@ class EngineCore:
         self._assemblers: dict[str, TextAssembler] = {}
         #: Per request: output tokens already committed before the assembler was built.
         self._committed_base: dict[str, int] = {}
-        self._on_step = on_step
-        self._on_abort = on_abort
+        self._hooks = hooks or CoreHooks()
         self._thread = threading.Thread(target=self._run, name="sluicegate-engine", daemon=True)
         self._num_steps = 0
         self.engine_up = True
@@ -111,14 +121,11 @@ class EngineCore:
         self._commands.put(_Abort(request_id))
 
     def pause_request(self, request_id: str) -> None:
-        self._commands.put(_Flow(request_id, "pause"))
+        """Ask the scheduler to pause a sequence (idempotent: it owns the pause state)."""
+        self._commands.put(_Flow(request_id, pause=True))
 
     def resume_request(self, request_id: str) -> None:
-        self._commands.put(_Flow(request_id, "resume"))
-
-    def preempt_request(self, request_id: str) -> None:
-        """Free a paused sequence's KV cache (it keeps its tokens)."""
-        self._commands.put(_Flow(request_id, "preempt"))
+        self._commands.put(_Flow(request_id, pause=False))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._commands.put(_Stop())
@@ -133,9 +140,13 @@ class EngineCore:
     def _run(self) -> None:
         running = True
         while running:
-            # Nothing to compute (idle, or every sequence paused): sleep until a command.
+            if self.scheduler.preempt_long_pauses():
+                self._publish_stats()
+            # Nothing to compute (idle, or every sequence paused): sleep until a command, or
+            # until a long pause is due for preemption.
             block = not self.scheduler.has_schedulable_work
-            running = self._drain_commands(block)
+            timeout = self.scheduler.seconds_until_long_pause() if block else None
+            running = self._drain_commands(block, timeout)
             if not running or not self.scheduler.has_schedulable_work:
                 self._publish_stats()
                 continue
@@ -158,8 +169,10 @@ class EngineCore:
             outputs = self._assemble(events)
             if outputs:
                 self._post(outputs)
-            if self._on_step is not None:
-                self._on_step(StepStats(elapsed, len(plan.sequences), plan.num_batched_tokens))
+            if self._hooks.on_step is not None:
+                self._hooks.on_step(
+                    StepStats(elapsed, len(plan.sequences), plan.num_batched_tokens)
+                )
             self._publish_stats()
         self._fail_batch(list(self.scheduler.requests), reason="server shutting down")
 
@@ -180,12 +193,12 @@ class EngineCore:
                 self._add(command)
             elif isinstance(command, _Abort):
                 self._abort(command)
-            elif command.action == "pause":
+            elif command.pause:
                 self.scheduler.pause(command.request_id)
-            elif command.action == "resume":
-                self.scheduler.resume(command.request_id)
             else:
-                self.scheduler.preempt_paused(command.request_id)
+                paused_seconds = self.scheduler.resume(command.request_id)
+                if paused_seconds is not None and self._hooks.on_resume is not None:
+                    self._hooks.on_resume(paused_seconds)
 
     def _add(self, command: _Add) -> None:
         request = command.request
@@ -203,8 +216,8 @@ class EngineCore:
         self._assemblers.pop(command.request_id, None)
         self._committed_base.pop(command.request_id, None)
         stream = self._streams.pop(command.request_id, None)
-        if request is not None and self._on_abort is not None:
-            self._on_abort(time.monotonic() - command.requested_at)
+        if request is not None and self._hooks.on_abort is not None:
+            self._hooks.on_abort(time.monotonic() - command.requested_at)
         if stream is not None and request is not None:
             out = RequestOutput(
                 request.request_id, "", 0, request.num_prompt_tokens,
@@ -225,11 +238,7 @@ class EngineCore:
             text = ""
             committed_before = assembler.num_committed_tokens
             if token_id is not None:
-                is_eos = request.finish_reason == FinishReason.STOP and (
-                    token_id in self.scheduler.eos_token_ids
-                    or token_id in request.sampling.stop_token_ids
-                )
-                text = assembler.push(token_id, skip=is_eos)
+                text = assembler.push(token_id, skip=event.is_stop_token)
                 if assembler.stopped and not request.status.is_finished:
                     request.finish_reason = FinishReason.STOP
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)

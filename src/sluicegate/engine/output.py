@@ -107,7 +107,8 @@ class RequestStream:
         if not self._pending:
             self._ready.clear()
             try:
-                await asyncio.wait_for(self._ready.wait(), policy.heartbeat_seconds)
+                async with asyncio.timeout(policy.heartbeat_seconds):
+                    await self._ready.wait()
             except TimeoutError:
                 return None
         if policy.interval_seconds <= 0:
@@ -122,7 +123,8 @@ class RequestStream:
             ):
                 self._ready.clear()
                 try:
-                    await asyncio.wait_for(self._ready.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await self._ready.wait()
                 except TimeoutError:
                     break
         self._first_taken = True

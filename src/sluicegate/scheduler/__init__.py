@@ -1,1 +1,1 @@
-"""Queue and scheduler: pure-Python bookkeeping, no torch import."""
+"""Continuous batching: pure-Python bookkeeping of sequences, KV capacity and pauses; no torch."""

@@ -76,8 +76,11 @@ class Request:
     kv_slot: int | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    #: Paused for a slow reader: not scheduled (keeps its KV unless preempted).
+    #: Paused for a slow reader: not scheduled (keeps its KV unless preempted).  Set by
+    #: the scheduler only (the engine thread); others may read it.
     paused: bool = False
+    paused_since: float = 0.0
+    total_paused_seconds: float = 0.0
     #: Token-level throttle: at most one output token per this many seconds (0 = off).
     min_token_interval_seconds: float = 0.0
     next_token_time: float = 0.0

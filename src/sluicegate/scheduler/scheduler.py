@@ -4,6 +4,11 @@ There are no prefill and decode phases: each request has ``num_computed_tokens``
 target (all of its known tokens), and every step hands out tokens under
 ``max_num_batched_tokens``, running sequences first, then waiting ones.  A prompt longer
 than the remaining budget is prefilled in chunks over several steps.
+
+The scheduler is the one owner of a sequence's pause state (a slow reader's sequence is
+paused on request of flow control, skipped by every step, and preempted when paused too
+long or when its slot is needed) and of engine capacity (:class:`DispatchCapacity`,
+which the dispatcher in front of it asks before handing work over).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.kv_cache import KVCacheManager, KVCacheStats
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
@@ -26,6 +32,9 @@ class SchedulerConfig:
     max_model_len: int
     kv_block_size: int = 16
     num_kv_blocks: int | None = None
+    #: A sequence paused this long has its KV freed (it re-prefills on resume); None: only
+    #: when its slot or blocks are needed.
+    pause_preempt_seconds: float | None = None
 
     @property
     def total_kv_blocks(self) -> int:
@@ -41,6 +50,8 @@ class TokenEvent:
     request: Request
     new_token_id: int | None
     finished: bool
+    #: The token ended the sequence as an end-of-sequence or stop token: it has no text.
+    is_stop_token: bool = False
 
 
 class PreemptReason(enum.StrEnum):
@@ -80,6 +91,10 @@ class Scheduler:
         self.parked: dict[str, Request] = {}
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(config.max_num_seqs, config.total_kv_blocks, config.kv_block_size)
+        #: What the dispatcher may still hand over; kept by this scheduler alone.
+        self.capacity = DispatchCapacity(
+            config.max_num_seqs, config.total_kv_blocks * config.kv_block_size, config.kv_block_size
+        )
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -208,30 +223,56 @@ class Scheduler:
 
     # ------------------------------------------------------------ flow control
     def pause(self, request_id: str) -> bool:
-        """Stop scheduling a sequence (its reader is behind); it keeps its KV."""
+        """Stop scheduling a sequence (its reader is behind); it keeps its KV for now.
+
+        A paused sequence holds no dispatch capacity: waiting work may take its slot.
+        """
         request = self.requests.get(request_id)
         if request is None or request.paused:
             return False
         request.paused = True
+        request.paused_since = self._clock()
+        self.capacity.set_paused(request_id, True)
         return True
 
-    def resume(self, request_id: str) -> bool:
+    def resume(self, request_id: str) -> float | None:
+        """Schedule a paused sequence again; returns how long it was paused (None: it was not)."""
         request = self.requests.get(request_id)
         if request is None or not request.paused:
-            return False
+            return None
         request.paused = False
+        paused_seconds = self._clock() - request.paused_since
+        request.total_paused_seconds += paused_seconds
+        self.capacity.set_paused(request_id, False)
         parked = self.parked.pop(request_id, None)
         if parked is not None:
             self.waiting.push(parked, front=True)
-        return True
+        return paused_seconds
 
-    def preempt_paused(self, request_id: str) -> bool:
-        """Free a long-paused sequence's KV now; it re-prefills when its reader catches up."""
-        request = self.requests.get(request_id)
-        if request is None or not request.paused or request.status != RequestStatus.RUNNING:
-            return False
-        self._preempt(request, PreemptReason.LONG_PAUSE)
-        return True
+    def preempt_long_pauses(self) -> int:
+        """Free the KV of sequences paused longer than ``pause_preempt_seconds``.
+
+        They keep their tokens and re-prefill when their readers catch up.  Returns how
+        many were preempted.
+        """
+        limit = self.config.pause_preempt_seconds
+        if limit is None:
+            return 0
+        now = self._clock()
+        due = [r for r in self.running if r.paused and now - r.paused_since >= limit]
+        for request in due:
+            self._preempt(request, PreemptReason.LONG_PAUSE)
+        return len(due)
+
+    def seconds_until_long_pause(self) -> float | None:
+        """Until the next long-pause preemption is due (None: none is pending)."""
+        limit = self.config.pause_preempt_seconds
+        if limit is None:
+            return None
+        started = [r.paused_since for r in self.running if r.paused]
+        if not started:
+            return None
+        return max(0.0, min(started) + limit - self._clock())
 
     def _preempt(self, request: Request, reason: PreemptReason) -> None:
         """Free a running sequence's KV; keep its tokens; it re-prefills when re-admitted."""
@@ -269,7 +310,8 @@ class Scheduler:
                     max(request.next_token_time, self._clock() - request.min_token_interval_seconds)
                     + request.min_token_interval_seconds
                 )
-            reason = self._check_stop(request, token_id)
+            is_stop_token = self._is_stop_token(request, token_id)
+            reason = FinishReason.STOP if is_stop_token else self._check_length(request)
             if reason is not None:
                 request.finish_reason = reason
                 self._finish(
@@ -278,16 +320,18 @@ class Scheduler:
                     if reason == FinishReason.STOP
                     else RequestStatus.FINISHED_LENGTH,
                 )
-            events.append(TokenEvent(request, token_id, reason is not None))
+            events.append(TokenEvent(request, token_id, reason is not None, is_stop_token))
         return events
 
-    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+    def _is_stop_token(self, request: Request, token_id: int) -> bool:
+        """The one stop-token check: end of sequence (unless ignored) or a stop token id."""
         sampling = request.sampling
-        if not sampling.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in sampling.stop_token_ids:
-            return FinishReason.STOP
-        if request.num_output_tokens >= sampling.max_tokens:
+        return (
+            not sampling.ignore_eos and token_id in self.eos_token_ids
+        ) or token_id in sampling.stop_token_ids
+
+    def _check_length(self, request: Request) -> FinishReason | None:
+        if request.num_output_tokens >= request.sampling.max_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
@@ -306,6 +350,10 @@ class Scheduler:
             self._freed_slots.append(request.kv_slot)
         request.kv_slot = None
         request.status = status
+        if request.paused:
+            request.paused = False
+            request.total_paused_seconds += self._clock() - request.paused_since
+        self.capacity.release(request.request_id)
         if request.finish_reason is None:
             request.finish_reason = {
                 RequestStatus.FINISHED_STOPPED: FinishReason.STOP,

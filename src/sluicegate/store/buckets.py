@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from redis.commands.core import AsyncScript
 
-from sluicegate.store.base import DegradedOutcome, StoreFailureMode, StoreUnavailable
+from sluicegate.store.errors import StoreUnavailable
+from sluicegate.store.records import DegradedOutcome, StoreFailureMode
 from sluicegate.store.redis_connection import RedisConnection
 from sluicegate.store.token_bucket import Acquire, TokenBucket
 from sluicegate.types import Clock

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from sluicegate.store.base import Store, StoreConfig
+from sluicegate.store.base import Store
 from sluicegate.store.memory import MemoryStore
+from sluicegate.store.records import StoreConfig
 from sluicegate.store.redis_store import RedisStore
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -17,18 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluicegate.store.base import (
-    InvalidReplayPosition,
-    LeaseLost,
-    ReplayResult,
     SharedBucket,
     Store,
-    StoreConfig,
-    StreamClosed,
-    StreamEvent,
-    StreamExpired,
-    StreamMeta,
-    StreamNotFound,
-    StreamStatus,
     check_after_seq,
     check_limit,
     check_owner,
@@ -36,7 +26,21 @@ from sluicegate.store.base import (
     check_writable_status,
 )
 from sluicegate.store.buckets import MemoryBucket
+from sluicegate.store.errors import (
+    InvalidReplayPosition,
+    LeaseLost,
+    StreamClosed,
+    StreamExpired,
+    StreamNotFound,
+)
 from sluicegate.store.event_id import validate_stream_id
+from sluicegate.store.records import (
+    ReplayResult,
+    StoreConfig,
+    StreamEvent,
+    StreamMeta,
+    StreamStatus,
+)
 from sluicegate.types import Clock, JSONValue
 
 _SWEEP_INTERVAL_SECONDS = 1.0

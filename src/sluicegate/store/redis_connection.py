@@ -20,7 +20,8 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from sluicegate.store.base import StoreConfig, StoreCounters, StoreUnavailable
+from sluicegate.store.errors import StoreUnavailable
+from sluicegate.store.records import StoreConfig, StoreCounters
 
 logger = logging.getLogger("sluicegate.store")
 

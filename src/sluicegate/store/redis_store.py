@@ -26,22 +26,8 @@ import redis.asyncio as aioredis
 
 import sluicegate.store.redis_scripts as lua
 from sluicegate.store.base import (
-    DegradedOutcome,
-    InvalidReplayPosition,
-    LeaseLost,
-    ReplayResult,
     SharedBucket,
     Store,
-    StoreConfig,
-    StoreError,
-    StoreFailureMode,
-    StoreUnavailable,
-    StreamClosed,
-    StreamEvent,
-    StreamExpired,
-    StreamMeta,
-    StreamNotFound,
-    StreamStatus,
     check_after_seq,
     check_limit,
     check_owner,
@@ -49,7 +35,25 @@ from sluicegate.store.base import (
     check_writable_status,
 )
 from sluicegate.store.buckets import BUCKET_LUA, RedisBucket, check_bucket_params
+from sluicegate.store.errors import (
+    InvalidReplayPosition,
+    LeaseLost,
+    StoreError,
+    StoreUnavailable,
+    StreamClosed,
+    StreamExpired,
+    StreamNotFound,
+)
 from sluicegate.store.event_id import validate_stream_id
+from sluicegate.store.records import (
+    DegradedOutcome,
+    ReplayResult,
+    StoreConfig,
+    StoreFailureMode,
+    StreamEvent,
+    StreamMeta,
+    StreamStatus,
+)
 from sluicegate.store.redis_connection import RedisConnection
 from sluicegate.types import Clock, JSONValue
 

@@ -1,1 +1,2 @@
-"""Per-request output: text assembly, stop strings, buffering toward the client."""
+"""Per-request output to the client: resumable stream sessions and their replay logs,
+SSE framing, and flow control (a slow reader pauses only its own sequence)."""

@@ -6,10 +6,11 @@ transport's buffer or the kernel's send queue (``ioctl(SIOCOUTQ)``: bytes not ye
 acknowledged by the peer).  Counting only what we have not yet written would notice a
 slow reader megabytes too late (see DESIGN.md, "Seeing a slow reader early").
 
-At ``high_water_tokens`` the sequence is paused (the scheduler skips it; it keeps its
-KV cache); at ``low_water_tokens`` it resumes.  Paused longer than
-``pause_preempt_seconds``, its KV cache is freed (it re-prefills on resume).  When the
-client accepts no bytes for ``stall_timeout_seconds``, the stream is evicted.
+At ``high_water_tokens`` flow control asks for the sequence to be paused (the scheduler
+skips it; it keeps its KV cache until the scheduler decides to free it); at
+``low_water_tokens`` it asks for it to be resumed.  The scheduler owns the pause state
+(``Request.paused``): flow control reads it and asks, and asking twice is harmless.
+When the client accepts no bytes for ``stall_timeout_seconds``, the stream is evicted.
 
 A resumable stream outlives its connection: while no client is attached
 (:meth:`StreamFlow.detach`) nothing is received, so its backlog grows to the high-water
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sluicegate.engine.output import RequestStream
+from sluicegate.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +61,16 @@ class FlowConfig:
     high_water_tokens: int = 128
     low_water_tokens: int = 32
     high_water_bytes: int = 65536
-    pause_preempt_seconds: float = 5.0
     stall_timeout_seconds: float = 30.0
     check_interval_seconds: float = 0.02
 
 
 class FlowActions(Protocol):
-    """What flow control asks of the engine side and the metrics."""
+    """What flow control asks of the engine side."""
 
     def pause(self, request_id: str) -> None: ...
-    def resume(self, request_id: str, paused_seconds: float) -> None: ...
-    def preempt(self, request_id: str) -> None: ...
-    def evicted(self, request_id: str) -> None: ...
+    def resume(self, request_id: str) -> None: ...
+    def evict(self, request_id: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -78,6 +78,8 @@ class StreamFlow:
     """One stream's delivery accounting.  Written by its writer, read by the controller."""
 
     stream: RequestStream
+    #: The scheduler's request (read only here: the scheduler owns its pause state).
+    request: Request
     transport: Any = None
     #: (cumulative socket bytes, cumulative tokens) at the end of each write.
     writes: deque[tuple[int, int]] = field(default_factory=deque)
@@ -87,12 +89,8 @@ class StreamFlow:
     last_progress_time: float = field(default_factory=time.monotonic)
     last_acked_bytes: int = 0
     sending: bool = False
-    paused: bool = False
-    paused_since: float = 0.0
-    preempted: bool = False
     evicted: bool = False
     on_evict: Callable[[], None] | None = None
-    total_paused_seconds: float = 0.0
     #: WebSocket credit flow: tokens the client has allowed in total (None: byte-based).
     credit_tokens: int | None = None
     #: No client connected (a resumable stream between connections): nothing is received.
@@ -125,6 +123,11 @@ class StreamFlow:
         self.transport = None
         self.writes.clear()
         self.sending = False
+
+    @property
+    def paused(self) -> bool:
+        """The scheduler has paused this stream's sequence."""
+        return self.request.paused
 
     @property
     def credit_available(self) -> int:
@@ -194,7 +197,7 @@ class FlowController:
                 "bytes_acked": f.last_acked_bytes,
                 "sending": f.sending,
                 "paused": f.paused,
-                "preempted": f.preempted,
+                "preempted": f.request.status == RequestStatus.PREEMPTED,
             }
             for f in flows[:limit]
         ]
@@ -207,8 +210,8 @@ class FlowController:
         flow = self._flows.pop(request_id, None)
         if flow is not None:
             flow.stream.on_put = None
-            if flow.paused:
-                self._resume(flow)
+            if flow.paused and not flow.stream.finished:
+                self.actions.resume(request_id)  # nobody will ask any more
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._monitor(), name="sluicegate-flow-monitor")
@@ -220,7 +223,7 @@ class FlowController:
                 await self._task
 
     def check(self, flow: StreamFlow, now: float | None = None) -> None:
-        """Apply the water marks, long-pause preemption and stall eviction to one stream."""
+        """Apply the water marks and stall eviction to one stream."""
         if flow.evicted:
             return
         now = time.monotonic() if now is None else now
@@ -233,57 +236,28 @@ class FlowController:
         ):
             self._evict(flow)
             return
+        request_id = flow.stream.request_id
         if not cfg.enabled or flow.stream.finished:
             if flow.paused:
-                self._resume(flow, now)
+                self.actions.resume(request_id)
             return
         if flow.credit_tokens is not None:
             # Credit flow: pause once what is buffered already uses up the credit.
-            exhausted = flow.credit_available - flow.stream.pending_tokens <= 0
-            if exhausted and not flow.paused:
-                flow.paused = True
-                flow.paused_since = now
-                self.actions.pause(flow.stream.request_id)
-            elif not exhausted and flow.paused:
-                self._resume(flow, now)
-            elif flow.paused:
-                self._maybe_preempt(flow, now)
-            return
-        backlog = flow.unreceived_tokens
-        if not flow.paused:
-            if (
-                backlog >= cfg.high_water_tokens
-                or flow.stream.pending_bytes >= cfg.high_water_bytes
-            ):
-                flow.paused = True
-                flow.paused_since = now
-                self.actions.pause(flow.stream.request_id)
-        elif backlog <= cfg.low_water_tokens and flow.stream.pending_bytes < cfg.high_water_bytes:
-            self._resume(flow, now)
+            behind = flow.credit_available - flow.stream.pending_tokens <= 0
+            caught_up = not behind
         else:
-            self._maybe_preempt(flow, now)
-
-    def _maybe_preempt(self, flow: StreamFlow, now: float) -> None:
-        if (
-            not flow.preempted
-            and self.config.pause_preempt_seconds >= 0
-            and now - flow.paused_since >= self.config.pause_preempt_seconds
-        ):
-            flow.preempted = True
-            self.actions.preempt(flow.stream.request_id)
-
-    def _resume(self, flow: StreamFlow, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        flow.paused = False
-        flow.preempted = False
-        flow.total_paused_seconds += now - flow.paused_since
-        self.actions.resume(flow.stream.request_id, now - flow.paused_since)
+            backlog = flow.unreceived_tokens
+            pending_bytes = flow.stream.pending_bytes
+            behind = backlog >= cfg.high_water_tokens or pending_bytes >= cfg.high_water_bytes
+            caught_up = backlog <= cfg.low_water_tokens and pending_bytes < cfg.high_water_bytes
+        if behind and not flow.paused:
+            self.actions.pause(request_id)
+        elif caught_up and flow.paused:
+            self.actions.resume(request_id)
 
     def _evict(self, flow: StreamFlow) -> None:
         flow.evicted = True
-        if flow.paused:
-            self._resume(flow)
-        self.actions.evicted(flow.stream.request_id)
+        self.actions.evict(flow.stream.request_id)
         if flow.on_evict is not None:
             flow.on_evict()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sluicegate.admission.journal import JobExistsError, JobJournal, JobState
-from tests.admission.fake_clock import FakeClock
+from sluicegate.queue.journal import JobExistsError, JobJournal, JobState
+from tests.fake_clock import FakeClock
 
 
 def _body(n: int) -> str:
@@ -125,7 +125,7 @@ def test_a_killed_process_leaves_its_job_running_and_restart_requeues_it(tmp_pat
     child = textwrap.dedent(
         f"""
         import os
-        from sluicegate.admission.journal import JobJournal
+        from sluicegate.queue.journal import JobJournal
         journal = JobJournal({str(path)!r})
         job = journal.claim_next()
         assert job is not None and job.job_id == "a"

@@ -8,24 +8,24 @@ import logging
 import os
 import secrets
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 from sluicegate.admission.tenants import Tenant
-from sluicegate.api.generation import Generation, abort_generation, start_generation
-from sluicegate.api.session import StreamSession
-from sluicegate.api.stream_events import (
+from sluicegate.engine.output import FlushPolicy
+from sluicegate.errors import APIError
+from sluicegate.service.generation import Generation
+from sluicegate.service.service import Service
+from sluicegate.store.base import Store
+from sluicegate.store.errors import StoreUnavailable
+from sluicegate.store.records import StreamMeta, StreamStatus
+from sluicegate.stream.events import (
     StreamFormat,
     is_final_event,
     sampling_from_json,
     sampling_to_json,
 )
-from sluicegate.engine.output import RequestOutput, RequestStream
-from sluicegate.errors import APIError
-from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
-from sluicegate.store.base import Store, StoreUnavailable, StreamMeta, StreamStatus
-
-if TYPE_CHECKING:
-    from sluicegate.api.runtime import Runtime
+from sluicegate.stream.flow import FlowController
+from sluicegate.stream.session import SessionContext, StreamSession
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +33,30 @@ logger = logging.getLogger(__name__)
 class SessionRegistry:
     """This replica's sessions, its owner id for leases, and the lease renewal loop."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    def __init__(
+        self,
+        service: Service,
+        store: Store,
+        flow: FlowController,
+        flush_policy: FlushPolicy,
+        *,
+        detached_grace_seconds: float,
+        lease_ttl_seconds: float,
+    ) -> None:
+        self.service = service
+        self.store = store
+        self.lease_ttl_seconds = lease_ttl_seconds
         #: This process's identity in the store's leases.
-        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._sessions: dict[str, StreamSession] = {}
+        owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.context = SessionContext(
+            service, store, flow, flush_policy, detached_grace_seconds, owner
+        )
+        self._sessions = self.context.sessions
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def owner(self) -> str:
+        return self.context.owner
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -46,24 +64,8 @@ class SessionRegistry:
     def get(self, stream_id: str) -> StreamSession | None:
         return self._sessions.get(stream_id)
 
-    def add(self, session: StreamSession) -> None:
-        self._sessions[session.stream_id] = session
-
-    def remove(self, session: StreamSession) -> None:
-        if self._sessions.get(session.stream_id) is session:
-            del self._sessions[session.stream_id]
-
-    @property
-    def lease_ttl_seconds(self) -> float:
-        return self.runtime.settings.lease_ttl_seconds
-
-    @property
-    def store(self) -> Store:
-        store = self.runtime.store
-        if store is None:
-            raise APIError(503, "The server is starting; retry shortly.", code="not_ready",
-                           headers={"retry-after": "1"})  # fmt: skip
-        return store
+    def __iter__(self) -> Iterator[StreamSession]:
+        return iter(list(self._sessions.values()))
 
     # --- lifecycle ---
 
@@ -127,7 +129,7 @@ class SessionRegistry:
             await store.put_meta(generation.request_id, meta)
             await store.acquire_lease(generation.request_id, self.owner, self.lease_ttl_seconds)
         except StoreUnavailable as error:  # fail_closed
-            abort_generation(self.runtime, generation)
+            self.service.cancel(generation)
             raise APIError(
                 503,
                 f"The replay store is unreachable ({error}); streams cannot be made "
@@ -136,7 +138,7 @@ class SessionRegistry:
                 headers={"retry-after": "1"},
             ) from None
         first = fmt.first_chunk(generation.request_id, request.num_prompt_tokens)
-        return StreamSession(self, generation, tenant.name, fmt, first_chunk=first)
+        return StreamSession(self.context, generation, tenant.name, fmt, first_chunk=first)
 
     async def take_over(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
         """Continue a stream nobody generates (its replica drained, stopped or died).
@@ -156,7 +158,7 @@ class SessionRegistry:
 
     async def _continue(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
         store = self.store
-        runtime = self.runtime
+        service = self.service
         meta = await store.get_meta(stream_id)
         head = await store.read(stream_id, 0, limit=1)
         last_seq = head.last_seq
@@ -170,46 +172,33 @@ class SessionRegistry:
         if complete:
             await store.release_lease(stream_id, self.owner)
             return None
-        if meta.model != runtime.model_name:
+        if meta.model != service.model_name:
             raise APIError(
                 503,
                 f"Stream '{stream_id}' was generated by model '{meta.model}'; this replica "
-                f"serves '{runtime.model_name}'. Resume it on a replica serving that model.",
+                f"serves '{service.model_name}'. Resume it on a replica serving that model.",
                 code="model_mismatch",
             )
         fmt = StreamFormat.from_json(meta.extra, meta.model)
         sampling = sampling_from_json(meta.seed, meta.sampling_params)
         generated = meta.generated_token_ids
         if len(generated) >= sampling.max_tokens:
-            generation = self._finished_generation(meta, sampling, stream_id)
+            generation = service.completed_generation(
+                stream_id, meta.prompt_token_ids, generated, sampling
+            )
         else:
-            generation = await start_generation(
-                runtime, tenant, fmt.priority, stream_id, meta.prompt_token_ids, sampling,
+            generation = await service.submit(
+                tenant, fmt.priority, stream_id, meta.prompt_token_ids, sampling,
                 fmt.max_tokens_per_second, output_token_ids=generated, resumed=True,
             )  # fmt: skip
         try:
             await store.update_meta(stream_id, status=StreamStatus.RUNNING)
         except StoreUnavailable:
-            abort_generation(runtime, generation)
+            self.service.cancel(generation)
             raise
         logger.info(
             "stream %s taken over after seq %d (%d tokens re-prefilled)",
             stream_id, last_seq, len(meta.prompt_token_ids) + len(generated),
         )  # fmt: skip
-        return StreamSession(self, generation, tenant.name, fmt, first_chunk=None,
+        return StreamSession(self.context, generation, tenant.name, fmt, first_chunk=None,
                              last_seq=last_seq)  # fmt: skip
-
-    def _finished_generation(
-        self, meta: StreamMeta, sampling: SamplingParams, stream_id: str
-    ) -> Generation:
-        """Every token was delivered, only the end was not logged: end it, no engine."""
-        prompt = meta.prompt_token_ids
-        generated = meta.generated_token_ids
-        request = Request(stream_id, prompt, sampling, all_token_ids=[*prompt, *generated])
-        stream = RequestStream(stream_id)
-        stream.put(
-            RequestOutput(stream_id, "", 0, len(prompt), len(generated), FinishReason.LENGTH)
-        )
-        generation = Generation(stream_id, request, stream, num_resumed_tokens=len(generated))
-        self.runtime.generations[stream_id] = generation
-        return generation

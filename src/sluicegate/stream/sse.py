@@ -7,7 +7,7 @@ beside it: a client that goes away aborts its sequence at once, even while nothi
 being written (queued or paused).  A stalled client is evicted: the writer is cancelled,
 a final error event is written past the blocked send, and the connection is closed.
 
-A connection reads a resumable stream (:mod:`sluicegate.api.session`), which may outlive
+A connection reads a resumable stream (:mod:`sluicegate.stream.session`), which may outlive
 it: :class:`SSEConnection` is what the response knows of its socket, and the stream binds
 its flow control to it when it attaches (possibly late: a connection that follows a
 stream generated on another replica binds only if it takes the stream over).

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sluicegate.api.sse import DONE, sse_data
-from sluicegate.engine.output import FlushPolicy
+from sluicegate.engine.output import FlushPolicy, RequestOutput
 from sluicegate.scheduler.request import SamplingParams
-from sluicegate.store.base import ReplayTrimmed, StoreError, StreamExpired
+from sluicegate.store.errors import ReplayTrimmed, StoreError, StreamExpired
+from sluicegate.stream.sse import DONE, sse_data
 from sluicegate.types import JSONValue
 
 Kind = Literal["chat", "completion"]
@@ -134,6 +134,32 @@ def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
         ignore_eos=bool(data.get("ignore_eos", False)),
     )
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    """Token counts in OpenAI's ``usage`` shape."""
+    return {
+        "prompt_tokens": output.num_prompt_tokens,
+        "completion_tokens": output.num_output_tokens,
+        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+    }
+
+
+def drain_notice(stream_id: str) -> dict[str, object]:
+    """The final event of a stream cut short by shutdown."""
+    return {
+        "error": {
+            "message": (
+                "The server is shutting down and stopped this stream before it finished. "
+                f"Resume it with GET /v1/streams/{stream_id} (with Last-Event-ID) "
+                "on any replica, or retry the request."
+            ),
+            "type": "server_draining",
+            "param": None,
+            "code": "server_draining",
+            "stream_id": stream_id,
+        }
+    }
 
 
 def is_final_event(data: bytes) -> bool:

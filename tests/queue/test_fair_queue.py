@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from sluicegate.admission.decision import RejectReason
-from sluicegate.admission.fair_queue import (
+from sluicegate.queue.fair_queue import (
     ClassLimits,
     FairQueue,
     FairQueueConfig,

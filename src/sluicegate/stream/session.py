@@ -30,125 +30,46 @@ import asyncio
 import bisect
 import contextlib
 import logging
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from sluicegate.api.generation import (
-    Generation,
-    abort_generation,
-    drain_notice,
-    engine_failure,
-    finish_reason_text,
-    record_finish,
-    stop_generation,
-    usage,
-)
-from sluicegate.api.sse import DONE, EventStreamResponse, SSEConnection, sse_data, with_event_id
-from sluicegate.api.stream_events import (
-    StreamFormat,
-    error_event,
-    replay_error,
-)
 from sluicegate.engine.output import FlushPolicy, RequestOutput
 from sluicegate.scheduler.request import FinishReason
-from sluicegate.store.base import (
-    LeaseLost,
-    ReplayTrimmed,
-    Store,
-    StoreError,
-    StoreUnavailable,
-    StreamStatus,
-)
+from sluicegate.service.generation import Generation, Life
+from sluicegate.service.service import Service, finish_reason_text
+from sluicegate.store.base import Store
+from sluicegate.store.errors import LeaseLost, ReplayTrimmed, StoreError, StoreUnavailable
 from sluicegate.store.event_id import format_event_id
-from sluicegate.stream.flow import StreamFlow
-
-if TYPE_CHECKING:
-    from sluicegate.api.session_registry import SessionRegistry
+from sluicegate.store.records import StreamStatus
+from sluicegate.stream.events import StreamFormat, drain_notice, error_event, replay_error, usage
+from sluicegate.stream.feed import FEED_MAX_WAITING, Emission, Feed, FeedItem
+from sluicegate.stream.flow import FlowController, StreamFlow
+from sluicegate.stream.sse import DONE, EventStreamResponse, SSEConnection, sse_data, with_event_id
 
 logger = logging.getLogger(__name__)
 
 #: Events per store read while replaying.
 REPLAY_BATCH_EVENTS = 256
-#: Events a connection's feed holds before the producer waits for its writer.  Two, not
-#: one: the hop from producer to writer must not make a fast reader's events coalesce.
-FEED_MAX_WAITING = 2
 
 #: Why a session stopped generating without finishing its stream.
 StopReason = Literal["draining", "detached", "lease_lost", "evicted", "store_unavailable"]
 
 
-# --- one attached connection ---
-
-
 @dataclass(slots=True)
-class _Item:
-    data: bytes
-    seq: int | None
-    num_tokens: int
-    comment: str | None = None
+class SessionContext:
+    """What every stream session of this replica shares."""
 
-
-class Feed:
-    """Events for one attached connection, from the producer to the writer, in order."""
-
-    def __init__(self, watermark: int, attachment: int, on_empty: asyncio.Event) -> None:
-        #: Events up to this seq were logged before the attach: the writer replays them.
-        self.watermark = watermark
-        self.attachment = attachment
-        self.items: deque[_Item] = deque()
-        self.closed = False
-        self._changed = asyncio.Event()
-        self._on_empty = on_empty
-
-    @property
-    def exhausted(self) -> bool:
-        return self.closed and not self.items
-
-    def push(self, item: _Item) -> None:
-        if not self.closed:
-            self.items.append(item)
-            self._changed.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self._changed.set()
-
-    async def next(self, heartbeat_seconds: float) -> _Item | None:
-        """The next event; ``None`` when a heartbeat is due (or the feed is exhausted)."""
-        if not self.items:
-            self._on_empty.set()
-            if self.closed:
-                return None
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), heartbeat_seconds)
-            if not self.items:
-                return None
-        item = self.items.popleft()
-        if len(self.items) < FEED_MAX_WAITING:
-            self._on_empty.set()
-        return item
-
-
-# --- what the producer emits ---
-
-
-@dataclass(slots=True)
-class Emission:
-    """One write of the producer: whole SSE messages, the tokens they carry, and the
-    output tokens whose text they complete (logged with them)."""
-
-    data: bytes
-    num_tokens: int = 0
-    committed_token_ids: list[int] = field(default_factory=list)
-    logged: bool = True
-    final: bool = False
-    comment: str | None = None
-
-
-# --- the session ---
+    service: Service
+    store: Store
+    flow: FlowController
+    flush_policy: FlushPolicy
+    #: A stream whose client left keeps generating this long (a quick reconnect loses nothing).
+    detached_grace_seconds: float
+    #: This process's identity in the store's leases.
+    owner: str
+    #: This replica's live sessions, by stream id.
+    sessions: dict[str, StreamSession] = field(default_factory=dict)
 
 
 class StreamSession:
@@ -156,7 +77,7 @@ class StreamSession:
 
     def __init__(
         self,
-        registry: SessionRegistry,
+        context: SessionContext,
         generation: Generation,
         tenant_name: str,
         fmt: StreamFormat,
@@ -164,19 +85,16 @@ class StreamSession:
         first_chunk: bytes | None,
         last_seq: int = 0,
     ) -> None:
-        runtime = registry.runtime
-        assert runtime.store is not None
-        self.registry = registry
-        self.runtime = runtime
-        self.store: Store = runtime.store
+        self.context = context
+        self.service = context.service
+        self.store = context.store
         self.generation = generation
-        generation.session = self
+        generation.resumable = True
         self.stream_id = generation.request_id
         self.tenant_name = tenant_name
         self.format = fmt
-        self.flow = StreamFlow(generation.stream)
-        generation.flow = self.flow
-        runtime.flow.register(self.flow)
+        self.flow = StreamFlow(generation.stream, generation.request)
+        context.flow.register(self.flow)
         self.feed: Feed | None = None
         #: Seq of the last event this replica logged (or found logged, at a takeover).
         self.last_seq = last_seq
@@ -190,7 +108,7 @@ class StreamSession:
         self.done = False
         self._writer_back = asyncio.Event()
         self._grace: asyncio.TimerHandle | None = None
-        registry.add(self)
+        context.sessions[self.stream_id] = self
         self._task = asyncio.create_task(
             self._produce(first_chunk), name=f"sluicegate-stream-{self.stream_id}"
         )
@@ -223,9 +141,9 @@ class StreamSession:
         self.flow.detach()
         self._writer_back.set()
         if self.done:
-            self.runtime.flow.unregister(self.stream_id)
-        elif self.stop_reason is None and not self.generation.finished:
-            grace = self.runtime.settings.detached_grace_seconds
+            self.context.flow.unregister(self.stream_id)
+        elif self.stop_reason is None and not self.generation.ended:
+            grace = self.context.detached_grace_seconds
             self._grace = asyncio.get_running_loop().call_later(grace, self._grace_expired)
 
     def tokens_through(self, seq: int) -> int:
@@ -241,7 +159,7 @@ class StreamSession:
             self.events(feed, connection, after_seq),
             connection,
             headers=headers,
-            on_send_blocked=self.runtime.metrics.stream_send_blocked_seconds.observe,
+            on_send_blocked=self.service.metrics.stream_send_blocked_seconds.observe,
         )
 
     async def events(
@@ -271,7 +189,7 @@ class StreamSession:
         except StoreError as error:
             yield replay_error(error), 0
             return
-        heartbeat = self.runtime.flush_policy.heartbeat_seconds
+        heartbeat = self.context.flush_policy.heartbeat_seconds
         while not feed.exhausted:
             item = await feed.next(heartbeat)
             if item is None:
@@ -289,29 +207,28 @@ class StreamSession:
 
     def eviction_event(self) -> bytes:
         """The stalled client is cut off: what it is told (the log gets it too)."""
-        if not self.generation.finished:
+        if not self.generation.ended:
             self.stop_reason = "evicted"
-        record_finish(self.runtime, self.generation, "evicted")
+        self.service.evicted(self.generation)
         return sse_data(self._stall_error())
 
     # --- stopping ---
 
     def stop(self, reason: StopReason, status: str) -> None:
         """Stop generating; the stream stays resumable from what was logged."""
-        if self.done or self.generation.finished:
+        if self.done or self.generation.ended:
             return
         self.stop_reason = reason
-        self.generation.keep_reservation = True
-        stop_generation(self.runtime, self.generation, status)
+        self.service.stop(self.generation, status)
 
     def _grace_expired(self) -> None:
         self._grace = None
-        if self.feed is not None or self.done or self.generation.finished:
+        if self.feed is not None or self.done or self.generation.ended:
             return
         self.stop("detached", "cancelled")
-        self.runtime.metrics.cancellations_total.inc()
+        self.service.metrics.cancellations_total.inc()
         # Nobody reads it any more: not a paused stream, whatever is left to log.
-        self.runtime.flow.unregister(self.stream_id)
+        self.context.flow.unregister(self.stream_id)
 
     def lease_lost(self) -> None:
         """Another replica holds the lease now (we stalled past it): stop at once."""
@@ -340,7 +257,7 @@ class StreamSession:
             await self._settle()
         except Exception:
             logger.exception("stream %s: producer failed", self.stream_id)
-            abort_generation(self.runtime, self.generation)
+            self.service.cancel(self.generation)
         finally:
             self._ended()
 
@@ -354,12 +271,11 @@ class StreamSession:
             await self._writer_back.wait()
 
     async def _emissions(self, first_chunk: bytes | None) -> AsyncIterator[Emission]:
-        runtime = self.runtime
+        service = self.service
         generation = self.generation
         stream = generation.stream
         fmt = self.format
-        front_door = runtime.front_door
-        policy = fmt.flush_policy(runtime.flush_policy)
+        policy = fmt.flush_policy(self.context.flush_policy)
         queued_policy = FlushPolicy(
             policy.interval_seconds, policy.max_tokens, min(1.0, policy.heartbeat_seconds)
         )
@@ -368,10 +284,9 @@ class StreamSession:
         carried = 0
         carried_ids: list[int] = []
         while True:
-            queued = not generation.dispatched and front_door is not None
-            if queued and generation.ticket is not None and front_door is not None:
+            if generation.queued:
                 # Queued: tell the client where it stands, once a second, until it starts.
-                position, eta = front_door.position(generation.ticket)
+                position, eta = service.position(generation)
                 comment = f"queued position={position} eta_ms={eta * 1000:.0f}"
                 yield Emission(b"", logged=False, comment=comment)
                 output = await stream.next(queued_policy)
@@ -379,13 +294,12 @@ class StreamSession:
                 output = await stream.next(policy)
             if output is None:
                 continue  # heartbeats are the writer's
-            generation.record_write(runtime, output.num_new_tokens)
-            runtime.metrics.stream_buffer_tokens.observe(self.flow.unreceived_tokens)
+            service.delivered(generation, output.num_new_tokens)
+            service.metrics.stream_buffer_tokens.observe(self.flow.unreceived_tokens)
             use = usage(output) if fmt.continuous_usage else None
             num_tokens = output.num_new_tokens + carried
             committed = carried_ids + output.committed_token_ids
             if output.finished:
-                generation.finished = True
                 for emission in self._last(output, num_tokens, committed, use):
                     yield emission
                 return
@@ -407,12 +321,12 @@ class StreamSession:
     ) -> list[Emission]:
         """The end of the stream: one logged event (so that a takeover never sees half of
         it), or, when stopped to stay resumable, the last text and an unlogged notice."""
-        runtime = self.runtime
+        service = self.service
         generation = self.generation
         fmt = self.format
         sid = self.stream_id
         text = sse_data(fmt.chunk(sid, output.text, None, use)) if output.text else b""
-        if generation.drained:
+        if generation.life is Life.STOPPED:
             emissions = [Emission(text, num_tokens, committed)] if text else []
             notice = self._notice()
             if notice is not None:
@@ -422,11 +336,11 @@ class StreamSession:
             data = text + sse_data(self._stall_error()) + DONE
             return [Emission(data, num_tokens, committed, final=True)]
         if output.finish_reason == FinishReason.ERROR:
-            record_finish(runtime, generation, "error")
-            data = text + sse_data(engine_failure(generation, output).body()) + DONE
+            service.complete(generation, "error")
+            data = text + sse_data(service.failure(generation, output).body()) + DONE
             return [Emission(data, num_tokens, committed, final=True)]
         finish = finish_reason_text(output.finish_reason)
-        record_finish(runtime, generation, finish or "")
+        service.complete(generation, finish or "")
         data = text + sse_data(fmt.chunk(sid, "", finish, use))
         if fmt.include_usage:
             final = fmt.chunk(sid, "", None, {**usage(output), "sluicegate": generation.timing()})
@@ -446,10 +360,10 @@ class StreamSession:
                 f"Another replica continues this stream. {resume}",
                 stream_id=sid,
             )
-        return sse_data(drain_notice(self.generation)) + DONE
+        return sse_data(drain_notice(self.stream_id)) + DONE
 
     def _stall_error(self) -> dict[str, object]:
-        seconds = self.runtime.settings.stall_timeout_seconds
+        seconds = self.context.flow.config.stall_timeout_seconds
         return {
             "error": {
                 "message": (
@@ -471,18 +385,18 @@ class StreamSession:
                     self.stream_id,
                     emission.data,
                     token_ids=emission.committed_token_ids,
-                    owner=self.registry.owner,
+                    owner=self.context.owner,
                 )
             except LeaseLost:
                 self.lease_lost()
-                self._deliver(_Item(self._notice() or b"", None, 0))
+                self._deliver(FeedItem(self._notice() or b"", None, 0))
                 return False
             except StoreUnavailable as error:  # fail_closed: no stream without its log
                 self.logging = False
                 self.stop_reason = "store_unavailable"
-                abort_generation(self.runtime, self.generation)
+                self.service.cancel(self.generation)
                 message = f"The replay store is unreachable ({error}); the stream was stopped."
-                self._deliver(_Item(error_event("store_unavailable", message), None, 0))
+                self._deliver(FeedItem(error_event("store_unavailable", message), None, 0))
                 return False
             except StoreError as error:  # expired (a very long pause) or closed
                 logger.warning("stream %s: no longer logged: %s", self.stream_id, error)
@@ -496,25 +410,25 @@ class StreamSession:
             self.last_seq = seq
             self._tokens_through.append((seq, self._tokens_emitted))
         if emission.comment is not None:
-            self._deliver(_Item(b"", None, 0, emission.comment))
+            self._deliver(FeedItem(b"", None, 0, emission.comment))
         elif emission.data:
-            self._deliver(_Item(emission.data, seq, emission.num_tokens))
+            self._deliver(FeedItem(emission.data, seq, emission.num_tokens))
         if emission.final and seq is not None:
             try:
-                await self.store.finish(self.stream_id, owner=self.registry.owner)
+                await self.store.finish(self.stream_id, owner=self.context.owner)
                 self.log_finished = True
             except StoreError as error:
                 logger.warning("stream %s: log not closed: %s", self.stream_id, error)
         return True
 
-    def _deliver(self, item: _Item) -> None:
+    def _deliver(self, item: FeedItem) -> None:
         if self.feed is not None:
             self.feed.push(item)
 
     async def _settle(self) -> None:
         """After the last event: close the lease, or checkpoint for another replica."""
         store = self.store
-        owner = self.registry.owner
+        owner = self.context.owner
         reason = self.stop_reason
         if reason == "lease_lost":
             return
@@ -524,7 +438,7 @@ class StreamSession:
                 await store.update_meta(self.stream_id, status=StreamStatus.CHECKPOINTED)
             except StoreError as error:
                 logger.warning("stream %s: checkpoint not saved: %s", self.stream_id, error)
-            self.runtime.metrics.streams_checkpointed_total.labels(label).inc()
+            self.service.metrics.streams_checkpointed_total.labels(label).inc()
             logger.info(
                 "stream %s checkpointed (%s) after seq %d", self.stream_id, label, self.last_seq
             )
@@ -532,14 +446,12 @@ class StreamSession:
 
     def _ended(self) -> None:
         self.done = True
-        self.registry.remove(self)
+        if self.context.sessions.get(self.stream_id) is self:
+            del self.context.sessions[self.stream_id]
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
         if self.feed is not None:
             self.feed.close()  # its writer ends after what it has; detach unregisters
         else:
-            self.runtime.flow.unregister(self.stream_id)
-
-
-# --- the registry ---
+            self.context.flow.unregister(self.stream_id)

@@ -1,0 +1,173 @@
+"""Start-up, shutdown and graceful drain.
+
+Start-up connects the store first (shared buckets and every stream need it), then loads
+the engine in the background, so ``/health`` answers while a model loads; when it has
+loaded, the service, flow control, the stream sessions and the job runner start, and
+the app is ready.  Shutdown stops them in the reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from sluicegate.api.jobs import job_executor
+from sluicegate.api.state import AppState, Ready
+from sluicegate.config import Settings
+from sluicegate.engine.output import FlushPolicy
+from sluicegate.queue.jobs import JobRunner, journal_path, open_journal
+from sluicegate.service.service import Service
+from sluicegate.store import Store, StoreConfig, StoreFailureMode, StoreUnavailable, open_store
+from sluicegate.store.records import DegradedOutcome
+from sluicegate.stream.flow import FlowConfig, FlowController
+from sluicegate.stream.sessions import SessionRegistry
+
+logger = logging.getLogger("sluicegate")
+
+
+async def start(state: AppState) -> None:
+    """Connect the store, then load the engine in the background."""
+    store = await connect_store(state)
+    task = asyncio.create_task(_load(state, store), name="sluicegate-load")
+    state.tasks.add(task)
+    task.add_done_callback(state.tasks.discard)
+    state.store = store
+
+
+async def stop(state: AppState) -> None:
+    """Stop every stage, last started first."""
+    for task in list(state.tasks):
+        task.cancel()
+    ready, state.ready = state.ready, None
+    if ready is not None:
+        await ready.sessions.stop()
+        await ready.flow.stop()
+        await ready.jobs.stop()
+        await ready.service.close()
+    if state.store is not None:
+        await state.store.close()
+
+
+async def _load(state: AppState, store: Store) -> None:
+    settings = state.settings
+    try:
+        service = await Service.load(settings, state.metrics, bucket_factory=store.bucket)
+    except Exception as exc:
+        state.load_error = str(exc)
+        logger.exception("engine failed to load")
+        return
+    flow = FlowController(flow_config(settings), service)
+    flow.start()
+    sessions = SessionRegistry(
+        service, store, flow, flush_policy(settings),
+        detached_grace_seconds=settings.detached_grace_seconds,
+        lease_ttl_seconds=settings.lease_ttl_seconds,
+    )  # fmt: skip
+    sessions.start()
+    journal = open_journal(journal_path(settings.journal_path, settings.cache_dir, settings.port))
+    jobs = JobRunner(journal, settings.max_background_jobs_in_memory, job_executor(service))
+    await jobs.start()
+    state.ready = Ready(service, store, flow, sessions, jobs)
+
+
+def flow_config(settings: Settings) -> FlowConfig:
+    return FlowConfig(
+        enabled=settings.pause,
+        high_water_tokens=settings.high_water_tokens,
+        low_water_tokens=settings.low_water_tokens,
+        high_water_bytes=settings.high_water_bytes,
+        stall_timeout_seconds=settings.stall_timeout_seconds,
+    )
+
+
+def flush_policy(settings: Settings) -> FlushPolicy:
+    return FlushPolicy(
+        interval_seconds=settings.flush_interval_ms / 1000.0,
+        max_tokens=settings.flush_max_tokens,
+        heartbeat_seconds=settings.heartbeat_seconds,
+    )
+
+
+async def drain(state: AppState) -> None:
+    """Graceful shutdown: refuse new work, let running streams finish, then cut the rest.
+
+    New requests get 503 ``draining`` with ``Retry-After``; ``/ready`` turns false so a
+    load balancer stops sending.  Streams still running after ``drain_grace_seconds``
+    are checkpointed (their logs hold every delivered token; their leases are released,
+    so another replica can continue them at once) and get a final event telling them to
+    resume with their stream id.
+    """
+    state.draining = True
+    ready = state.ready
+    if ready is None:
+        return
+    service = ready.service
+    service.admission.start_draining()
+    grace = state.settings.drain_grace_seconds
+    deadline = time.monotonic() + grace
+    logger.info("draining: %d requests running, grace %.1fs", len(service.generations), grace)
+    while service.generations and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a dict
+        await asyncio.sleep(0.05)
+    remaining = list(service.generations.values())
+    for generation in remaining:
+        session = ready.sessions.get(generation.request_id)
+        if session is not None:
+            session.stop("draining", "drained")
+        else:
+            service.stop(generation, "drained")
+    # Every producer logs what it has and checkpoints before the process goes.
+    await ready.sessions.wait_all(within_seconds=5.0)
+    if remaining:
+        logger.info("drain deadline: %d streams checkpointed to resume elsewhere", len(remaining))
+        await asyncio.sleep(0.2)  # let their writers send the final event
+
+
+def store_config(settings: Settings) -> StoreConfig:
+    return StoreConfig(
+        replay_max_events=settings.replay_max_events,
+        replay_ttl_seconds=settings.replay_ttl_seconds,
+        store_failure_mode=StoreFailureMode(settings.store_failure_mode),
+    )
+
+
+async def connect_store(state: AppState) -> Store:
+    """Open the store named by ``--store``; raises StoreUnavailable if it cannot be reached."""
+    settings = state.settings
+    metrics = state.metrics
+    store = open_store(settings.store, store_config(settings))
+
+    def degraded(operation: str, outcome: DegradedOutcome) -> None:
+        metrics.store_degraded_operations_total.labels(operation, outcome.value).inc()
+        metrics.store_available.set(0)
+
+    store.on_degraded = degraded
+    await store.connect()
+    logger.info("store %s connected (failure mode %s)", store.url, settings.store_failure_mode)
+    return store
+
+
+def check_store_reachable(settings: Settings) -> None:
+    """At startup, before serving: exit with a clear message if Redis cannot be reached.
+
+    (An error raised later, in the ASGI lifespan, would only stop uvicorn, which exits 0.)
+    """
+    if settings.store == "memory":
+        return
+    with contextlib.suppress(RuntimeError):
+        asyncio.get_running_loop()
+        return  # built inside a running loop (tests): the lifespan checks instead
+
+    async def probe() -> None:
+        store = open_store(settings.store, store_config(settings))
+        try:
+            await store.connect()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(probe())
+    except StoreUnavailable as error:
+        logger.error("%s", error)
+        raise SystemExit(f"sluicegate: {error}") from None

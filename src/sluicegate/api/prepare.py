@@ -1,0 +1,182 @@
+"""From an OpenAI request body to what the service runs, and from its output back to
+OpenAI's shapes: validation, the chat template, tokenisation, context limits, sampling."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sluicegate.api.schemas import (
+    ChatCompletionRequest,
+    CommonParams,
+    CompletionRequest,
+    chat_messages,
+    check_chat,
+    check_completion,
+    completion_prompt,
+    parse_body,
+    stop_sequences,
+)
+from sluicegate.engine.output import RequestOutput
+from sluicegate.engine.tokenizer import ChatTemplateError
+from sluicegate.errors import APIError, invalid_param
+from sluicegate.scheduler.request import SamplingParams
+from sluicegate.service.generation import Generation
+from sluicegate.service.service import Service, finish_reason_text, new_request_id
+from sluicegate.stream.events import StreamFormat, usage
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated, tokenised request, not yet admitted."""
+
+    kind: Kind
+    req: ChatCompletionRequest | CompletionRequest
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
+    """Validate and tokenise; every problem is a 400 that names the parameter."""
+    tokenizer = service.tokenizer
+    if kind == "chat":
+        chat: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+        check_chat(chat)
+        check_model(service, chat.model)
+        try:
+            prompt_ids = tokenizer.encode_chat(chat_messages(chat))
+        except ChatTemplateError as exc:
+            raise APIError(
+                400, f"The messages cannot be formatted: {exc}", param="messages"
+            ) from None
+        requested = chat.max_completion_tokens
+        if requested is None:
+            requested = chat.max_tokens
+        max_tokens = resolve_max_tokens(service, requested, len(prompt_ids))
+        sampling = build_sampling(chat, max_tokens)
+        return Prepared(kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling)
+    comp: CompletionRequest = parse_body(CompletionRequest, body)
+    check_completion(comp)
+    check_model(service, comp.model)
+    prompt = completion_prompt(comp)
+    if isinstance(prompt, str):
+        prompt_ids = tokenizer.encode(prompt)
+    else:
+        bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"prompt token ids must be in [0, {tokenizer.vocab_size}); got {bad}",
+                param="prompt",
+            )
+        prompt_ids = prompt
+    if not prompt_ids:
+        raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
+    max_tokens = resolve_max_tokens(service, comp.max_tokens, len(prompt_ids))
+    sampling = build_sampling(comp, max_tokens)
+    return Prepared(kind, comp, new_request_id("cmpl"), prompt_ids, sampling)
+
+
+def check_model(service: Service, model: str) -> None:
+    if model != service.model_name:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{service.model_name}' "
+            "(see GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def resolve_max_tokens(service: Service, requested: int | None, num_prompt_tokens: int) -> int:
+    """Check the context limits; say which one is exceeded and by how much."""
+    limit = service.max_model_len
+    if num_prompt_tokens >= limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens ({num_prompt_tokens - limit + 1} too many to leave "
+            "room for one generated token). Shorten the prompt.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    room = limit - num_prompt_tokens
+    if requested is None:
+        return min(service.settings.default_max_tokens, room)
+    if requested < 1:
+        raise invalid_param("max_tokens", f"max_tokens must be at least 1; got {requested}")
+    if requested > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and max_tokens is {requested}, "
+            f"{num_prompt_tokens + requested - limit} over the limit. "
+            f"Use max_tokens <= {room} or a shorter prompt.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def build_sampling(req: CommonParams, max_tokens: int) -> SamplingParams:
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        seed=req.seed if req.seed is not None else secrets.randbits(63),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        stop=stop_sequences(req.stop),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def response_body(
+    service: Service, prepared: Prepared, generation: Generation, output: RequestOutput
+) -> dict[str, Any]:
+    """The whole (non-streamed) answer in OpenAI's shape."""
+    finish = finish_reason_text(output.finish_reason)
+    if prepared.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": output.text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {
+        "id": prepared.request_id,
+        "object": obj,
+        "created": generation.created,
+        "model": service.model_name,
+        "choices": [choice],
+        "usage": usage(output),
+    }
+
+
+def stream_format(service: Service, prepared: Prepared, generation: Generation) -> StreamFormat:
+    """How this request's stream is framed (and how a takeover continues it)."""
+    req = prepared.req
+    options = req.stream_options
+    return StreamFormat(
+        kind=prepared.kind,
+        created=generation.created,
+        model=service.model_name,
+        include_usage=options is not None and options.include_usage,
+        continuous_usage=options is not None and options.continuous_usage_stats,
+        flush_interval_seconds=(
+            None
+            if options is None or options.flush_interval_ms is None
+            else options.flush_interval_ms / 1000.0
+        ),
+        flush_max_tokens=None if options is None else options.flush_max_tokens,
+        priority=generation.priority_label,
+        max_tokens_per_second=req.max_tokens_per_second,
+    )

@@ -1,0 +1,84 @@
+"""The application's state: loading, ready (every stage present), or draining.
+
+Handlers reach the stages through :func:`ready_state`, the one place that answers
+"not ready" while the engine loads (or failed to load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import HTTPConnection
+
+from sluicegate.config import Settings
+from sluicegate.errors import APIError
+from sluicegate.metrics.registry import Metrics
+from sluicegate.queue.jobs import JobRunner
+from sluicegate.service.service import Service
+from sluicegate.store.base import Store
+from sluicegate.stream.flow import FlowController
+from sluicegate.stream.sessions import SessionRegistry
+
+
+@dataclass(slots=True)
+class Ready:
+    """Every stage a request needs; it exists once the engine has loaded."""
+
+    service: Service
+    store: Store
+    flow: FlowController
+    sessions: SessionRegistry
+    jobs: JobRunner
+
+
+@dataclass(slots=True)
+class AppState:
+    """One application's life.  Owned by the event loop."""
+
+    settings: Settings
+    metrics: Metrics
+    started_at: float = field(default_factory=time.time)
+    #: Connected at start-up, before the engine loads.
+    store: Store | None = None
+    #: Set once the engine has loaded and every stage has started.
+    ready: Ready | None = None
+    load_error: str | None = None
+    draining: bool = False
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    #: Preemptions already counted into the Prometheus counter, by reason.
+    preemptions_seen: dict[str, int] = field(default_factory=dict)
+
+    def require_ready(self) -> Ready:
+        """The stages, or the 503 that says why there are none yet.  (While draining they
+        are still here: admission refuses new work, and streams may still be resumed.)"""
+        if self.ready is not None:
+            return self.ready
+        raise not_ready(self)
+
+
+def not_ready(state: AppState) -> APIError:
+    """Why the server cannot take a request now: loading, failed to load, or draining."""
+    if state.draining:
+        return APIError(
+            503, "The server is shutting down; retry on another replica.", code="draining",
+            headers={"retry-after": "1"},
+        )  # fmt: skip
+    if state.load_error is not None:
+        return APIError(503, f"The engine failed to load: {state.load_error}", code="load_failed")
+    return APIError(
+        503, "The model is still loading; retry shortly.", code="not_ready",
+        headers={"retry-after": "2"},
+    )  # fmt: skip
+
+
+def app_state(connection: HTTPConnection) -> AppState:
+    state = connection.app.state.sluicegate
+    assert isinstance(state, AppState)
+    return state
+
+
+def ready_state(connection: HTTPConnection) -> Ready:
+    """The stages for a handler (HTTP or WebSocket), or the 503 that says why not."""
+    return app_state(connection).require_ready()

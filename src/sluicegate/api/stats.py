@@ -1,0 +1,129 @@
+"""``/health``, ``/ready``, ``/metrics`` and ``/v1/stats``: what an operator sees."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from sluicegate.api.state import AppState, Ready, app_state, not_ready
+from sluicegate.types import PriorityClass
+
+router = APIRouter()
+
+
+def json_response(
+    payload: object, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        orjson.dumps(payload), status_code=status_code, media_type="application/json",
+        headers=headers,
+    )  # fmt: skip
+
+
+@router.get("/health")
+async def health() -> Response:
+    return json_response({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: HTTPRequest) -> Response:
+    state = app_state(request)
+    if state.ready is None or state.draining:
+        raise not_ready(state)
+    return json_response({"status": "ready", "model": state.ready.service.model_name})
+
+
+@router.get("/metrics")
+async def metrics(request: HTTPRequest) -> Response:
+    state = app_state(request)
+    refresh_state_metrics(state)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/stats")
+async def stats(request: HTTPRequest) -> Response:
+    state = app_state(request)
+    if state.ready is None:
+        return json_response({"ready": False})
+    return json_response(stats_body(state, state.ready))
+
+
+def refresh_state_metrics(state: AppState) -> None:
+    """Copy the engine's latest state into gauges and counters (at scrape time)."""
+    metrics = state.metrics
+    if state.store is not None:
+        metrics.store_available.set(1 if state.store.available else 0)
+    ready = state.ready
+    if ready is None:
+        return
+    service = ready.service
+    core = service.core.stats()
+    sched = core.scheduler
+    metrics.requests_running.set(sched.num_running)
+    metrics.streams_paused.set(sched.num_paused)
+    queued = service.dispatcher.queued_by_class()
+    for pc in PriorityClass:
+        metrics.requests_waiting.labels(pc.value).set(
+            sched.num_waiting_by_priority.get(pc.rank, 0) + queued.get(pc.value, 0)
+        )
+    metrics.kv_cache_usage_ratio.set(sched.kv_cache.usage_ratio)
+    metrics.engine_up.labels(metrics.engine).set(1 if core.engine_up else 0)
+    for reason, count in sched.preemptions_by_reason.items():
+        seen = state.preemptions_seen.get(reason, 0)
+        if count > seen:
+            metrics.preemptions_total.labels(reason).inc(count - seen)
+            state.preemptions_seen[reason] = count
+
+
+def stats_body(state: AppState, ready: Ready) -> dict[str, object]:
+    service = ready.service
+    core = service.core.stats()
+    sched = core.scheduler
+    kv = sched.kv_cache
+    dispatcher = service.dispatcher
+    breaker = service.breaker
+    latency = service.latency
+    return {
+        "ready": True,
+        "model": service.model_name,
+        "requests_running": sched.num_running,
+        "requests_waiting": sched.num_waiting + dispatcher.num_queued,
+        "kv_cache": {
+            "usage_ratio": kv.usage_ratio,
+            "used_blocks": kv.num_used_blocks,
+            "total_blocks": kv.num_blocks,
+            "free_slots": kv.num_free_slots,
+            "total_slots": kv.num_slots,
+        },
+        "requests_paused": sched.num_paused,
+        "streams_paused": ready.flow.num_paused,
+        "streams": ready.flow.snapshot(),
+        "preemptions_total": sched.num_preemptions_total,
+        "preemptions_by_reason": sched.preemptions_by_reason,
+        "queue": {
+            "queued": dispatcher.num_queued,
+            "queued_by_class": dispatcher.queued_by_class(),
+            "service_rate_requests_per_second": service.estimator.requests_per_second(),
+            "service_rate_tokens_per_second": service.estimator.tokens_per_second(),
+        },
+        "breaker_state": breaker.state.label if breaker is not None else "disabled",
+        "rejections_by_reason": {
+            sample.labels["reason"]: sample.value
+            for metric in state.metrics.rejections_total.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        },
+        "engine_steps_total": core.num_steps,
+        "batch_size": service.last_batch_size if sched.num_running else 0,
+        "live_requests": len(service.generations),
+        "latency_window_seconds": latency.ttft.window_seconds,
+        "ttft_seconds": latency.ttft.percentiles(0.5, 0.95, 0.99),
+        "tpot_seconds": latency.tpot.percentiles(0.5, 0.95, 0.99),
+        "queue_wait_seconds": latency.queue_wait.percentiles(0.5, 0.95, 0.99),
+        "event_loop_tasks": len(asyncio.all_tasks()),
+    }

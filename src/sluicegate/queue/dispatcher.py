@@ -1,0 +1,247 @@
+"""The dispatcher: admitted requests wait in the fair queue until the engine has room.
+
+An admitted request is offered to the bounded fair queue (per class and tenant; the
+class's overflow policy applies when it is full).  A dispatch loop hands queued requests
+to the scheduler only while the scheduler's :class:`DispatchCapacity` has a free seat and
+room for the request's worst-case KV footprint, so the scheduler's own waiting line
+stays short and the queue in front of it is where waiting happens: bounded, fair, and
+able to tell each client its position and expected wait.  Requests that wait longer
+than ``max_queue_wait_seconds`` are refused with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+
+from sluicegate.admission.breaker import CircuitBreaker
+from sluicegate.admission.decision import Rejection, RejectReason, queue_timeout_rejection
+from sluicegate.admission.retry_after import ServiceRateEstimator
+from sluicegate.metrics.registry import Metrics
+from sluicegate.queue.fair_queue import FairQueue, FairQueueConfig, OfferStatus, QueueItem
+from sluicegate.queue.ticket import Ticket, TicketState
+from sluicegate.scheduler.capacity import DispatchCapacity
+from sluicegate.types import PriorityClass
+
+#: How often the loop looks for expired requests when nothing else wakes it.
+_TICK_SECONDS = 0.05
+
+
+class Dispatcher:
+    """The fair queue and the loop that feeds the scheduler.  Owned by the event loop.
+
+    ``submit`` hands a ticket's request to the engine; ``on_refused`` tells the ticket's
+    owner that the queue refused it after admitting it (``ticket.rejection`` says why).
+    """
+
+    def __init__(
+        self,
+        queue_config: FairQueueConfig,
+        weights: Mapping[str, float],
+        capacity: DispatchCapacity,
+        estimator: ServiceRateEstimator,
+        metrics: Metrics,
+        *,
+        max_queue_wait_seconds: float,
+        submit: Callable[[Ticket], None],
+        on_refused: Callable[[Ticket], None],
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self._space = asyncio.Event()
+        self.queue = FairQueue(queue_config, weights=weights, on_space_freed=self._space.set)
+        self.capacity = capacity
+        self.estimator = estimator
+        self.metrics = metrics
+        self.breaker = breaker
+        self.max_queue_wait_seconds = max_queue_wait_seconds
+        self._submit = submit
+        self._on_refused = on_refused
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._dispatch_loop(), name="sluicegate-dispatcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def wake(self) -> None:
+        """Room may have appeared in the engine: look at the queue now."""
+        self._wake.set()
+
+    # ------------------------------------------------------------- requests
+    async def enqueue(self, ticket: Ticket) -> None:
+        """Queue an admitted request, or raise the :class:`APIError` that refuses it.
+
+        A refusal releases the ticket's admission (its tenant is not charged).
+        """
+        request = ticket.request
+        item = QueueItem(
+            id=request.request_id,
+            tenant=ticket.tenant.name,
+            priority_class=ticket.priority_class,
+            num_tokens=request.max_total_tokens,
+            enqueued_at=ticket.enqueued_at,
+            payload=ticket,
+        )
+        deadline = ticket.enqueued_at + self.max_queue_wait_seconds
+        while True:
+            result = self.queue.offer(item)
+            if result.status is OfferStatus.ADMITTED:
+                break
+            if result.status is OfferStatus.MUST_WAIT:
+                # Policy "block": wait for space, up to the queue-wait deadline.
+                remaining = deadline - time.monotonic()
+                if remaining > 0:
+                    self._space.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await self._space.wait()
+                    continue
+                rejection = queue_timeout_rejection(
+                    time.monotonic() - ticket.enqueued_at,
+                    self.max_queue_wait_seconds,
+                    self.retry_after_seconds(ticket.priority_class),
+                )
+            else:
+                rejection = result.to_rejection(self.retry_after_seconds(ticket.priority_class))
+                if result.status is OfferStatus.SPILL:
+                    rejection.message += (
+                        ' Submit batch work as a background job ("background": true) to have '
+                        "it journaled instead."
+                    )
+            self._close(ticket, 0, 0)
+            self.count_rejection(rejection)
+            raise rejection.to_error()
+        for victim in result.evicted:
+            self._refuse(victim, "drop-oldest: a newer request took its place in the full queue")
+        self._pump(time.monotonic())  # straight to the engine when it has room
+
+    def position(self, ticket: Ticket) -> tuple[int, float]:
+        """(0-based position, expected wait in seconds) of a queued request."""
+        rid = ticket.request_id
+        if rid not in self.queue:
+            return 0, 0.0
+        ahead = self.queue.position(rid)
+        tokens_ahead = self.queue.queued_tokens_ahead(rid)
+        # Ahead of it are `ahead` queued requests; it starts when they have all started
+        # (one completion frees one seat), so the wait is ahead+1 completions away when
+        # the engine is full.
+        busy = self.capacity.seats_full
+        eta = self.estimator.estimate_wait_seconds(ahead + (1 if busy else 0), tokens_ahead)
+        return ahead, eta
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """The client went away while queued; True if it was still queued."""
+        if not ticket.queued:
+            return False
+        self.queue.remove(ticket.request_id)
+        self._close(ticket, 0, 0)
+        return True
+
+    def finished(self, ticket: Ticket, *, keep_reservation: bool = False) -> None:
+        """The request ended (any way): release its admission.
+
+        ``keep_reservation``: it stopped to continue elsewhere, where it is not charged
+        again, so its reserved tokens stay spent instead of being reconciled.  (Engine
+        capacity is released by the scheduler when it lets go of the sequence.)
+        """
+        request = ticket.request
+        completed = ticket.was_dispatched and request.num_output_tokens > 0
+        if keep_reservation:
+            self._close(ticket, ticket.admitted.reserved_tokens, 0)
+        else:
+            self._close(ticket, request.num_prompt_tokens, request.num_output_tokens)
+        if completed:
+            self.estimator.record_completion(request.num_tokens)
+        if ticket.was_dispatched:
+            # Dispatch charged the worst case; give back what was not generated.
+            unused = request.sampling.max_tokens - request.num_output_tokens
+            if unused > 0:
+                self.queue.record_served(ticket.tenant.name, -unused)
+
+    def record_step(self, step_seconds: float) -> None:
+        if self.breaker is not None:
+            self.breaker.record_step(step_seconds)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.queue)
+
+    def queued_by_class(self) -> dict[str, int]:
+        return {pc.value: self.queue.num_queued(pc) for pc in PriorityClass}
+
+    def retry_after_seconds(self, priority_class: PriorityClass) -> float:
+        """When a request of this class refused now should come back."""
+        ahead = self.queue.num_queued(priority_class)
+        if priority_class is PriorityClass.BATCH:
+            ahead += self.queue.num_queued(PriorityClass.INTERACTIVE)
+        return self.estimator.retry_after_seconds(ahead, self.queue.num_queued_tokens())
+
+    def count_rejection(self, rejection: Rejection) -> None:
+        self.metrics.rejections_total.labels(rejection.reason.value).inc()
+
+    # -------------------------------------------------------------- internals
+    def _close(self, ticket: Ticket, prompt_tokens: int, output_tokens: int) -> None:
+        if ticket.state is TicketState.CLOSED:
+            return
+        ticket.state = TicketState.CLOSED
+        ticket.admitted.release(prompt_tokens, output_tokens)
+
+    def _refuse(self, item: QueueItem, why: str) -> None:
+        ticket = item.payload
+        assert isinstance(ticket, Ticket)
+        retry_after = self.retry_after_seconds(ticket.priority_class)
+        rejection = (
+            queue_timeout_rejection(
+                time.monotonic() - ticket.enqueued_at, self.max_queue_wait_seconds, retry_after
+            )
+            if why == "timeout"
+            else Rejection(
+                RejectReason.QUEUE_FULL,
+                503,
+                f"The request was dropped from the queue ({why}). Retry after "
+                f"{int(retry_after) + 1}s.",
+                retry_after,
+            )
+        )
+        self.count_rejection(rejection)
+        ticket.rejection = rejection
+        self._close(ticket, 0, 0)
+        self._on_refused(ticket)
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_TICK_SECONDS):
+                    await self._wake.wait()
+            self._wake.clear()
+            now = time.monotonic()
+            for expired in self.queue.expire(now, self.max_queue_wait_seconds):
+                self._refuse(expired, "timeout")
+            self._pump(now)
+
+    def _pump(self, now: float) -> None:
+        while (item := self.queue.peek_next()) is not None:
+            ticket = item.payload
+            assert isinstance(ticket, Ticket)
+            if not self.capacity.try_reserve(ticket.request_id, ticket.request.max_total_tokens):
+                break  # the engine is full: the queue waits, in order
+            self.queue.pop_next()
+            self._dispatch(ticket, now)
+
+    def _dispatch(self, ticket: Ticket, now: float) -> None:
+        ticket.state = TicketState.DISPATCHED
+        ticket.dispatched_at = now
+        if self.breaker is not None:
+            self.breaker.record_queue_wait(now - ticket.enqueued_at)
+        # Charged at dispatch (prompt + max_tokens), refunded at the end: a tenant's share
+        # counts from the moment its work takes engine capacity, not when it finishes.
+        self.queue.record_served(ticket.tenant.name, ticket.request.max_total_tokens)
+        self._submit(ticket)

@@ -1,0 +1,118 @@
+"""Background jobs: journaled to SQLite and run in order, a bounded number at a time.
+
+A background request is validated and authenticated at once, written to the journal and
+answered ``202`` with a job id.  The runner keeps at most ``max_in_flight`` jobs in
+flight, each executed like any other request (as ``batch``-class work, so jobs use spare
+capacity and never crowd out interactive traffic); the rest wait on disk, so memory
+stays bounded however many are submitted.  A job refused for now (``429``/``503`` with
+``Retry-After``) waits that long and tries again.  At startup, jobs that were running
+when the process died are put back in line: every job is recorded done exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from sluicegate.errors import APIError
+from sluicegate.queue.journal import JobJournal, JobRecord
+
+logger = logging.getLogger(__name__)
+
+#: Runs one job to its result (JSON text); raises :class:`APIError` when it cannot.
+JobExecutor = Callable[[JobRecord], Awaitable[str]]
+
+
+def journal_path(journal_path: str | None, cache_dir: str | None, port: int) -> Path:
+    """The journal file: ``journal_path``, or ``jobs-<port>.sqlite3`` in the cache dir."""
+    if journal_path:
+        return Path(journal_path)
+    base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "sluicegate"
+    return base / f"jobs-{port}.sqlite3"
+
+
+def open_journal(path: Path) -> JobJournal:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    journal = JobJournal(path)
+    logger.info("job journal %s opened in %.3fs", path, time.monotonic() - started)
+    return journal
+
+
+class JobRunner:
+    """Claims journaled jobs while there is room and runs them with ``execute``."""
+
+    def __init__(self, journal: JobJournal, max_in_flight: int, execute: JobExecutor) -> None:
+        self.journal = journal
+        self.max_in_flight = max_in_flight
+        self._execute = execute
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        requeued = await asyncio.to_thread(self.journal.requeue_running)
+        if requeued:
+            logger.info("requeued %d background jobs interrupted by a restart", requeued)
+        self._task = asyncio.create_task(self._loop(), name="sluicegate-jobs")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._in_flight) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.to_thread(self.journal.close)
+
+    async def submit(self, tenant_name: str, payload_json: str) -> JobRecord:
+        """Journal a job (durably) and wake the runner."""
+        job_id = f"job-{uuid.uuid4().hex}"
+        record = await asyncio.to_thread(self.journal.submit, job_id, tenant_name, payload_json)
+        self._wake.set()
+        return record
+
+    async def get(self, job_id: str, tenant_name: str) -> JobRecord:
+        """The tenant's job; another tenant's job id is indistinguishable from an unknown one."""
+        record = await asyncio.to_thread(self.journal.get, job_id)
+        if record is None or record.tenant != tenant_name:
+            raise APIError(404, f"No job with id '{job_id}'.", param="job_id", code="not_found")
+        return record
+
+    async def _loop(self) -> None:
+        while True:
+            while len(self._in_flight) < self.max_in_flight:
+                record = await asyncio.to_thread(self.journal.claim_next)
+                if record is None:
+                    break
+                task = asyncio.create_task(self._run(record))
+                self._in_flight.add(task)
+                task.add_done_callback(self._done)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._wake.set()
+
+    async def _run(self, record: JobRecord) -> None:
+        while True:
+            try:
+                result = await self._execute(record)
+            except APIError as exc:
+                retry_after = exc.headers.get("retry-after")
+                if retry_after is not None and exc.status_code in (429, 503):
+                    # Refused for now (limits, full queue, breaker): the job waits its turn.
+                    await asyncio.sleep(float(retry_after))
+                    continue
+                await asyncio.to_thread(self.journal.fail, record.job_id, exc.message)
+                return
+            await asyncio.to_thread(self.journal.complete, record.job_id, result)
+            return

@@ -1,0 +1,50 @@
+"""One admitted request's place in line, from admission until it lets go of its capacity."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from sluicegate.admission.controller import Admitted
+from sluicegate.admission.decision import Rejection
+from sluicegate.admission.tenants import Tenant
+from sluicegate.scheduler.request import Request
+from sluicegate.types import PriorityClass
+
+
+class TicketState(enum.IntEnum):
+    """Ordered: a ticket only moves forward."""
+
+    #: Admitted, waiting in the fair queue.
+    QUEUED = enum.auto()
+    #: Handed to the scheduler.
+    DISPATCHED = enum.auto()
+    #: Its admission released (finished, cancelled, or refused after queueing).
+    CLOSED = enum.auto()
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request as the queue sees it.  Owned by the dispatcher (event loop)."""
+
+    request: Request
+    tenant: Tenant
+    priority_class: PriorityClass
+    admitted: Admitted
+    enqueued_at: float
+    state: TicketState = TicketState.QUEUED
+    dispatched_at: float | None = None
+    #: Set when the queue refused it after admitting it (dropped, expired).
+    rejection: Rejection | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def queued(self) -> bool:
+        return self.state is TicketState.QUEUED
+
+    @property
+    def was_dispatched(self) -> bool:
+        return self.dispatched_at is not None

@@ -1,0 +1,107 @@
+"""What more the engine can take on: sequence seats and KV tokens, as the scheduler sees it.
+
+The dispatcher in front of the scheduler hands a request over only when it fits here,
+so the scheduler's own waiting line stays short and waiting happens in the fair queue,
+where it is bounded and can be told its position.  A request holds a seat and its
+worst-case KV footprint (prompt + ``max_tokens``, in whole blocks) from the moment it is
+dispatched until the scheduler lets go of it; while paused for a slow reader it holds
+neither, because the scheduler hands a paused sequence's slot to waiting work.
+
+The scheduler (engine thread) is the one owner of these numbers: it marks requests
+paused, resumed and finished.  The dispatcher (event loop) only asks and reserves.  A
+lock keeps the two threads' views consistent; ``on_change`` tells the dispatcher that
+room may have appeared (it is called on the engine thread, without the lock held).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Holding:
+    kv_tokens: int
+    paused: bool = False
+
+
+class DispatchCapacity:
+    """Seats and KV tokens held by dispatched requests.  Thread-safe."""
+
+    def __init__(self, max_num_seqs: int, kv_capacity_tokens: int, block_size: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.block_size = block_size
+        #: Called after a change that may let another request in (engine thread).
+        self.on_change: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._holding: dict[str, _Holding] = {}
+        self._num_seats = 0
+        self._kv_tokens = 0
+
+    def kv_tokens_for(self, num_tokens: int) -> int:
+        """``num_tokens`` rounded up to whole KV blocks."""
+        return -(-num_tokens // self.block_size) * self.block_size
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` (worst case) could be dispatched now."""
+        kv = self.kv_tokens_for(num_tokens)
+        with self._lock:
+            return self._fits(kv)
+
+    def try_reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Reserve a seat and ``num_tokens`` of KV for a request about to be dispatched."""
+        kv = self.kv_tokens_for(num_tokens)
+        with self._lock:
+            if request_id in self._holding or not self._fits(kv):
+                return False
+            self._holding[request_id] = _Holding(kv)
+            self._num_seats += 1
+            self._kv_tokens += kv
+            return True
+
+    @property
+    def seats_full(self) -> bool:
+        with self._lock:
+            return self._num_seats >= self.max_num_seqs
+
+    @property
+    def num_holding(self) -> int:
+        """Requests holding a seat (dispatched, not paused, not finished)."""
+        with self._lock:
+            return self._num_seats
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """The scheduler paused (or resumed) a request: it gives up (or takes back) its seat."""
+        with self._lock:
+            holding = self._holding.get(request_id)
+            if holding is None or holding.paused == paused:
+                return
+            holding.paused = paused
+            sign = -1 if paused else 1
+            self._num_seats += sign
+            self._kv_tokens += sign * holding.kv_tokens
+        if paused:
+            self._changed()
+
+    def release(self, request_id: str) -> None:
+        """The scheduler let go of a request (finished, aborted, failed)."""
+        with self._lock:
+            holding = self._holding.pop(request_id, None)
+            if holding is None:
+                return
+            if not holding.paused:
+                self._num_seats -= 1
+                self._kv_tokens -= holding.kv_tokens
+        self._changed()
+
+    def _fits(self, kv_tokens: int) -> bool:
+        return (
+            self._num_seats < self.max_num_seqs
+            and self._kv_tokens + kv_tokens <= self.kv_capacity_tokens
+        )
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()

@@ -1,0 +1,85 @@
+"""The stages built from the settings: engine and scheduler, admission, the queue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshold
+from sluicegate.admission.controller import AdmissionConfig, AdmissionController, BucketFactory
+from sluicegate.admission.retry_after import ServiceRateEstimator
+from sluicegate.admission.tenants import TenantRegistry
+from sluicegate.config import Settings
+from sluicegate.engine.factory import LoadedEngine
+from sluicegate.queue.fair_queue import FairQueueConfig
+from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(slots=True)
+class Admission:
+    """Who may enter, and the measured service rate behind every ``Retry-After``."""
+
+    tenants: TenantRegistry
+    controller: AdmissionController
+    estimator: ServiceRateEstimator
+    breaker: CircuitBreaker | None
+
+
+def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
+    """The scheduler for ``loaded``: its context is the smaller of the configured and the
+    model's, and every capacity figure (slots, KV blocks) derives from it once, here."""
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=min(settings.max_model_len, loaded.max_model_len),
+            kv_block_size=settings.kv_block_size,
+            num_kv_blocks=settings.num_kv_blocks,
+            pause_preempt_seconds=settings.pause_preempt_seconds if settings.pause else None,
+        ),
+        eos_token_ids=loaded.tokenizer.eos_token_ids,
+    )
+
+
+def build_admission(settings: Settings, bucket_factory: BucketFactory | None) -> Admission:
+    """``bucket_factory`` makes the tenants' rate-limit buckets (``Store.bucket``), so that
+    every replica sharing the store enforces the same limits."""
+    tenants = TenantRegistry(settings.tenants)
+    estimator = ServiceRateEstimator(max_retry_after_seconds=settings.max_retry_after_seconds)
+    breaker = (
+        CircuitBreaker(
+            BreakerConfig(
+                queue_wait_shed_batch=_threshold(settings.breaker_queue_wait_shed_seconds),
+                queue_wait_open=_threshold(settings.breaker_queue_wait_open_seconds),
+                step_shed_batch=_threshold(settings.breaker_step_shed_seconds),
+                step_open=_threshold(settings.breaker_step_open_seconds),
+                min_dwell_seconds=settings.breaker_min_dwell_seconds,
+            )
+        )
+        if settings.breaker
+        else None
+    )
+    controller = AdmissionController(
+        tenants,
+        AdmissionConfig(
+            max_concurrent_requests=settings.max_concurrent_requests,
+            open_max_in_flight=settings.max_num_seqs,
+            max_retry_after_seconds=settings.max_retry_after_seconds,
+        ),
+        breaker=breaker,
+        estimator=estimator,
+        bucket_factory=bucket_factory,
+    )
+    return Admission(tenants, controller, estimator, breaker)
+
+
+def queue_config(settings: Settings) -> FairQueueConfig:
+    return FairQueueConfig.uniform(
+        settings.max_queued_requests,
+        settings.max_queued_tokens,
+        settings.queue_policy,
+        batch_policy=settings.batch_queue_policy,
+    )
+
+
+def _threshold(enter_seconds: float) -> Threshold:
+    return Threshold(enter_seconds, enter_seconds / 2)

@@ -1,0 +1,119 @@
+"""One accepted request's life: its sequence, its output channel and its delivery timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from sluicegate.engine.output import RequestStream
+from sluicegate.queue.ticket import Ticket
+from sluicegate.scheduler.request import Request
+
+
+class Life(enum.IntEnum):
+    """Where a request is in its life.  Ordered: everything from ``COMPLETED`` on is an end.
+
+    Whether a live request waits in the queue or runs on the engine is its ticket's to say
+    (:attr:`Generation.queued`).
+    """
+
+    #: Admitted: queued or running.
+    LIVE = enum.auto()
+    #: Ran to its end: a stop, the length limit, or an engine error.
+    COMPLETED = enum.auto()
+    #: The client went away, cancelled, was evicted, or the stream could not be logged.
+    CANCELLED = enum.auto()
+    #: Stopped before its end, to be continued (drain, detach grace, lease lost): a
+    #: resumable stream continues on any replica; a plain request is told to retry.
+    STOPPED = enum.auto()
+
+    @property
+    def ended(self) -> bool:
+        return self >= Life.COMPLETED
+
+
+@dataclass(slots=True)
+class Generation:
+    """One accepted request.  Owned by the event loop; the service moves its :attr:`life`."""
+
+    request_id: str
+    request: Request
+    stream: RequestStream
+    #: ``None`` only for a resumed stream that needs no engine (every token delivered).
+    ticket: Ticket | None
+    priority_label: str = "interactive"
+    created: int = field(default_factory=lambda: int(time.time()))
+    life: Life = Life.LIVE
+    #: Its output is a resumable stream (logged, continued elsewhere if stopped).
+    resumable: bool = False
+    #: Output tokens it started with (a resumed stream re-prefills what was delivered).
+    num_resumed_tokens: int = 0
+    first_write_time: float | None = None
+    last_write_time: float | None = None
+    num_tokens_written: int = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.life.ended
+
+    @property
+    def queued(self) -> bool:
+        """Still waiting in the queue (not yet handed to the engine)."""
+        return self.ticket is not None and self.ticket.queued
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers: the request id and the tenant's rate-limit state."""
+        out = {"x-request-id": self.request_id}
+        if self.resumable:
+            out["x-sluicegate-stream-id"] = self.request_id
+        if self.ticket is not None:
+            out.update(self.ticket.admitted.headers())
+        return out
+
+    def timing(self) -> dict[str, float | None]:
+        """Where this request's time went, in seconds (``None``: that phase never came)."""
+        request = self.request
+        now = time.monotonic()
+        first = self.stream.timings.first_token_time
+        finish = self.stream.timings.finish_time or now
+        scheduled = request.first_scheduled_time
+        tpot = None
+        if first is not None and request.num_output_tokens > 1:
+            tpot = (finish - first) / (request.num_output_tokens - 1)
+        return {
+            "queue_wait_seconds": None if scheduled is None else scheduled - request.arrival_time,
+            "prefill_seconds": None
+            if scheduled is None or first is None
+            else max(0.0, first - scheduled),
+            "ttft_seconds": None
+            if self.first_write_time is None
+            else self.first_write_time - request.arrival_time,
+            "tpot_seconds": tpot,
+            "e2e_seconds": now - request.arrival_time,
+            "paused_seconds": request.total_paused_seconds,
+        }
+
+    def record_write(self, num_tokens: int) -> tuple[float | None, list[float]]:
+        """Delivery timing of one write carrying ``num_tokens`` tokens.
+
+        Returns (time to first token if this write carried the first, else None; the
+        inter-token gaps it implies): as delivered, the first token of a write waited the
+        whole gap since the previous write and the others arrived with it.
+        """
+        if num_tokens <= 0:
+            return None, []
+        now = time.monotonic()
+        ttft = None
+        gaps: list[float] = []
+        if self.first_write_time is None:
+            self.first_write_time = now
+            ttft = now - self.request.arrival_time
+        else:
+            assert self.last_write_time is not None
+            gaps.append(now - self.last_write_time)
+        gaps.extend(0.0 for _ in range(num_tokens - 1))
+        self.last_write_time = now
+        self.num_tokens_written += num_tokens
+        return ttft, gaps

@@ -1,0 +1,79 @@
+"""What a finished request leaves behind: metrics, recent latencies, a log line and spans."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sluicegate.metrics.registry import Metrics
+from sluicegate.metrics.request_log import request_logger
+from sluicegate.metrics.tracing import RequestTimeline, record_request_spans
+from sluicegate.metrics.window import SlidingWindow
+from sluicegate.service.generation import Generation
+
+
+@dataclass(slots=True)
+class LatencyWindows:
+    """Recent per-request latencies, for ``/v1/stats``."""
+
+    ttft: SlidingWindow = field(default_factory=SlidingWindow)
+    tpot: SlidingWindow = field(default_factory=SlidingWindow)
+    queue_wait: SlidingWindow = field(default_factory=SlidingWindow)
+
+
+def record_delivery(metrics: Metrics, generation: Generation, num_tokens: int) -> None:
+    """Time to first token and inter-token gaps of one write to the client."""
+    ttft, gaps = generation.record_write(num_tokens)
+    if ttft is not None:
+        metrics.time_to_first_token_seconds.labels(generation.priority_label).observe(ttft)
+    for gap in gaps:
+        metrics.inter_token_latency_seconds.observe(gap)
+
+
+def record_end(
+    metrics: Metrics, windows: LatencyWindows, generation: Generation, status: str
+) -> None:
+    """Per-request metrics, log line and spans of a request that ended with ``status``."""
+    request = generation.request
+    timing = generation.timing()
+    priority = generation.priority_label
+    metrics.requests_total.labels(status).inc()
+    metrics.generation_tokens_total.inc(request.num_output_tokens - generation.num_resumed_tokens)
+    metrics.e2e_request_latency_seconds.labels(priority).observe(timing["e2e_seconds"] or 0.0)
+    if (queue_wait := timing["queue_wait_seconds"]) is not None:
+        metrics.queue_wait_seconds.labels(priority).observe(queue_wait)
+        windows.queue_wait.add(queue_wait)
+    if (prefill := timing["prefill_seconds"]) is not None:
+        metrics.prefill_seconds.observe(prefill)
+    if (ttft := timing["ttft_seconds"]) is not None:
+        windows.ttft.add(ttft)
+    if (tpot := timing["tpot_seconds"]) is not None:
+        metrics.time_per_output_token_seconds.observe(tpot)
+        windows.tpot.add(tpot)
+    ticket = generation.ticket
+    tenant = ticket.tenant.name if ticket is not None else "default"
+    request_logger().info(
+        "request",
+        request_id=generation.request_id,
+        tenant=tenant,
+        priority=priority,
+        status=status,
+        finish_reason=request.finish_reason.value if request.finish_reason else None,
+        prompt_tokens=request.num_prompt_tokens,
+        output_tokens=request.num_output_tokens,
+        **timing,
+        preemptions=request.num_preemptions,
+    )
+    record_request_spans(
+        RequestTimeline(
+            request_id=generation.request_id,
+            tenant=tenant,
+            status=status,
+            arrival=request.arrival_time,
+            dispatched=ticket.dispatched_at if ticket is not None else None,
+            first_token=generation.stream.timings.first_token_time,
+            finished=time.monotonic(),
+            prompt_tokens=request.num_prompt_tokens,
+            output_tokens=request.num_output_tokens,
+        )
+    )

@@ -1,0 +1,389 @@
+"""The service: a request's way from the front door to the engine, and its end.
+
+One :class:`Service` exists once the engine has loaded, with every stage it joins:
+admission (who may enter), the dispatcher and its fair queue (where admitted work
+waits), and the engine core (the thread that runs the scheduler and the engine).  It
+turns a validated request into a :class:`Generation`, moves that generation's
+:class:`Life` to its end exactly once, and records what the end leaves behind.
+It is also what flow control asks to pause, resume or evict a sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from sluicegate.admission.controller import Admitted, BucketFactory
+from sluicegate.admission.decision import Rejection
+from sluicegate.admission.tenants import AuthError, Tenant
+from sluicegate.config import Settings
+from sluicegate.engine.core import CoreHooks, EngineCore, StepStats
+from sluicegate.engine.factory import LoadedEngine, build_engine
+from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.errors import APIError
+from sluicegate.metrics.registry import Metrics
+from sluicegate.queue.dispatcher import Dispatcher
+from sluicegate.queue.ticket import Ticket
+from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
+from sluicegate.service.build import build_admission, build_scheduler, queue_config
+from sluicegate.service.generation import Generation, Life
+from sluicegate.service.records import LatencyWindows, record_delivery, record_end
+from sluicegate.store.errors import StoreUnavailable
+from sluicegate.types import PriorityClass
+
+logger = logging.getLogger(__name__)
+
+
+class Service:
+    """Admission, queue and engine, joined.  Owned by the event loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        loaded: LoadedEngine,
+        loop: asyncio.AbstractEventLoop,
+        bucket_factory: BucketFactory | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.tokenizer: TextTokenizer = loaded.tokenizer
+        self.model_name = loaded.model_name
+        self.scheduler = build_scheduler(settings, loaded)
+        self.max_model_len = self.scheduler.config.max_model_len
+        admission = build_admission(settings, bucket_factory)
+        self.tenants = admission.tenants
+        self.admission = admission.controller
+        self.estimator = admission.estimator
+        self.breaker = admission.breaker
+        self.dispatcher = Dispatcher(
+            queue_config(settings),
+            {t.name: t.weight for t in self.tenants.tenants},
+            self.scheduler.capacity,
+            self.estimator,
+            metrics,
+            max_queue_wait_seconds=settings.max_queue_wait_seconds,
+            submit=self._submit,
+            on_refused=self._refused,
+            breaker=self.breaker,
+        )
+        self._loop = loop
+        self.core = EngineCore(
+            loaded.engine,
+            loaded.tokenizer,
+            self.scheduler,
+            loop,
+            CoreHooks(
+                on_step=self._on_step,
+                on_abort=metrics.cancel_latency_seconds.observe,
+                on_resume=metrics.stream_pause_seconds.observe,
+            ),
+        )
+        self.scheduler.capacity.on_change = self._capacity_changed
+        #: Live requests by id; an entry leaves when its request ends.
+        self.generations: dict[str, Generation] = {}
+        self.latency = LatencyWindows()
+        #: Sequences in the latest engine step (written by the engine thread).
+        self.last_batch_size = 0
+
+    @classmethod
+    async def load(
+        cls, settings: Settings, metrics: Metrics, bucket_factory: BucketFactory | None = None
+    ) -> Service:
+        """Load the engine off the event loop (so ``/health`` answers meanwhile), then start."""
+        loaded = await asyncio.to_thread(build_engine, settings)
+        service = cls(settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory)
+        service.core.start()
+        service.dispatcher.start()
+        metrics.engine_up.labels(metrics.engine).set(1)
+        logger.info(
+            "engine %s ready: model %s, max_model_len %d",
+            settings.engine, service.model_name, service.max_model_len,
+        )  # fmt: skip
+        return service
+
+    async def close(self) -> None:
+        await self.dispatcher.stop()
+        await asyncio.to_thread(self.core.shutdown)
+
+    # ------------------------------------------------------------ admission
+    def authenticate(self, authorization: str | None) -> Tenant:
+        try:
+            return self.tenants.authenticate(authorization)
+        except AuthError as exc:
+            self.metrics.rejections_total.labels("auth").inc()
+            raise exc.to_rejection().to_error() from None
+
+    async def submit(
+        self,
+        tenant: Tenant,
+        priority: str | None,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens_per_second: float | None = None,
+        *,
+        output_token_ids: Sequence[int] = (),
+        resumed: bool = False,
+    ) -> Generation:
+        """Admit and queue a request; it reaches the engine when the dispatcher has room.
+
+        A ``resumed`` stream continues on this replica after ``output_token_ids`` (delivered
+        elsewhere): it re-prefills them, and its tenant's rate limits are not charged again.
+        Raises the :class:`APIError` that refuses it.
+        """
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            all_token_ids=[*prompt_ids, *output_token_ids],
+        )
+        pace = max_tokens_per_second or tenant.max_tokens_per_second
+        if tenant.max_tokens_per_second and max_tokens_per_second:
+            pace = min(max_tokens_per_second, tenant.max_tokens_per_second)
+        if pace:
+            request.min_token_interval_seconds = 1.0 / pace
+        priority_class = PriorityClass(priority) if priority else tenant.priority_class
+        request.priority = priority_class.rank
+        admitted = await self._admit(tenant, priority_class, request, rate_limited=not resumed)
+        ticket = Ticket(request, tenant, priority_class, admitted, time.monotonic())
+        generation = Generation(
+            request_id, request, RequestStream(request_id), ticket, priority_class.value,
+            num_resumed_tokens=len(output_token_ids),
+        )  # fmt: skip
+        self.generations[request_id] = generation
+        try:
+            await self.dispatcher.enqueue(ticket)
+        except BaseException:
+            # Refused, or the client left while a full queue made it wait: nothing to keep.
+            self.dispatcher.cancel(ticket)
+            del self.generations[request_id]
+            raise
+        if not resumed:
+            self.metrics.prompt_tokens_total.inc(len(prompt_ids))
+        return generation
+
+    def completed_generation(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        sampling: SamplingParams,
+    ) -> Generation:
+        """A resumed stream whose every token was delivered (only its end was not logged):
+        it ends at once, without the engine."""
+        request = Request(
+            request_id, prompt_ids, sampling, all_token_ids=[*prompt_ids, *output_ids]
+        )
+        stream = RequestStream(request_id)
+        stream.put(
+            RequestOutput(request_id, "", 0, len(prompt_ids), len(output_ids), FinishReason.LENGTH)
+        )
+        generation = Generation(
+            request_id, request, stream, None, num_resumed_tokens=len(output_ids)
+        )
+        self.generations[request_id] = generation
+        return generation
+
+    async def _admit(
+        self, tenant: Tenant, priority_class: PriorityClass, request: Request, *, rate_limited: bool
+    ) -> Admitted:
+        try:
+            admitted = await self.admission.admit_async(
+                tenant, priority_class, request.num_prompt_tokens, request.sampling.max_tokens,
+                rate_limited=rate_limited,
+            )  # fmt: skip
+        except StoreUnavailable as error:
+            # store_failure_mode fail_closed: no shared limits, no admission.
+            self.metrics.rejections_total.labels("store_unavailable").inc()
+            raise APIError(
+                503,
+                f"The rate-limit store is unreachable, so limits cannot be checked ({error}). "
+                "Retry shortly.",
+                code="store_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
+        if isinstance(admitted, Rejection):
+            self.dispatcher.count_rejection(admitted)
+            raise admitted.to_error()
+        return admitted
+
+    # ------------------------------------------------------------ the end of a life
+    def cancel(self, generation: Generation, status: str = "cancelled") -> None:
+        """The client went away or cancelled: abort the sequence before the next step."""
+        if generation.ended:
+            return
+        self._let_go(generation)
+        self.metrics.cancellations_total.inc()
+        self._end(generation, Life.CANCELLED, status)
+
+    def stop(self, generation: Generation, status: str) -> None:
+        """Stop before the end, to be continued (drain, detach grace, lease lost).
+
+        A resumable stream keeps its token reservation (its continuation is not charged
+        again); its output ends with an abort, and its stream says how to resume.
+        """
+        if generation.ended:
+            return
+        if not self._let_go(generation):
+            request = generation.request
+            generation.stream.put(
+                RequestOutput(request.request_id, "", 0, request.num_prompt_tokens, 0,
+                              FinishReason.ABORT)
+            )  # fmt: skip
+        self._end(generation, Life.STOPPED, status)
+
+    def complete(self, generation: Generation, status: str) -> None:
+        """Its final output was delivered (``status``: the finish reason, or ``error``)."""
+        if not generation.ended:
+            self._end(generation, Life.COMPLETED, status)
+
+    def evicted(self, generation: Generation) -> None:
+        """Its client stopped reading and was cut off (flow control aborted the sequence)."""
+        if not generation.ended:
+            self._end(generation, Life.CANCELLED, "evicted")
+
+    def _let_go(self, generation: Generation) -> bool:
+        """Take a live request out of the queue or the engine; False if it was queued."""
+        ticket = generation.ticket
+        if ticket is not None and self.dispatcher.cancel(ticket):
+            return False
+        self.core.abort_request(generation.request_id)
+        return True
+
+    def _end(self, generation: Generation, life: Life, status: str) -> None:
+        generation.life = life
+        self.generations.pop(generation.request_id, None)
+        if generation.ticket is not None:
+            keep = life is Life.STOPPED and generation.resumable
+            self.dispatcher.finished(generation.ticket, keep_reservation=keep)
+        record_end(self.metrics, self.latency, generation, status)
+
+    # ------------------------------------------------------------ output
+    def delivered(self, generation: Generation, num_tokens: int) -> None:
+        """``num_tokens`` tokens of ``generation`` were written to its client."""
+        record_delivery(self.metrics, generation, num_tokens)
+
+    def position(self, generation: Generation) -> tuple[int, float]:
+        """(0-based position, expected wait in seconds) of a queued request."""
+        if generation.ticket is None:
+            return 0, 0.0
+        return self.dispatcher.position(generation.ticket)
+
+    def failure(self, generation: Generation, output: RequestOutput) -> APIError:
+        """Why a request ended with an error: refused after queueing, or the engine failed."""
+        ticket = generation.ticket
+        if ticket is not None and ticket.rejection is not None:
+            return ticket.rejection.to_error()
+        return APIError(
+            500,
+            f"The engine failed while generating: {output.error or 'unknown error'}. "
+            "The request was not completed; it is safe to retry.",
+            code="engine_error",
+        )
+
+    async def collect(
+        self, generation: Generation, disconnected: Coroutine[Any, Any, None] | None
+    ) -> RequestOutput:
+        """Wait for the whole answer; abort at once if ``disconnected`` completes first."""
+        watcher = asyncio.ensure_future(disconnected) if disconnected is not None else None
+        text: list[str] = []
+        try:
+            while True:
+                getter = asyncio.ensure_future(generation.stream.get())
+                waiting: set[asyncio.Future[Any]] = {getter}
+                if watcher is not None:
+                    waiting.add(watcher)
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    self.cancel(generation)
+                    raise APIError(499, "Client closed the request.")
+                output = getter.result()
+                text.append(output.text)
+                if not output.finished:
+                    continue
+                if generation.life is Life.STOPPED:
+                    raise APIError(
+                        503, "The server is shutting down; retry the request on another replica.",
+                        code="server_draining", headers={"retry-after": "1"},
+                    )  # fmt: skip
+                if output.finish_reason == FinishReason.ERROR:
+                    self.complete(generation, "error")
+                    raise self.failure(generation, output)
+                self.delivered(generation, output.num_output_tokens)
+                self.complete(generation, finish_reason_text(output.finish_reason) or "")
+                output.text = "".join(text)
+                return output
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+            self.cancel(generation)
+
+    # ------------------------------------------------------------ flow control
+    def pause(self, request_id: str) -> None:
+        """A slow reader: ask the scheduler to pause its sequence."""
+        self.core.pause_request(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.core.resume_request(request_id)
+
+    def evict(self, request_id: str) -> None:
+        """A stalled reader: abort its sequence."""
+        self.core.abort_request(request_id)
+        self.metrics.streams_evicted_total.inc()
+
+    # ------------------------------------------------------------ engine side
+    def _submit(self, ticket: Ticket) -> None:
+        generation = self.generations.get(ticket.request_id)
+        if generation is None:  # cannot happen: an ending request leaves the queue first
+            self.scheduler.capacity.release(ticket.request_id)
+            return
+        self.core.add_request(ticket.request, generation.stream)
+
+    def _refused(self, ticket: Ticket) -> None:
+        generation = self.generations.get(ticket.request_id)
+        if generation is None or ticket.rejection is None:
+            return
+        request = ticket.request
+        generation.stream.put(
+            RequestOutput(
+                request.request_id, "", 0, request.num_prompt_tokens, 0,
+                FinishReason.ERROR, error=ticket.rejection.message,
+            )
+        )  # fmt: skip
+
+    def _on_step(self, step: StepStats) -> None:  # the engine thread
+        self.last_batch_size = step.num_seqs
+        self.metrics.engine_step_seconds.observe(step.step_seconds)
+        self.metrics.batch_size.observe(step.num_seqs)
+        self.metrics.batch_tokens.observe(step.num_batched_tokens)
+        with contextlib.suppress(RuntimeError):  # the loop is closing
+            self._loop.call_soon_threadsafe(self.dispatcher.record_step, step.step_seconds)
+
+    def _capacity_changed(self) -> None:  # the engine thread
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.dispatcher.wake)
+
+
+def new_request_id(prefix: str) -> str:
+    """An unguessable id (128 random bits): it is also the stream id that resumes a stream,
+    so knowing it must be as good as having created it (besides the tenant check)."""
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def finish_reason_text(reason: FinishReason | None) -> str | None:
+    """A finish reason as OpenAI names it."""
+    if reason is None:
+        return None
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return reason.value
+    return "stop" if reason == FinishReason.ABORT else "error"

@@ -1,0 +1,155 @@
+"""The engine loop with the simulated engine: its thread, commands and outputs.  No sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from sluicegate.engine.core import CoreHooks, EngineCore, StepStats
+from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.engine.sim import SimEngine, sim_text_bytes
+from sluicegate.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.steps: list[StepStats] = []
+        self.aborts: list[float] = []
+        self.resumes: list[float] = []
+
+    def hooks(self) -> CoreHooks:
+        return CoreHooks(self.steps.append, self.aborts.append, self.resumes.append)
+
+
+@pytest.fixture
+async def core() -> AsyncIterator[tuple[EngineCore, Recorder]]:
+    sim = SimEngine(step_base_ms=1.0, step_per_token_ms=0.0)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                        pause_preempt_seconds=0.2),
+        eos_token_ids=sim.eos_token_ids,
+    )  # fmt: skip
+    recorder = Recorder()
+    engine_core = EngineCore(
+        sim, sim.tokenizer, scheduler, asyncio.get_running_loop(), recorder.hooks()
+    )
+    engine_core.start()
+    yield engine_core, recorder
+    await asyncio.to_thread(engine_core.shutdown)
+
+
+def request(rid: str, prompt: str, max_tokens: int, **sampling: object) -> Request:
+    ids = list(prompt.encode())
+    params = SamplingParams(max_tokens=max_tokens, seed=7, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+    return Request(rid, ids, params)
+
+
+async def drain(stream: RequestStream) -> tuple[str, RequestOutput]:
+    text = ""
+    while True:
+        out = await asyncio.wait_for(stream.get(), 5.0)
+        text += out.text
+        if out.finished:
+            return text, out
+
+
+async def wait_until(condition: Callable[[], object], within_seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + within_seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_request_runs_to_its_length_and_its_text_is_the_sims(
+    core: tuple[EngineCore, Recorder],
+) -> None:
+    engine_core, recorder = core
+    req = request("a", "hello", 40)
+    stream = RequestStream("a")
+    engine_core.add_request(req, stream)
+    text, last = await drain(stream)
+    assert last.finish_reason == FinishReason.LENGTH and last.num_output_tokens == 40
+    assert text.encode() == bytes(req.output_token_ids)  # byte-level: ids are the bytes
+    assert req.output_token_ids[:8] == list(sim_text_bytes(7, _digest(req), 8))
+    assert recorder.steps and all(s.num_seqs >= 1 for s in recorder.steps)
+    await wait_until(lambda: engine_core.stats().scheduler.num_running == 0)
+
+
+def _digest(req: Request) -> bytes:
+    return hashlib.blake2b(repr(req.prompt_token_ids).encode(), digest_size=16).digest()
+
+
+async def test_a_stop_string_ends_the_sequence_without_showing_it(
+    core: tuple[EngineCore, Recorder],
+) -> None:
+    engine_core, _ = core
+    probe = request("probe", "stop me", 60)
+    probe_stream = RequestStream("probe")
+    engine_core.add_request(probe, probe_stream)
+    full, _ = await drain(probe_stream)
+    stop = full[10:14]
+    req = request("s", "stop me", 60, stop=(stop,))
+    stream = RequestStream("s")
+    engine_core.add_request(req, stream)
+    text, last = await drain(stream)
+    assert last.finish_reason == FinishReason.STOP
+    assert text == full[: full.index(stop)]
+
+
+async def test_an_abort_takes_effect_before_the_next_step(
+    core: tuple[EngineCore, Recorder],
+) -> None:
+    engine_core, recorder = core
+    req = request("long", "x", 400)
+    stream = RequestStream("long")
+    engine_core.add_request(req, stream)
+    await asyncio.wait_for(stream.get(), 5.0)
+    engine_core.abort_request("long")
+    _, last = await drain(stream)
+    assert last.finish_reason == FinishReason.ABORT and req.num_output_tokens < 400
+    assert req.status == RequestStatus.FINISHED_ABORTED
+    assert len(recorder.aborts) == 1 and recorder.aborts[0] < 1.0
+    engine_core.abort_request("long")  # twice, or unknown: nothing happens
+    await asyncio.sleep(0.05)
+    assert len(recorder.aborts) == 1
+
+
+async def test_pause_stops_a_sequence_and_a_long_pause_frees_its_kv(
+    core: tuple[EngineCore, Recorder],
+) -> None:
+    engine_core, recorder = core
+    req = request("p", "pause", 300)
+    stream = RequestStream("p")
+    engine_core.add_request(req, stream)
+    await asyncio.wait_for(stream.get(), 5.0)
+    engine_core.pause_request("p")
+    await wait_until(lambda: req.paused)
+    produced = req.num_output_tokens
+    # Nothing else runs: the loop sleeps until the long pause is due, then preempts.
+    await wait_until(lambda: engine_core.stats().scheduler.preemptions_by_reason)
+    stats = engine_core.stats().scheduler
+    assert stats.preemptions_by_reason == {"long_pause": 1}
+    assert stats.kv_cache.num_used_blocks == 0 and req.num_output_tokens == produced
+    engine_core.resume_request("p")
+    _, last = await drain(stream)
+    assert last.finish_reason == FinishReason.LENGTH and req.num_output_tokens == 300
+    assert len(recorder.resumes) == 1 and recorder.resumes[0] >= 0.2
+
+
+async def test_shutdown_fails_what_is_left(core: tuple[EngineCore, Recorder]) -> None:
+    engine_core, _ = core
+    streams = []
+    for i in range(3):
+        stream = RequestStream(f"r{i}")
+        engine_core.add_request(request(f"r{i}", "y", 10_000 // 50), stream)
+        streams.append(stream)
+    engine_core.pause_request("r0")
+    await asyncio.to_thread(engine_core.shutdown)
+    for stream in streams:
+        _, last = await drain(stream)
+        assert last.finish_reason in (FinishReason.ERROR, FinishReason.LENGTH)
