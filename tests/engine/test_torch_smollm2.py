@@ -16,10 +16,10 @@ import torch
 
 from sluicegate.engine.base import EngineLimits
 from sluicegate.engine.torch import TorchEngine
+from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
 from sluicegate.engine.torch.generate import generate, greedy, run_requests
 from sluicegate.engine.torch.loader import load_checkpoint
-from sluicegate.engine.torch.model import SequenceChunk, build_batch
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sluicegate.engine.torch.model import SequenceChunk, build_batch
+from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.runner import TorchEngine
 from sluicegate.scheduler.request import SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan
