@@ -225,7 +225,8 @@ class TorchEngine:
             logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
             if not sampled:
                 return StepResult()
-            # The label costs ~1 us when no profiler listens; `...torch.profile` reads it.
+            # The label costs ~1 us when no profiler listens; the step profile
+            # (engine_profile, under bench/) reads it.
             with record_function("sluicegate.sample"):
                 params = SamplingBatch.build(
                     [s.sampling for s in sampled], [s.output_index for s in sampled]

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the embedded engine: load time, raw decode and prefill speed.
 
-Run ``python -m sluicegate.engine.torch.benchmark`` (``--help`` for options).  Figures
+Run ``python -m sluicegate.bench.engine_timing`` (``--help`` for options).  Figures
 come out side by side from one process, as ratios are what survive a noisy machine.
 """
 
