@@ -10,7 +10,7 @@ import torch
 
 from sluicegate.engine.torch import loader
 from sluicegate.engine.torch.convert import hf_model_args
-from sluicegate.engine.torch.model import packing_supported
+from sluicegate.engine.torch.packed_linear import packing_supported
 
 LLAMA_CONFIG = {
     "model_type": "llama",

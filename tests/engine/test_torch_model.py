@@ -5,16 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict, unpermute_rotary_rows
-from sluicegate.engine.torch.model import (
-    KEY_ALIGN,
-    ModelArgs,
-    RopeScaling,
-    SequenceChunk,
-    Transformer,
-    build_batch,
-    lazy_zeros,
-)
+from sluicegate.engine.torch.model import ModelArgs, RopeScaling, Transformer, lazy_zeros
 
 VOCAB = 97
 

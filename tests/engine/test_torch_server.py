@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+
 from tests.conftest import ServerProcess, start_server, stop_server
 
 pytestmark = pytest.mark.model

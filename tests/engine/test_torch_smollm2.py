@@ -16,12 +16,12 @@ import torch
 
 from sluicegate.engine.base import EngineLimits
 from sluicegate.engine.torch import TorchEngine
+from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
-from sluicegate.engine.torch.generate import generate, greedy, run_requests
 from sluicegate.engine.torch.loader import load_checkpoint
-from sluicegate.engine.torch.model import SequenceChunk, build_batch
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
+from tests.engine.drive import HOLDER_ID_PREFIX, generate, greedy, run_requests
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +34,8 @@ PROMPTS = [
 
 
 class RecordingEngine:
-    """Wraps an engine and remembers the shape of every plan it ran."""
+    """Wraps an engine and remembers the shape of every plan it ran (slot holders left out:
+    they are not the requests under test)."""
 
     def __init__(self, engine: TorchEngine) -> None:
         self.engine = engine
@@ -53,7 +54,8 @@ class RecordingEngine:
         return self.engine.limits
 
     def step(self, plan: StepPlan) -> StepResult:
-        self.plans.append([s.num_new_tokens for s in plan.sequences])
+        tested = [s for s in plan.sequences if not s.request_id.startswith(HOLDER_ID_PREFIX)]
+        self.plans.append([s.num_new_tokens for s in tested])
         return self.engine.step(plan)
 
     def close(self) -> None:
@@ -150,7 +152,9 @@ def test_greedy_continuation_matches_transformers(
     engine_f32: TorchEngine, hf_model: torch.nn.Module
 ) -> None:
     prompts = [encode(engine_f32, p) for p in PROMPTS[:2]]
-    outputs = generate(engine_f32, prompts, max_new_tokens=16, chunk=5)
+    # A 5-token budget per step: the second prompt is prefilled in chunks while the first
+    # decodes.
+    outputs = generate(engine_f32, prompts, max_new_tokens=16, max_num_batched_tokens=5)
     with torch.inference_mode():
         for ids, ours in zip(prompts, outputs, strict=True):
             seq = list(ids)
@@ -161,12 +165,14 @@ def test_greedy_continuation_matches_transformers(
 
 def test_batched_generation_equals_each_alone(engine: TorchEngine) -> None:
     prompts = [encode(engine, p) for p in PROMPTS]
-    alone = [generate(engine, [p], max_new_tokens=12, chunk=64)[0] for p in prompts]
+    # Alone: each prompt in slot 0, prefilled whole (a 64-token budget).
+    alone = [generate(engine, [p], max_new_tokens=12)[0] for p in prompts]
     recorder = RecordingEngine(engine)
-    # Chunks of 6 under a budget of 16 tokens per step: prefill chunks and decode tokens
-    # of different sequences share steps, in slots 3.. (not where they ran alone).
-    together = generate(recorder, prompts, max_new_tokens=12, chunk=6, max_batched_tokens=16,
-                        first_slot=3)  # fmt: skip
+    # A budget of 16 tokens per step (3 of them to slot holders at first): prefill chunks
+    # and decode tokens of different sequences share steps, in slots 3.. (not slot 0,
+    # where they ran alone).
+    together = generate(recorder, prompts, max_new_tokens=12, max_num_batched_tokens=16,
+                        hold_slots=3)  # fmt: skip
     assert together == alone
     mixed = [p for p in recorder.plans if 1 in p and any(n > 1 for n in p)]
     assert mixed, "no step mixed decode tokens with prefill chunks"
@@ -183,8 +189,10 @@ def test_seeded_sampling_is_independent_of_the_batch(engine: TorchEngine) -> Non
         greedy(20),
         sampled,
     ]
+    # Prefilled in chunks (an 8-token budget, 2 of them to slot holders at first) beside
+    # decode steps of the others, in slot 2 or above (alone: slot 0).
     together = generate(engine, [*others, prompt], max_new_tokens=20,
-                        sampling=mixed_params, chunk=7, first_slot=2)  # fmt: skip
+                        sampling=mixed_params, max_num_batched_tokens=8, hold_slots=2)  # fmt: skip
     assert together[2] == alone
     other_seed = SamplingParams(max_tokens=20, seed=4321, temperature=0.9, top_p=0.95, top_k=40)
     assert generate(engine, [prompt], max_new_tokens=20, sampling=other_seed)[0] != alone
@@ -200,12 +208,13 @@ def test_resume_after_preemption_continues_identically(
 ) -> None:
     prompt = encode(engine, PROMPTS[2])
     full = Request("full", list(prompt), sampling)
-    run_requests(engine, [full], chunk=16)
+    run_requests(engine, [full], max_num_batched_tokens=16)
     assert full.num_output_tokens == 24
-    # "Preempted" after 10 outputs: KV dropped, tokens kept, re-prefilled in another slot.
+    # "Preempted" after 10 outputs: KV dropped, tokens kept, re-prefilled in another slot
+    # (5; the lower ones held) in chunks under a 9-token budget.
     resumed = Request("resumed", list(prompt), sampling)
     resumed.all_token_ids.extend(full.output_token_ids[:10])
-    run_requests(engine, [resumed], chunk=9, first_slot=5)
+    run_requests(engine, [resumed], max_num_batched_tokens=9, hold_slots=5)
     assert resumed.output_token_ids == full.output_token_ids
 
 
@@ -249,15 +258,18 @@ def test_twelve_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngi
         generate(engine, [p], max_new_tokens=24, sampling=[s])[0]
         for p, s in zip(prompts, params, strict=True)
     ]
-    together = generate(engine, prompts, max_new_tokens=24, sampling=params, chunk=13,
-                        max_batched_tokens=96)  # fmt: skip
+    # A 32-token budget per step, less than any prompt: every prompt is prefilled in chunks.
+    together = generate(engine, prompts, max_new_tokens=24, sampling=params,
+                        max_num_batched_tokens=32)  # fmt: skip
     assert together == alone
     resumed = []
     for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
         request = Request(f"resumed-{i}", list(p), s)
         request.all_token_ids.extend(alone[i][:12])
         resumed.append(request)
-    run_requests(engine, resumed, chunk=11, first_slot=1)
+    # Re-prefilled in chunks (the same 32-token budget, less than any of them) in slots 1..
+    # (slot 0, where each ran alone, is held).
+    run_requests(engine, resumed, max_num_batched_tokens=32, hold_slots=1)
     assert [r.output_token_ids for r in resumed] == alone
 
 

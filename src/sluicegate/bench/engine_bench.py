@@ -33,7 +33,7 @@ import orjson
 import torch
 import yaml
 
-from sluicegate.engine.torch.benchmark import best_seconds, measure_decode, measure_prefill
+from sluicegate.bench.engine_timing import best_seconds, measure_decode, measure_prefill
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
 from sluicegate.engine.torch.model import ModelArgs
 from sluicegate.engine.torch.runner import TorchEngine

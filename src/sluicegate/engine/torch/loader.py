@@ -33,7 +33,8 @@ from tokenizers import Tokenizer
 from sluicegate.engine.tokenizer import CHATML_TEMPLATE, ChatTemplate, TextTokenizer
 from sluicegate.engine.torch.convert import fuse_layer_weights, hf_model_args
 from sluicegate.engine.torch.gguf_reader import gguf_model_args, gguf_state_dict, read_gguf
-from sluicegate.engine.torch.model import ModelArgs, Transformer, packing_supported
+from sluicegate.engine.torch.model import ModelArgs, Transformer
+from sluicegate.engine.torch.packed_linear import packing_supported
 from sluicegate.engine.torch.tokenizer_build import (
     GGUFTokenizerSpec,
     build_gguf_tokenizer,

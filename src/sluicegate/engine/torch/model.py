@@ -3,6 +3,8 @@
 One small module: RMSNorm, rotary embeddings, grouped-query attention with a fused QKV
 projection, a SwiGLU MLP with a fused gate/up projection, and a KV cache allocated once
 as ``[num_layers, num_slots, num_kv_heads, max_model_len, head_dim]`` and written in place.
+The step's batch layout lives in :mod:`~sluicegate.engine.torch.attention_batch`, the
+prepacked projections in :mod:`~sluicegate.engine.torch.packed_linear`.
 
 A forward pass takes a *flattened* batch: the new tokens of several sequences, each in its
 own KV slot and at its own position.  Sequences with one new token (decode) come first and
@@ -24,8 +26,9 @@ decoded or re-prefilled after a preemption (the promise seeded resume rests on):
   the call), masked keys get exactly 0 probability, and a zero term does not change a
   sum, so padding to a longer batch does not move a bit either;
 - except in one place: the softmax kernel takes a scalar path for rows shorter than a
-  vector, so the key axis is always padded to a multiple of :data:`KEY_ALIGN` (the cache
-  is allocated that long), with masked keys beyond each query's own position.
+  vector, so the key axis is always padded to a multiple of
+  :data:`~sluicegate.engine.torch.attention_batch.KEY_ALIGN` (the cache is allocated that
+  long), with masked keys beyond each query's own position.
 
 ``tests/engine/test_torch_smollm2.py`` checks this end to end in both dtypes.
 """
@@ -33,14 +36,21 @@ decoded or re-prefilled after a preemption (the promise seeded resume rests on):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from sluicegate.engine.torch.attention_batch import AttentionBatch, align_keys
+from sluicegate.engine.torch.packed_linear import (
+    Linear,
+    linear_packed,
+    pack_weight,
+    packing_supported,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,177 +168,10 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-#: Attention always spans a multiple of this many key positions (see the module
-#: docstring); measured: softmax rows padded to any multiple of 16 agree bit for bit.
-KEY_ALIGN = 32
-
-
-def align_keys(length: int) -> int:
-    """``length`` rounded up to a multiple of :data:`KEY_ALIGN`."""
-    return -(-length // KEY_ALIGN) * KEY_ALIGN
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    """One multi-token chunk of a flattened batch, attended on its own."""
-
-    slot: int
-    start: int
-    length: int
-    offset: int  # index of its first token in the flattened batch
-    #: ``[length, 1, align_keys(start + length)]`` float32: 0 where a query may attend
-    #: (keys up to its own position), ``-inf`` elsewhere; broadcasts over a KV head's
-    #: query heads.
-    bias: Tensor
-
-    @property
-    def num_keys(self) -> int:
-        return int(self.bias.shape[-1])
-
-
-@dataclass(slots=True)
-class AttentionBatch:
-    """Where each token of a flattened batch lives, built once per step for all layers.
-
-    The batch is ordered: ``num_decode`` single-token sequences first, then prefill chunks.
-    """
-
-    positions: Tensor  # [T] int64
-    slots: Tensor  # [T] int64
-    num_decode: int
-    decode_slots: Tensor  # [B] int64
-    decode_bias: Tensor  # [B, 1, 1, Lpad] float32: 0 where key position < length, else -inf
-    decode_max_len: int  # Lpad: the longest decode context rounded up by align_keys
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    logits_indices: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    #: ``[B, KVH, Lpad, hd]`` buffers the decode rows' keys and values are gathered into,
-    #: allocated once per forward pass by :meth:`Transformer.forward`, reused by each layer.
-    gathered: tuple[Tensor, Tensor] | None = None
-    #: ``[T * KVH]`` rows of a layer's cache viewed as ``[S * KVH * L, hd]`` where the new
-    #: keys and values go (set by :meth:`Transformer.forward`, which knows ``L``).
-    cache_rows: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceChunk:
-    """Input to :func:`build_batch`: one sequence's new tokens this step."""
-
-    slot: int
-    start: int
-    length: int
-    want_logits: bool
-
-
-def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[int]]:
-    """Order ``chunks`` decode-first and describe them for :meth:`Transformer.forward`.
-
-    Returns the batch and ``order``: ``order[i]`` is the index in ``chunks`` of the i-th
-    sequence in the flattened batch (callers lay their token ids out in this order).
-    Logit rows come out in the same order, one per chunk with ``want_logits``.
-    """
-    decode = [i for i, c in enumerate(chunks) if c.length == 1]
-    prefill = [i for i, c in enumerate(chunks) if c.length > 1]
-    order = decode + prefill
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    prefills: list[PrefillChunk] = []
-    for i in order:
-        c = chunks[i]
-        offset = len(positions)
-        positions.extend(range(c.start, c.start + c.length))
-        slots.extend([c.slot] * c.length)
-        if c.want_logits:
-            logits_indices.append(offset + c.length - 1)
-        if c.length > 1:
-            keys = torch.arange(align_keys(c.start + c.length))  # [S]
-            queries = torch.arange(c.start, c.start + c.length)  # [C]
-            hidden = keys[None, :] > queries[:, None]  # [C, S]
-            bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
-            prefills.append(PrefillChunk(c.slot, c.start, c.length, offset, bias[:, None, :]))
-    decode_slots = [chunks[i].slot for i in decode]
-    decode_lengths = torch.tensor([chunks[i].start + 1 for i in decode], dtype=torch.long)  # [B]
-    max_len = align_keys(int(decode_lengths.max())) if decode else 0
-    visible = torch.arange(max_len)[None, :] < decode_lengths[:, None]  # [B, max_len]
-    decode_bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    batch = AttentionBatch(
-        positions=torch.tensor(positions, dtype=torch.long),
-        slots=torch.tensor(slots, dtype=torch.long),
-        num_decode=len(decode),
-        decode_slots=torch.tensor(decode_slots, dtype=torch.long),
-        decode_bias=decode_bias[:, None, None, :],
-        decode_max_len=max_len,
-        prefills=prefills,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-    )
-    return batch, order
-
-
 #: Prefill queries attend in tiles of this many tokens, which bounds the float32 score
 #: matrix (``heads x tile x keys``) for long chunks; rows are independent, so tiling does
 #: not change a bit of the result.
 PREFILL_QUERY_TILE = 256
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (no bias) that can run with its weight prepacked for oneDNN.
-
-    :meth:`pack` reorders the weight once into oneDNN's blocked layout; every call after
-    that skips the repacking a plain ``F.linear`` does per call, which at decode sizes
-    (tens of rows) costs as much as the product itself: measured here 1.2-2x faster in
-    bfloat16 and 1.3-3x in float32, the 49k-row output projection most.  The packed
-    kernel's result for a row does not depend on how many rows share the call (see the
-    module docstring), so it is also what keeps float32 batch-invariant.  The plain
-    weight stays the parameter (state dicts, conversion) and the fallback.
-    """
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.packed: Tensor | None = None
-
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return linear_packed(x, self.packed)
-
-
-def packing_supported(dtype: torch.dtype) -> bool:
-    """Whether :class:`Linear` can prepack weights of ``dtype`` on this machine."""
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
-
-
-def pack_weight(weight: Tensor) -> Tensor:
-    """``weight`` ``[out, in]`` reordered for :func:`linear_packed` (an opaque tensor)."""
-    packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
-    return packed
-
-
-def linear_packed(x: Tensor, packed: Tensor) -> Tensor:
-    """``x @ weight.T`` for ``x`` ``[T, in]`` and a weight from :func:`pack_weight`.
-
-    A single row is computed as two: oneDNN takes a matrix-vector kernel for one row,
-    whose accumulation order differs (measured: 52 of 295k outputs of the 1536-wide down
-    projection flip a bfloat16 rounding), while for two rows or more a row's result is the
-    same whatever the row count.
-    """
-    if x.shape[0] == 1:
-        pair: Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.expand(2, -1).contiguous(), packed, None, "none", [], ""
-        )
-        return pair[:1]
-    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return out
 
 
 class Attention(nn.Module):

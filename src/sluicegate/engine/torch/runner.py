@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from sluicegate.engine.base import Engine, EngineLimits
 from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.loader import (
     build_model,
     default_model_path,
@@ -22,7 +23,7 @@ from sluicegate.engine.torch.loader import (
     load_tokenizer,
     resolve_dtype,
 )
-from sluicegate.engine.torch.model import ModelArgs, SequenceChunk, Transformer, build_batch
+from sluicegate.engine.torch.model import ModelArgs, Transformer
 from sluicegate.engine.torch.sampling import SamplingBatch, sample
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 
@@ -224,7 +225,8 @@ class TorchEngine:
             logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
             if not sampled:
                 return StepResult()
-            # The label costs ~1 us when no profiler listens; `...torch.profile` reads it.
+            # The label costs ~1 us when no profiler listens; the step profile
+            # (engine_profile, under bench/) reads it.
             with record_function("sluicegate.sample"):
                 params = SamplingBatch.build(
                     [s.sampling for s in sampled], [s.output_index for s in sampled]

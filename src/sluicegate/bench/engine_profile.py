@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: ``python -m sluicegate.engine.torch.profile``.
+"""Where a decode step's time goes: ``python -m sluicegate.bench.engine_profile``.
 
 For each batch size ``N``: ``N`` sequences are prefilled through the real scheduler, then
 decode steps run twice, once timed plainly (wall clock per phase: scheduler planning, the

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from sluicegate.admission.microbench import measure_rejection_latency
+from sluicegate.bench.admission_latency import measure_rejection_latency
 
 
-def test_microbench_runs_every_path() -> None:
+def test_admission_latency_runs_every_path() -> None:
     # Behaviour only: the numbers themselves are for docs/benchmarks.md, not for tests.
     result = measure_rejection_latency(iterations=50, repeats=1)
     assert set(result.microseconds_by_path) == {

@@ -2,7 +2,7 @@
 
 For the docs, not for tests (tests assert behaviour, not speed)::
 
-    python -m sluicegate.admission.microbench
+    python -m sluicegate.bench.admission_latency
 """
 
 from __future__ import annotations

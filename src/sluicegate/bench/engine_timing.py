@@ -1,6 +1,6 @@
 """Micro-benchmarks of the embedded engine: load time, raw decode and prefill speed.
 
-Run ``python -m sluicegate.engine.torch.benchmark`` (``--help`` for options).  Figures
+Run ``python -m sluicegate.bench.engine_timing`` (``--help`` for options).  Figures
 come out side by side from one process, as ratios are what survive a noisy machine.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sluicegate.engine.torch.model import SequenceChunk, build_batch
+from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.runner import TorchEngine
 from sluicegate.scheduler.request import SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan

@@ -1,0 +1,131 @@
+"""The flattened batch of a step: where each new token lives, built once for all layers.
+
+A forward pass of :class:`~sluicegate.engine.torch.model.Transformer` takes the new
+tokens of several sequences in one flat ``[T]`` tensor, each sequence in its own KV slot
+and at its own position.  :func:`build_batch` orders them decode-first (single-token
+sequences attend together in one batched call) and precomputes, on the CPU and once per
+step, what every layer needs: positions, slots, the attention masks as additive biases
+and which rows to compute logits for.
+
+The key axis is always padded to a multiple of :data:`KEY_ALIGN`, with the padding
+masked: the softmax kernel takes a scalar path for rows shorter than a vector, which
+would break batch invariance (see :mod:`~sluicegate.engine.torch.model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+#: Attention always spans a multiple of this many key positions (see the module
+#: docstring); measured: softmax rows padded to any multiple of 16 agree bit for bit.
+KEY_ALIGN = 32
+
+
+def align_keys(length: int) -> int:
+    """``length`` rounded up to a multiple of :data:`KEY_ALIGN`."""
+    return -(-length // KEY_ALIGN) * KEY_ALIGN
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One multi-token chunk of a flattened batch, attended on its own."""
+
+    slot: int
+    start: int
+    length: int
+    offset: int  # index of its first token in the flattened batch
+    #: ``[length, 1, align_keys(start + length)]`` float32: 0 where a query may attend
+    #: (keys up to its own position), ``-inf`` elsewhere; broadcasts over a KV head's
+    #: query heads.
+    bias: Tensor
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.bias.shape[-1])
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where each token of a flattened batch lives, built once per step for all layers.
+
+    The batch is ordered: ``num_decode`` single-token sequences first, then prefill chunks.
+    """
+
+    positions: Tensor  # [T] int64
+    slots: Tensor  # [T] int64
+    num_decode: int
+    decode_slots: Tensor  # [B] int64
+    decode_bias: Tensor  # [B, 1, 1, Lpad] float32: 0 where key position < length, else -inf
+    decode_max_len: int  # Lpad: the longest decode context rounded up by align_keys
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    logits_indices: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    #: ``[B, KVH, Lpad, hd]`` buffers the decode rows' keys and values are gathered into,
+    #: allocated once per forward pass by the model's ``Transformer.forward``, reused by
+    #: each layer.
+    gathered: tuple[Tensor, Tensor] | None = None
+    #: ``[T * KVH]`` rows of a layer's cache viewed as ``[S * KVH * L, hd]`` where the new
+    #: keys and values go (set by ``Transformer.forward``, which knows ``L``).
+    cache_rows: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChunk:
+    """Input to :func:`build_batch`: one sequence's new tokens this step."""
+
+    slot: int
+    start: int
+    length: int
+    want_logits: bool
+
+
+def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[int]]:
+    """Order ``chunks`` decode-first and describe them for ``Transformer.forward``.
+
+    Returns the batch and ``order``: ``order[i]`` is the index in ``chunks`` of the i-th
+    sequence in the flattened batch (callers lay their token ids out in this order).
+    Logit rows come out in the same order, one per chunk with ``want_logits``.
+    """
+    decode = [i for i, c in enumerate(chunks) if c.length == 1]
+    prefill = [i for i, c in enumerate(chunks) if c.length > 1]
+    order = decode + prefill
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for i in order:
+        c = chunks[i]
+        offset = len(positions)
+        positions.extend(range(c.start, c.start + c.length))
+        slots.extend([c.slot] * c.length)
+        if c.want_logits:
+            logits_indices.append(offset + c.length - 1)
+        if c.length > 1:
+            keys = torch.arange(align_keys(c.start + c.length))  # [S]
+            queries = torch.arange(c.start, c.start + c.length)  # [C]
+            hidden = keys[None, :] > queries[:, None]  # [C, S]
+            bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+            prefills.append(PrefillChunk(c.slot, c.start, c.length, offset, bias[:, None, :]))
+    decode_slots = [chunks[i].slot for i in decode]
+    decode_lengths = torch.tensor([chunks[i].start + 1 for i in decode], dtype=torch.long)  # [B]
+    max_len = align_keys(int(decode_lengths.max())) if decode else 0
+    visible = torch.arange(max_len)[None, :] < decode_lengths[:, None]  # [B, max_len]
+    decode_bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    batch = AttentionBatch(
+        positions=torch.tensor(positions, dtype=torch.long),
+        slots=torch.tensor(slots, dtype=torch.long),
+        num_decode=len(decode),
+        decode_slots=torch.tensor(decode_slots, dtype=torch.long),
+        decode_bias=decode_bias[:, None, None, :],
+        decode_max_len=max_len,
+        prefills=prefills,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+    )
+    return batch, order
