@@ -95,8 +95,11 @@ class Settings(BaseSettings):
     high_water_bytes: int = Field(
         65536, ge=1024, description="Also pause when this many bytes wait in the buffer."
     )
-    pause_preempt_seconds: float = Field(
-        5.0, ge=0.0, description="Free a paused sequence's KV cache after this long."
+    pause_preempt_seconds: float | None = Field(
+        None,
+        ge=0.0,
+        description="Free a paused sequence's KV cache after this long (default: only when "
+        "its slot or KV is needed; 5 s under --admission static).",
     )
     stall_timeout_seconds: float = Field(
         30.0, ge=0.0, description="Evict a client that accepts no bytes this long (0 = never)."
@@ -150,6 +153,25 @@ class Settings(BaseSettings):
         gt=0.0,
         description="Generation lease of a stream (renewed while generating): after a crash, "
         "another replica takes the stream over this long after the last renewal.",
+    )
+
+    # --- latency objectives ---
+    admission: Literal["slo", "static"] = Field(
+        "slo",
+        description="slo: admit and size the batch by the latency objectives below; static: "
+        "fixed limits only (the baseline).",
+    )
+    ttft_slo_ms: float = Field(
+        1000.0, gt=0.0, description="Interactive time-to-first-token objective (ms)."
+    )
+    tpot_slo_ms: float = Field(
+        100.0, gt=0.0, description="Interactive time-per-output-token objective (ms)."
+    )
+    batch_ttft_slo_ms: float = Field(
+        30000.0, gt=0.0, description="Batch-class time-to-first-token objective (ms)."
+    )
+    batch_tpot_slo_ms: float = Field(
+        500.0, gt=0.0, description="Batch-class time-per-output-token objective (ms)."
     )
 
     # --- front door ---

@@ -73,6 +73,7 @@ def test_rejection_headers_round_retry_after_up() -> None:
         "x-ratelimit-remaining-requests": "0",
         "x-ratelimit-reset-requests": "200ms",
         "retry-after": "1",
+        "retry-after-ms": "200",  # exact, for clients that read it
     }
     assert rejection.error_code == "rate_limit_exceeded"
     assert Rejection(RejectReason.CIRCUIT_OPEN, 503, "m", 2.01).retry_after_header == "3"
@@ -102,6 +103,7 @@ def test_reason_values_are_the_metric_labels() -> None:
         "concurrency",
         "queue_full",
         "queue_timeout",
+        "slo_unreachable",
         "circuit_open",
         "draining",
         "auth",

@@ -27,7 +27,12 @@ def config_file(tmp_path: Path, name: str, **settings: Any) -> str:
 
 @contextlib.contextmanager
 def server(tmp_path: Path, name: str, **settings: Any) -> Iterator[ServerProcess]:
-    base = {"engine": "sim", "sim_step_base_ms": 5, "sim_step_per_token_ms": 0.0}
+    # Static admission: these tests are about the queue's own limits and policies (the
+    # objectives' refusals are tested in test_slo_admission.py).
+    base = {
+        "engine": "sim", "sim_step_base_ms": 5, "sim_step_per_token_ms": 0.0,
+        "admission": "static",
+    }  # fmt: skip
     proc = start_server(["--config", config_file(tmp_path, name, **{**base, **settings})], name)
     try:
         yield proc

@@ -10,6 +10,7 @@ import pytest
 
 from sluicegate.admission.controller import AdmissionController, Admitted
 from sluicegate.admission.retry_after import ServiceRateEstimator
+from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor
 from sluicegate.admission.tenants import Tenant, TenantRegistry
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
@@ -18,7 +19,9 @@ from sluicegate.queue.fair_queue import FairQueueConfig
 from sluicegate.queue.ticket import Ticket, TicketState
 from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.request import Request, SamplingParams
+from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.types import PriorityClass
+from tests.fake_clock import FakeClock
 
 TENANT = Tenant("default")
 
@@ -26,8 +29,9 @@ TENANT = Tenant("default")
 class Harness:
     def __init__(
         self, *, max_num_seqs: int = 1, max_queued: int = 8, policy: str = "reject",
-        wait_seconds: float = 30.0,
+        wait_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
+        self.clock = clock
         self.capacity = DispatchCapacity(max_num_seqs, 1 << 20, 16)
         self.admission = AdmissionController(TenantRegistry())
         self.metrics = Metrics("sim")
@@ -49,7 +53,7 @@ class Harness:
         request = Request(rid, [1, 2, 3], SamplingParams(max_tokens=8, seed=1))
         admitted = self.admission.admit(TENANT, pc, 3, 8)
         assert isinstance(admitted, Admitted)
-        return Ticket(request, TENANT, pc, admitted, time.monotonic())
+        return Ticket(request, TENANT, pc, admitted, self.clock())
 
     def rejections(self, reason: str) -> float:
         return self.metrics.rejections_total.labels(reason)._value.get()
@@ -127,3 +131,60 @@ async def test_drop_oldest_refuses_the_oldest_queued_request() -> None:
 async def _until(condition: Callable[[], bool]) -> None:
     while not condition():  # noqa: ASYNC110 - polls what a callback sets
         await asyncio.sleep(0.005)
+
+
+# --- admission by objective ---
+
+ESTIMATE = ServiceEstimate(
+    seat_limit=1, step_seconds=0.05, mean_prompt_tokens=0.0, mean_output_tokens=10.0,
+    max_num_batched_tokens=512, cost=(0.0, 0.0, 0.0, 0.0),
+)  # fmt: skip  # one seat, 0.5 s a request: two starts a second
+
+
+def slo_harness(clock: FakeClock) -> Harness:
+    h = Harness(max_num_seqs=1, clock=clock)
+    predictor = TTFTPredictor(lambda: ESTIMATE, clock)
+    objectives = {
+        PriorityClass.INTERACTIVE: Objectives(1.0, 0.1),
+        PriorityClass.BATCH: Objectives(30.0, 0.5),
+    }
+    h.dispatcher.slo = SLOAdmission(predictor, objectives)
+    return h
+
+
+async def test_a_request_that_would_miss_its_objective_is_refused_at_once() -> None:
+    clock = FakeClock()
+    h = slo_harness(clock)
+    await h.dispatcher.enqueue(h.ticket("running"))  # the one seat
+    first = h.ticket("first")
+    await h.dispatcher.enqueue(first)
+    # "running" has 8 tokens to go at 50 ms a step: "first" starts in 0.4 s.
+    assert first.predicted_wait_seconds == pytest.approx(0.4)
+    await h.dispatcher.enqueue(h.ticket("second"))  # 0.8 s: still within
+    refused = h.ticket("third")
+    with pytest.raises(APIError) as info:
+        await h.dispatcher.enqueue(refused)
+    error = info.value
+    assert error.status_code == 429 and error.code == "slo_unreachable"
+    assert float(error.headers["retry-after-ms"]) >= 500  # when its slot comes
+    assert refused.state is TicketState.CLOSED and refused.admitted.handle.released
+    assert h.rejections("slo_unreachable") == 1
+    # Batch work is not refused by objective: it waits its turn.
+    await h.dispatcher.enqueue(h.ticket("batch", PriorityClass.BATCH))
+    assert h.dispatcher.num_queued == 3
+
+
+async def test_a_queued_request_whose_deadline_slips_is_told_at_once() -> None:
+    clock = FakeClock()
+    h = slo_harness(clock)
+    await h.dispatcher.enqueue(h.ticket("running"))
+    waiting = h.ticket("waiting")
+    await h.dispatcher.enqueue(waiting)
+    clock.advance(0.8)  # "running" holds its seat longer than predicted
+    h.dispatcher._refuse_unreachable(clock.now)
+    assert not h.refused
+    clock.advance(0.5)
+    h.dispatcher._refuse_unreachable(clock.now)
+    assert h.refused == [waiting] and waiting.rejection is not None
+    assert waiting.rejection.reason.value == "slo_unreachable"
+    assert waiting.rejection.http_status == 429

@@ -125,7 +125,7 @@ def test_policy_reject_is_bounded_by_requests() -> None:
     rejection = result.to_rejection(retry_after_seconds=2.5)
     assert rejection.http_status == 429 and rejection.reason is RejectReason.QUEUE_FULL
     assert "interactive max_queued_requests limit of 3 reached" in rejection.message
-    assert rejection.headers() == {"retry-after": "3"}
+    assert rejection.headers() == {"retry-after": "3", "retry-after-ms": "2500"}
 
 
 def test_bounded_by_tokens() -> None:

@@ -29,6 +29,8 @@ class RejectReason(enum.StrEnum):
     CONCURRENCY = "concurrency"
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    #: Its predicted time to first token exceeds its class's objective.
+    SLO_UNREACHABLE = "slo_unreachable"
     CIRCUIT_OPEN = "circuit_open"
     DRAINING = "draining"
     AUTH = "auth"
@@ -41,6 +43,7 @@ _CODE_BY_REASON: dict[RejectReason, str] = {
     RejectReason.CONCURRENCY: "rate_limit_exceeded",
     RejectReason.QUEUE_FULL: "queue_full",
     RejectReason.QUEUE_TIMEOUT: "queue_timeout",
+    RejectReason.SLO_UNREACHABLE: "slo_unreachable",
     RejectReason.CIRCUIT_OPEN: "server_overloaded",
     RejectReason.DRAINING: "server_draining",
     RejectReason.AUTH: "invalid_api_key",
@@ -139,8 +142,10 @@ class Rejection:
         """Every response header this rejection implies."""
         out = self.rate_limits.headers() if self.rate_limits is not None else {}
         retry_after = self.retry_after_header
-        if retry_after is not None:
+        if retry_after is not None and self.retry_after_seconds is not None:
             out["retry-after"] = retry_after
+            # Exact, for clients that read it (OpenAI's SDKs prefer it to whole seconds).
+            out["retry-after-ms"] = str(max(1, round(self.retry_after_seconds * 1000)))
         if self.reason is RejectReason.AUTH:
             out["www-authenticate"] = "Bearer"
         return out
@@ -181,5 +186,19 @@ def queue_timeout_rejection(
         f"The request waited {waited_seconds:.1f}s for the engine, past the "
         f"max_queue_wait_seconds limit of {max_wait_seconds:g}s; the server is overloaded. "
         f"Retry after {retry_after_header_value(retry_after_seconds)}s.",
+        retry_after_seconds,
+    )
+
+
+def slo_rejection(
+    predicted_ttft_seconds: float, objective_seconds: float, retry_after_seconds: float
+) -> Rejection:
+    """Admitting it now would miss its time-to-first-token objective."""
+    return Rejection(
+        RejectReason.SLO_UNREACHABLE,
+        429,
+        f"The server cannot start this request within its {objective_seconds:g}s "
+        f"time-to-first-token objective now (predicted {predicted_ttft_seconds:.2f}s). "
+        f"Retry after {retry_after_seconds:.2f}s, when it expects to have room.",
         retry_after_seconds,
     )

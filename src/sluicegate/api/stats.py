@@ -65,6 +65,7 @@ def refresh_state_metrics(state: AppState) -> None:
     core = service.core.stats()
     sched = core.scheduler
     metrics.requests_running.set(sched.num_running)
+    metrics.concurrency_limit.set(service.scheduler.capacity.seat_limit)
     metrics.streams_paused.set(sched.num_paused)
     queued = service.dispatcher.queued_by_class()
     for pc in PriorityClass:
@@ -118,6 +119,16 @@ def stats_body(state: AppState, ready: Ready) -> dict[str, object]:
             for sample in metric.samples
             if sample.name.endswith("_total")
         },
+        "admission": {
+            "mode": service.settings.admission,
+            "objectives": {
+                pc.value: {"ttft_seconds": o.ttft_seconds, "tpot_seconds": o.tpot_seconds}
+                for pc, o in (service.slo.objectives.items() if service.slo else ())
+            },
+            **(service.slo.predictor.snapshot() if service.slo else {}),
+        },
+        "seats": service.scheduler.seats.snapshot(),
+        "cost_model": service.scheduler.cost.snapshot(),
         "engine_steps_total": core.num_steps,
         "batch_size": service.last_batch_size if sched.num_running else 0,
         "live_requests": len(service.generations),

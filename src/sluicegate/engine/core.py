@@ -165,6 +165,7 @@ class EngineCore:
                 continue
             elapsed = time.perf_counter() - started
             self._num_steps += 1
+            self.scheduler.record_step(plan, elapsed)
             events = self.scheduler.update_from_output(plan, result)
             outputs = self._assemble(events)
             if outputs:

@@ -26,6 +26,10 @@ _FAST = (
     0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
 )  # fmt: skip
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_ERROR = (
+    -10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
+    5.0, 10.0,
+)  # fmt: skip
 _PAUSE = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -58,6 +62,12 @@ class Metrics:
         self.e2e_request_latency_seconds = Histogram(
             p + "e2e_request_latency_seconds", "Arrival to the last byte of the answer.",
             ["priority"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.ttft_prediction_error_seconds = Histogram(
+            p + "ttft_prediction_error_seconds",
+            "Measured minus predicted time to first token, per admitted request (admission "
+            "by objective).",
+            ["priority"], buckets=_ERROR, registry=r,
         )  # fmt: skip
         self.queue_wait_seconds = Histogram(
             p + "queue_wait_seconds", "Arrival to first scheduled by the engine.",
@@ -126,6 +136,12 @@ class Metrics:
         )  # fmt: skip
 
         # --- state ---
+        self.concurrency_limit = Gauge(
+            p + "concurrency_limit",
+            "Sequences that may decode at once: the TPOT objective's limit (the static "
+            "max_num_seqs under --admission static).",
+            registry=r,
+        )  # fmt: skip
         self.requests_running = Gauge(
             p + "requests_running", "Sequences in the running batch.", registry=r
         )

@@ -7,6 +7,11 @@ room for the request's worst-case KV footprint, so the scheduler's own waiting l
 stays short and the queue in front of it is where waiting happens: bounded, fair, and
 able to tell each client its position and expected wait.  Requests that wait longer
 than ``max_queue_wait_seconds`` are refused with ``Retry-After``.
+
+With admission by objective (:class:`~sluicegate.admission.slo.SLOAdmission`), a request
+of an enforced class whose predicted time to first token misses its objective is refused
+at once (``429 slo_unreachable``) instead of queued, and a queued one whose deadline
+becomes unreachable is told so as soon as that is known, not after a timeout.
 """
 
 from __future__ import annotations
@@ -17,12 +22,19 @@ import time
 from collections.abc import Callable, Mapping
 
 from sluicegate.admission.breaker import CircuitBreaker
-from sluicegate.admission.decision import Rejection, RejectReason, queue_timeout_rejection
+from sluicegate.admission.decision import (
+    Rejection,
+    RejectReason,
+    queue_timeout_rejection,
+    slo_rejection,
+)
 from sluicegate.admission.retry_after import ServiceRateEstimator
+from sluicegate.admission.slo import SLOAdmission
 from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.fair_queue import FairQueue, FairQueueConfig, OfferStatus, QueueItem
 from sluicegate.queue.ticket import Ticket, TicketState
 from sluicegate.scheduler.capacity import DispatchCapacity
+from sluicegate.scheduler.request import Request
 from sluicegate.types import PriorityClass
 
 #: How often the loop looks for expired requests when nothing else wakes it.
@@ -48,6 +60,7 @@ class Dispatcher:
         submit: Callable[[Ticket], None],
         on_refused: Callable[[Ticket], None],
         breaker: CircuitBreaker | None = None,
+        slo: SLOAdmission | None = None,
     ) -> None:
         self._space = asyncio.Event()
         self.queue = FairQueue(queue_config, weights=weights, on_space_freed=self._space.set)
@@ -55,6 +68,7 @@ class Dispatcher:
         self.estimator = estimator
         self.metrics = metrics
         self.breaker = breaker
+        self.slo = slo
         self.max_queue_wait_seconds = max_queue_wait_seconds
         self._submit = submit
         self._on_refused = on_refused
@@ -82,6 +96,11 @@ class Dispatcher:
         A refusal releases the ticket's admission (its tenant is not charged).
         """
         request = ticket.request
+        refusal = self._predict(ticket)
+        if refusal is not None:
+            self._close(ticket, 0, 0)
+            self.count_rejection(refusal)
+            raise refusal.to_error()
         item = QueueItem(
             id=request.request_id,
             tenant=ticket.tenant.name,
@@ -122,6 +141,62 @@ class Dispatcher:
         for victim in result.evicted:
             self._refuse(victim, "drop-oldest: a newer request took its place in the full queue")
         self._pump(time.monotonic())  # straight to the engine when it has room
+
+    def _predict(self, ticket: Ticket) -> Rejection | None:
+        """Under admission by objective: its predicted TTFT, or the refusal that it misses."""
+        slo = self.slo
+        if slo is None:
+            return None
+        pc = ticket.priority_class
+        predictor = slo.predictor
+        holders = self.capacity.holders()
+        ahead = self._queued_ahead(pc)
+        free = self.capacity.num_free_seats
+        prompt = ticket.request.num_prompt_tokens
+        objective = slo.objectives[pc].ttft_seconds
+        prediction = predictor.predict(holders, ahead, free, prompt, objective)
+        if pc in slo.enforced and prediction.misses(objective):
+            retry_after = predictor.refuse(holders, ahead, free, objective, prompt)
+            return slo_rejection(prediction.ttft_seconds, objective, retry_after)
+        predictor.admitted()
+        ticket.predicted_wait_seconds = prediction.wait_seconds
+        ticket.predicted_ttft_seconds = prediction.ttft_seconds
+        return None
+
+    def _queued_ahead(self, priority_class: PriorityClass) -> list[Request]:
+        """Queued requests that start before a new one of this class, in order."""
+        items = self.queue.items(PriorityClass.INTERACTIVE)
+        if priority_class is PriorityClass.BATCH:
+            items += self.queue.items(PriorityClass.BATCH)
+        return [_request(item) for item in items]
+
+    def _refuse_unreachable(self, now: float) -> None:
+        """Tell queued requests whose objective has become unreachable, at once."""
+        slo = self.slo
+        if slo is None:
+            return
+        predictor = slo.predictor
+        holders = self.capacity.holders()
+        free = self.capacity.num_free_seats
+        for pc in slo.enforced:
+            objective = slo.objectives[pc].ttft_seconds
+            items = self.queue.items(pc)
+            waits = predictor.waits(holders, [_request(i) for i in items], free)
+            late: list[tuple[Ticket, float]] = []
+            for item, wait in zip(items, waits, strict=True):
+                ticket = item.payload
+                assert isinstance(ticket, Ticket)
+                prompt = ticket.request.num_prompt_tokens
+                expected = now - ticket.enqueued_at + wait + predictor.prefill_seconds(prompt)
+                if expected > objective * slo.late_tolerance:
+                    late.append((ticket, expected))
+            for ticket, expected in late:
+                self.queue.remove(ticket.request_id)
+                retry_after = predictor.refuse(
+                    holders, self._queued_ahead(pc), free, objective,
+                    ticket.request.num_prompt_tokens,
+                )  # fmt: skip
+                self._refuse_with(ticket, slo_rejection(expected, objective, retry_after))
 
     def position(self, ticket: Ticket) -> tuple[int, float]:
         """(0-based position, expected wait in seconds) of a queued request."""
@@ -211,6 +286,9 @@ class Dispatcher:
                 retry_after,
             )
         )
+        self._refuse_with(ticket, rejection)
+
+    def _refuse_with(self, ticket: Ticket, rejection: Rejection) -> None:
         self.count_rejection(rejection)
         ticket.rejection = rejection
         self._close(ticket, 0, 0)
@@ -226,12 +304,14 @@ class Dispatcher:
             for expired in self.queue.expire(now, self.max_queue_wait_seconds):
                 self._refuse(expired, "timeout")
             self._pump(now)
+            self._refuse_unreachable(now)
 
     def _pump(self, now: float) -> None:
         while (item := self.queue.peek_next()) is not None:
             ticket = item.payload
             assert isinstance(ticket, Ticket)
-            if not self.capacity.try_reserve(ticket.request_id, ticket.request.max_total_tokens):
+            request = ticket.request
+            if not self.capacity.try_reserve(request.request_id, request.max_total_tokens, request):
                 break  # the engine is full: the queue waits, in order
             self.queue.pop_next()
             self._dispatch(ticket, now)
@@ -239,9 +319,17 @@ class Dispatcher:
     def _dispatch(self, ticket: Ticket, now: float) -> None:
         ticket.state = TicketState.DISPATCHED
         ticket.dispatched_at = now
+        if self.slo is not None and ticket.predicted_wait_seconds is not None:
+            self.slo.predictor.observe_wait(ticket.predicted_wait_seconds, now - ticket.enqueued_at)
         if self.breaker is not None:
             self.breaker.record_queue_wait(now - ticket.enqueued_at)
         # Charged at dispatch (prompt + max_tokens), refunded at the end: a tenant's share
         # counts from the moment its work takes engine capacity, not when it finishes.
         self.queue.record_served(ticket.tenant.name, ticket.request.max_total_tokens)
         self._submit(ticket)
+
+
+def _request(item: QueueItem) -> Request:
+    ticket = item.payload
+    assert isinstance(ticket, Ticket)
+    return ticket.request

@@ -218,6 +218,10 @@ class FairQueue:
         ]
         return min(heads) if heads else None
 
+    def items(self, priority_class: PriorityClass) -> list[QueueItem]:
+        """The class's queued items, oldest first."""
+        return list(self._classes[priority_class].fifo.values())
+
     def virtual_tokens(self, tenant: str) -> float:
         """The tenant's counter: tokens served divided by its weight (after lifts)."""
         return self._virtual.get(tenant, 0.0)

@@ -36,6 +36,10 @@ class Ticket:
     dispatched_at: float | None = None
     #: Set when the queue refused it after admitting it (dropped, expired).
     rejection: Rejection | None = None
+    #: At admission: its predicted wait for a seat and time to first token (None: not
+    #: predicted, under static admission).
+    predicted_wait_seconds: float | None = None
+    predicted_ttft_seconds: float | None = None
 
     @property
     def request_id(self) -> str:

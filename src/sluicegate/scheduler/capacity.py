@@ -5,7 +5,9 @@ so the scheduler's own waiting line stays short and waiting happens in the fair 
 where it is bounded and can be told its position.  A request holds a seat and its
 worst-case KV footprint (prompt + ``max_tokens``, in whole blocks) from the moment it is
 dispatched until the scheduler lets go of it; while paused for a slow reader it holds
-neither, because the scheduler hands a paused sequence's slot to waiting work.
+neither, because the scheduler hands a paused sequence's slot to waiting work.  The
+number of seats follows the latency objective (:meth:`DispatchCapacity.set_seat_limit`,
+from the scheduler's seat limiter), under the static ``max_num_seqs`` ceiling.
 
 The scheduler (engine thread) is the one owner of these numbers: it marks requests
 paused, resumed and finished.  The dispatcher (event loop) only asks and reserves.  A
@@ -19,10 +21,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sluicegate.scheduler.request import Request
+
 
 @dataclass(slots=True)
 class _Holding:
     kv_tokens: int
+    #: The request itself, when given: how far along it is tells when its seat frees.
+    request: Request | None = None
     paused: bool = False
 
 
@@ -31,6 +37,8 @@ class DispatchCapacity:
 
     def __init__(self, max_num_seqs: int, kv_capacity_tokens: int, block_size: int) -> None:
         self.max_num_seqs = max_num_seqs
+        #: Seats open now (the TPOT objective's limit; ``max_num_seqs`` without one).
+        self.seat_limit = max_num_seqs
         self.kv_capacity_tokens = kv_capacity_tokens
         self.block_size = block_size
         #: Called after a change that may let another request in (engine thread).
@@ -50,13 +58,13 @@ class DispatchCapacity:
         with self._lock:
             return self._fits(kv)
 
-    def try_reserve(self, request_id: str, num_tokens: int) -> bool:
+    def try_reserve(self, request_id: str, num_tokens: int, request: Request | None = None) -> bool:
         """Reserve a seat and ``num_tokens`` of KV for a request about to be dispatched."""
         kv = self.kv_tokens_for(num_tokens)
         with self._lock:
             if request_id in self._holding or not self._fits(kv):
                 return False
-            self._holding[request_id] = _Holding(kv)
+            self._holding[request_id] = _Holding(kv, request)
             self._num_seats += 1
             self._kv_tokens += kv
             return True
@@ -64,7 +72,28 @@ class DispatchCapacity:
     @property
     def seats_full(self) -> bool:
         with self._lock:
-            return self._num_seats >= self.max_num_seqs
+            return self._num_seats >= self.seat_limit
+
+    @property
+    def num_free_seats(self) -> int:
+        with self._lock:
+            return max(0, self.seat_limit - self._num_seats)
+
+    def holders(self) -> list[Request]:
+        """The requests holding a seat now (those reserved with their request)."""
+        with self._lock:
+            return [
+                h.request for h in self._holding.values() if h.request is not None and not h.paused
+            ]
+
+    def set_seat_limit(self, limit: int) -> None:
+        """Open or close seats (at most ``max_num_seqs``); held seats are never taken back."""
+        limit = max(1, min(self.max_num_seqs, limit))
+        with self._lock:
+            grew = limit > self.seat_limit
+            self.seat_limit = limit
+        if grew:
+            self._changed()
 
     @property
     def num_holding(self) -> int:
@@ -98,7 +127,7 @@ class DispatchCapacity:
 
     def _fits(self, kv_tokens: int) -> bool:
         return (
-            self._num_seats < self.max_num_seqs
+            self._num_seats < self.seat_limit
             and self._kv_tokens + kv_tokens <= self.kv_capacity_tokens
         )
 

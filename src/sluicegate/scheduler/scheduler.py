@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluicegate.scheduler.capacity import DispatchCapacity
+from sluicegate.scheduler.cost_model import StepCostModel, StepShape
 from sluicegate.scheduler.kv_cache import KVCacheManager, KVCacheStats
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
+from sluicegate.scheduler.seat_limit import SeatLimitConfig, SeatLimiter
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.scheduler.waiting import WaitingQueue
 
@@ -35,6 +37,9 @@ class SchedulerConfig:
     #: A sequence paused this long has its KV freed (it re-prefills on resume); None: only
     #: when its slot or blocks are needed.
     pause_preempt_seconds: float | None = None
+    #: Mean time per output token to keep decoding under: the seat limit follows it (None:
+    #: ``max_num_seqs`` seats, always).
+    tpot_objective_seconds: float | None = None
 
     @property
     def total_kv_blocks(self) -> int:
@@ -94,6 +99,18 @@ class Scheduler:
         #: What the dispatcher may still hand over; kept by this scheduler alone.
         self.capacity = DispatchCapacity(
             config.max_num_seqs, config.total_kv_blocks * config.kv_block_size, config.kv_block_size
+        )
+        #: Step time from the batch's shape, learnt from every step.
+        self.cost = StepCostModel()
+        #: How many sequences may decode at once under the TPOT objective.
+        self.seats = SeatLimiter(
+            SeatLimitConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                tpot_objective_seconds=config.tpot_objective_seconds,
+            ),
+            self.cost,
+            clock,
         )
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -221,6 +238,21 @@ class Scheduler:
         paused = self._last_paused()
         return paused if paused is not None else self.running[-1]
 
+    # ------------------------------------------------------------ cost and seats
+    def calibrate(self, observations: list[tuple[StepShape, float]]) -> None:
+        """Seed the cost model with warm-up steps, then size the seats from it."""
+        self.cost.calibrate(observations)
+        self.seats.update(self.capacity.num_holding)
+        self.capacity.set_seat_limit(self.seats.limit)
+
+    def record_step(self, plan: StepPlan, seconds: float) -> None:
+        """A step ran in ``seconds``: learn from it, and move the seat limit if due."""
+        shape = StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens)
+        self.cost.observe(shape, seconds)
+        self.seats.on_step(shape, plan.num_decoding, seconds)
+        if self.seats.update(self.capacity.num_holding):
+            self.capacity.set_seat_limit(self.seats.limit)
+
     # ------------------------------------------------------------ flow control
     def pause(self, request_id: str) -> bool:
         """Stop scheduling a sequence (its reader is behind); it keeps its KV for now.
@@ -313,6 +345,7 @@ class Scheduler:
             is_stop_token = self._is_stop_token(request, token_id)
             reason = FinishReason.STOP if is_stop_token else self._check_length(request)
             if reason is not None:
+                self.seats.on_finished(request.num_prompt_tokens, request.num_output_tokens)
                 request.finish_reason = reason
                 self._finish(
                     request,

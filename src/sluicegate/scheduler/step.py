@@ -57,6 +57,19 @@ class StepPlan:
         return sum(s.num_new_tokens for s in self.sequences)
 
     @property
+    def num_context_tokens(self) -> int:
+        """Positions attention reads this step: each sequence's length after it."""
+        return sum(s.start_position + s.num_new_tokens for s in self.sequences)
+
+    @property
+    def num_decoding(self) -> int:
+        """Sequences that produce an output token this step from an output already made
+        (decoding, not the last chunk of a prompt)."""
+        return sum(
+            1 for s in self.sequences if s.sample and s.start_position >= s.num_prompt_tokens
+        )
+
+    @property
     def is_empty(self) -> bool:
         return not self.sequences
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshold
 from sluicegate.admission.controller import AdmissionConfig, AdmissionController, BucketFactory
 from sluicegate.admission.retry_after import ServiceRateEstimator
+from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor
 from sluicegate.admission.tenants import TenantRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.factory import LoadedEngine
 from sluicegate.queue.fair_queue import FairQueueConfig
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+from sluicegate.types import PriorityClass
 
 
 @dataclass(slots=True)
@@ -34,10 +37,46 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
             max_model_len=min(settings.max_model_len, loaded.max_model_len),
             kv_block_size=settings.kv_block_size,
             num_kv_blocks=settings.num_kv_blocks,
-            pause_preempt_seconds=settings.pause_preempt_seconds if settings.pause else None,
+            pause_preempt_seconds=pause_preempt_seconds(settings),
+            tpot_objective_seconds=(
+                settings.tpot_slo_ms / 1000.0 if settings.admission == "slo" else None
+            ),
         ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
     )
+
+
+def pause_preempt_seconds(settings: Settings) -> float | None:
+    """When a paused sequence loses its KV: as configured; otherwise only when needed
+    (admission by objective) or after 5 s (static admission, as before objectives)."""
+    if not settings.pause:
+        return None
+    if settings.pause_preempt_seconds is not None:
+        return settings.pause_preempt_seconds
+    return None if settings.admission == "slo" else 5.0
+
+
+def objectives(settings: Settings) -> dict[PriorityClass, Objectives]:
+    return {
+        PriorityClass.INTERACTIVE: Objectives(
+            settings.ttft_slo_ms / 1000.0, settings.tpot_slo_ms / 1000.0
+        ),
+        PriorityClass.BATCH: Objectives(
+            settings.batch_ttft_slo_ms / 1000.0, settings.batch_tpot_slo_ms / 1000.0
+        ),
+    }
+
+
+def build_slo(settings: Settings, scheduler: Scheduler) -> SLOAdmission | None:
+    """Admission by objective (None under static admission)."""
+    if settings.admission != "slo":
+        return None
+    predictor = TTFTPredictor(
+        lambda: scheduler.seats.estimate,
+        time.monotonic,
+        max_retry_after_seconds=settings.max_retry_after_seconds,
+    )
+    return SLOAdmission(predictor, objectives(settings))
 
 
 def build_admission(settings: Settings, bucket_factory: BucketFactory | None) -> Admission:

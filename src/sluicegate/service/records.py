@@ -26,6 +26,11 @@ def record_delivery(metrics: Metrics, generation: Generation, num_tokens: int) -
     ttft, gaps = generation.record_write(num_tokens)
     if ttft is not None:
         metrics.time_to_first_token_seconds.labels(generation.priority_label).observe(ttft)
+        ticket = generation.ticket
+        if ticket is not None and ticket.predicted_ttft_seconds is not None:
+            metrics.ttft_prediction_error_seconds.labels(generation.priority_label).observe(
+                ttft - ticket.predicted_ttft_seconds
+            )
     for gap in gaps:
         metrics.inter_token_latency_seconds.observe(gap)
 

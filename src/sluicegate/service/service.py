@@ -22,6 +22,7 @@ from sluicegate.admission.controller import Admitted, BucketFactory
 from sluicegate.admission.decision import Rejection
 from sluicegate.admission.tenants import AuthError, Tenant
 from sluicegate.config import Settings
+from sluicegate.engine.calibrate import warm_up
 from sluicegate.engine.core import CoreHooks, EngineCore, StepStats
 from sluicegate.engine.factory import LoadedEngine, build_engine
 from sluicegate.engine.output import RequestOutput, RequestStream
@@ -31,7 +32,7 @@ from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.dispatcher import Dispatcher
 from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
-from sluicegate.service.build import build_admission, build_scheduler, queue_config
+from sluicegate.service.build import build_admission, build_scheduler, build_slo, queue_config
 from sluicegate.service.generation import Generation, Life
 from sluicegate.service.records import LatencyWindows, record_delivery, record_end
 from sluicegate.store.errors import StoreUnavailable
@@ -62,6 +63,7 @@ class Service:
         self.admission = admission.controller
         self.estimator = admission.estimator
         self.breaker = admission.breaker
+        self.slo = build_slo(settings, self.scheduler)
         self.dispatcher = Dispatcher(
             queue_config(settings),
             {t.name: t.weight for t in self.tenants.tenants},
@@ -72,6 +74,7 @@ class Service:
             submit=self._submit,
             on_refused=self._refused,
             breaker=self.breaker,
+            slo=self.slo,
         )
         self._loop = loop
         self.core = EngineCore(
@@ -99,6 +102,18 @@ class Service:
         """Load the engine off the event loop (so ``/health`` answers meanwhile), then start."""
         loaded = await asyncio.to_thread(build_engine, settings)
         service = cls(settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory)
+        config = service.scheduler.config
+        started = time.monotonic()
+        observations = await asyncio.to_thread(
+            warm_up, loaded.engine, config.max_num_seqs, config.max_model_len,
+            config.max_num_batched_tokens,
+        )  # fmt: skip
+        service.scheduler.calibrate(observations)
+        logger.info(
+            "cost model calibrated in %.2fs: %s; seat limit %d",
+            time.monotonic() - started, service.scheduler.cost.snapshot(),
+            service.scheduler.seats.limit,
+        )  # fmt: skip
         service.core.start()
         service.dispatcher.start()
         metrics.engine_up.labels(metrics.engine).set(1)

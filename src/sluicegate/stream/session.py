@@ -337,7 +337,7 @@ class StreamSession:
             return [Emission(data, num_tokens, committed, final=True)]
         if output.finish_reason == FinishReason.ERROR:
             service.complete(generation, "error")
-            data = text + sse_data(service.failure(generation, output).body()) + DONE
+            data = text + sse_data(service.failure(generation, output).event_body()) + DONE
             return [Emission(data, num_tokens, committed, final=True)]
         finish = finish_reason_text(output.finish_reason)
         service.complete(generation, finish or "")

@@ -1,0 +1,288 @@
+"""Admission by latency objective: predict a request's time to first token, refuse it at
+once when it would miss its objective, and say honestly when to come back.
+
+**The prediction.** Seats free up as the sequences holding them finish: each holder's
+remaining work (its output still to come, and its prefill if it has not started) at the
+engine's predicted step time gives the time its seat frees.  The requests queued ahead
+of a new one (its class and above, in order) take the seats as they free, each for its
+own service time (prefill, then its expected output); the new request takes the next
+seat, and its first token comes one prefill later.  It is a small event simulation over
+the seats, with the scheduler's cost model as the clock of the engine.  Measured queue
+waits correct it: an exponentially weighted ratio of measured to predicted waits
+stretches every predicted time.
+
+**The answer when it would miss.** ``429 slo_unreachable`` with a ``Retry-After`` at which
+a seat is *held* for it: the refusal books the seat that frees after everything queued
+and promised, and the client is told to come back half its objective's budget before
+that, so refused clients come back spread out, not as a herd.  Until they do, a new
+arrival is admitted only if it would not push any promised client past its objective:
+refused clients are served in the order they were refused.  The first request to arrive
+after a promise's time is taken to be its client.  A client that comes back late loses
+its hold (it is then treated like any new request), and a promise not claimed within
+``promise_grace_seconds`` of its time lapses.  Not every refused client comes back, so
+seats are held like an airline overbooks: in proportion to the share of promises that
+were claimed lately, so that clients who never return cannot keep seats idle.
+
+Pure bookkeeping on a clock; the event loop owns it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from sluicegate.scheduler.request import Request
+from sluicegate.scheduler.seat_limit import ServiceEstimate
+from sluicegate.types import Clock, PriorityClass
+
+
+@dataclass(slots=True, frozen=True)
+class Objectives:
+    """One class's latency objectives."""
+
+    ttft_seconds: float
+    tpot_seconds: float
+
+
+@dataclass(slots=True, frozen=True)
+class Prediction:
+    """When a request arriving now would start and see its first token."""
+
+    wait_seconds: float
+    ttft_seconds: float
+    #: Admitting it would push a client promised a seat past its objective.
+    harms_promised: bool = False
+
+    def misses(self, objective_seconds: float) -> bool:
+        """Would admitting it now miss an objective?  (Its own is never missed when it
+        would start at once: a prompt too long to prefill within the objective is served
+        as fast as it can be.)"""
+        late = self.wait_seconds > 0.0 and self.ttft_seconds > objective_seconds
+        return late or self.harms_promised
+
+
+class TTFTPredictor:
+    """Predicted TTFT at arrival, refusals with held seats, and its own error's correction."""
+
+    def __init__(
+        self,
+        estimate: Callable[[], ServiceEstimate],
+        clock: Clock,
+        *,
+        max_retry_after_seconds: float = 60.0,
+        promise_grace_seconds: float = 1.5,
+    ) -> None:
+        self._estimate = estimate
+        self._clock = clock
+        self.max_retry_after_seconds = max_retry_after_seconds
+        self.promise_grace_seconds = promise_grace_seconds
+        #: Times at which refused clients were told to come back (a min-heap).
+        self._promises: list[float] = []
+        #: Measured over predicted queue wait (EWMA of the log ratio).
+        self._log_ratio = 0.0
+        #: Share of promises whose client came back (EWMA; seats are held in this share).
+        self.return_rate = 1.0
+
+    # --- the engine's work, in seconds ---
+
+    @property
+    def correction(self) -> float:
+        """How much longer than predicted queue waits have turned out (1: as predicted)."""
+        return math.exp(self._log_ratio)
+
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        return self._estimate().prefill_seconds(prompt_tokens) * self.correction
+
+    def service_seconds(self, request: Request) -> float:
+        """A queued request's time in a seat: its prefill, then its expected output."""
+        estimate = self._estimate()
+        tokens = _expected_output(request, estimate, produced=0)
+        return (
+            estimate.prefill_seconds(request.num_prompt_tokens) + tokens * _step(request, estimate)
+        ) * self.correction
+
+    def remaining_seconds(self, request: Request) -> float:
+        """Until a seat holder lets go: what is left of its prefill and expected output."""
+        estimate = self._estimate()
+        seconds = 0.0
+        left = request.num_prompt_tokens - request.num_computed_tokens
+        if left > 0:
+            seconds += estimate.prefill_seconds(left)
+        produced = request.num_output_tokens
+        tokens = _expected_output(request, estimate, produced) - produced
+        seconds += max(1.0, tokens) * _step(request, estimate)
+        return seconds * self.correction
+
+    def mean_service_seconds(self) -> float:
+        return self._estimate().service_seconds * self.correction
+
+    # --- predicting ---
+
+    def predict(
+        self,
+        holders: Sequence[Request],
+        queued_ahead: Sequence[Request],
+        num_free_seats: int,
+        prompt_tokens: int,
+        objective_seconds: float,
+    ) -> Prediction:
+        """A request arriving now: when it would start, and whether that harms a client
+        promised a seat (the earliest promise whose time has come is taken to be this
+        arrival's own)."""
+        now = self._clock()
+        self._expire(now)
+        seats = self._seats(holders, queued_ahead, num_free_seats)
+        wait = seats[0]
+        prefill = self.prefill_seconds(prompt_tokens)
+        # Only clients yet to come back hold seats (a late one lost its hold), and only
+        # in the share of clients that do come back.
+        promises = self._held(p for p in self._promises if p > now)
+        harms = False
+        if promises:
+            # Take the seat, then see that every promised client still starts in time.
+            mean_prompt = int(self._estimate().mean_prompt_tokens)
+            budget = max(0.0, objective_seconds - self.prefill_seconds(mean_prompt))
+            start = heapq.heappop(seats)
+            heapq.heappush(seats, start + prefill + self._own_output_seconds())
+            for promised in promises:
+                back = max(0.0, promised - now)
+                begins = max(heapq.heappop(seats), back)
+                if begins - back > budget:
+                    harms = True
+                    break
+                heapq.heappush(seats, begins + self.mean_service_seconds())
+        return Prediction(wait, wait + prefill, harms)
+
+    def waits(
+        self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
+    ) -> list[float]:
+        """The predicted wait of each queued request, in order."""
+        seats = [*(self.remaining_seconds(r) for r in holders), *([0.0] * num_free_seats)]
+        if not seats:
+            seats = [0.0]
+        heapq.heapify(seats)
+        out = []
+        for request in queued:
+            start = heapq.heappop(seats)
+            out.append(start)
+            heapq.heappush(seats, start + self.service_seconds(request))
+        return out
+
+    # --- answering ---
+
+    def admitted(self) -> None:
+        """A request was admitted: it uses the earliest promise whose time has come."""
+        now = self._clock()
+        self._expire(now)
+        if self._promises and self._promises[0] <= now:
+            heapq.heappop(self._promises)
+            self._returned(True)
+
+    def refuse(
+        self,
+        holders: Sequence[Request],
+        queued_ahead: Sequence[Request],
+        num_free_seats: int,
+        objective_seconds: float,
+        prompt_tokens: int,
+    ) -> float:
+        """Book the seat that frees after everything queued and promised; returns the
+        seconds until the client should come back to take it within its objective."""
+        now = self._clock()
+        self._expire(now)
+        seats = self._seats(holders, queued_ahead, num_free_seats)
+        for promised in self._held(p for p in self._promises if p > now):
+            begins = max(heapq.heappop(seats), promised - now)
+            heapq.heappush(seats, begins + self.mean_service_seconds())
+        slot = now + seats[0]
+        budget = max(0.0, objective_seconds - self.prefill_seconds(prompt_tokens))
+        last = max(self._promises, default=now)
+        spacing = self.mean_service_seconds() / max(1, self._estimate().seat_limit)
+        come_back = max(slot - budget / 2.0, last + spacing, now + 0.05)
+        come_back = min(come_back, now + self.max_retry_after_seconds)
+        heapq.heappush(self._promises, come_back)
+        return come_back - now
+
+    # --- learning ---
+
+    def observe_wait(self, predicted_seconds: float, measured_seconds: float) -> None:
+        """A request left the queue: how its wait compared with the prediction."""
+        if predicted_seconds < 0.05 or measured_seconds <= 0.0:
+            return  # started (almost) at once: says nothing about the rate
+        ratio = min(4.0, max(0.25, measured_seconds / predicted_seconds * self.correction))
+        self._log_ratio += 0.1 * (math.log(ratio) - self._log_ratio)
+
+    def snapshot(self) -> dict[str, float | int]:
+        return {
+            "mean_service_seconds": round(self.mean_service_seconds(), 4),
+            "wait_correction": round(self.correction, 3),
+            "promised_seats": len(self._promises),
+            "promise_return_rate": round(self.return_rate, 3),
+        }
+
+    def _held(self, promised: Iterable[float]) -> list[float]:
+        """The promises that hold a seat: in time order, ``return_rate`` of them."""
+        held: list[float] = []
+        credit = 0.0
+        for time in sorted(promised):
+            credit += self.return_rate
+            if credit >= 1.0 - 1e-9:
+                credit -= 1.0
+                held.append(time)
+        return held
+
+    def _returned(self, came_back: bool) -> None:
+        self.return_rate += 0.05 * ((1.0 if came_back else 0.0) - self.return_rate)
+        self.return_rate = max(0.05, self.return_rate)
+
+    def _seats(
+        self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
+    ) -> list[float]:
+        """When each seat is next free (a min-heap), after the queued requests take theirs."""
+        seats = [*(self.remaining_seconds(r) for r in holders), *([0.0] * num_free_seats)]
+        if not seats:
+            seats = [0.0]
+        heapq.heapify(seats)
+        for request in queued:
+            start = heapq.heappop(seats)
+            heapq.heappush(seats, start + self.service_seconds(request))
+        return seats
+
+    def _own_output_seconds(self) -> float:
+        estimate = self._estimate()
+        return estimate.mean_output_tokens * estimate.step_seconds * self.correction
+
+    def _expire(self, now: float) -> None:
+        while self._promises and self._promises[0] < now - self.promise_grace_seconds:
+            heapq.heappop(self._promises)
+            self._returned(False)
+
+
+def _expected_output(request: Request, estimate: ServiceEstimate, produced: int) -> float:
+    """Output tokens it will have in all: ``max_tokens`` when it ignores end-of-sequence,
+    else the typical answer's length (or a little more than it has, if it is past that)."""
+    limit = request.sampling.max_tokens
+    if request.sampling.ignore_eos:
+        return limit
+    typical = estimate.mean_output_tokens
+    return min(limit, max(typical, produced + 0.25 * typical))
+
+
+def _step(request: Request, estimate: ServiceEstimate) -> float:
+    """Seconds per output token: the engine's step, or the request's own pace if slower."""
+    return max(estimate.step_seconds, request.min_token_interval_seconds)
+
+
+@dataclass(slots=True)
+class SLOAdmission:
+    """Admission by objective: the predictor and each class's objectives."""
+
+    predictor: TTFTPredictor
+    objectives: dict[PriorityClass, Objectives]
+    #: Classes refused when they would miss their TTFT objective (batch work waits instead).
+    enforced: frozenset[PriorityClass] = frozenset({PriorityClass.INTERACTIVE})
+    #: A queued request is refused once its predicted TTFT passes this multiple of its
+    #: objective (predictions err; a request close to its objective is still served).
+    late_tolerance: float = 1.5

@@ -1,0 +1,72 @@
+"""Warm-up steps that seed the scheduler's cost model before any request arrives.
+
+A handful of steps of varied shapes (decode batches of growing size at two context
+lengths, prefill chunks, a mixed step) on placeholder tokens, timed.  They write into KV
+slots that no request holds yet, and the slots are handed back clean.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sluicegate.engine.base import Engine
+from sluicegate.scheduler.cost_model import StepShape
+from sluicegate.scheduler.request import SamplingParams
+from sluicegate.scheduler.step import ScheduledSequence, StepPlan
+
+#: A token every vocabulary has (the sim's byte-level one included).
+_TOKEN = 1
+_SAMPLING = SamplingParams(max_tokens=1, seed=0, temperature=0.0)
+
+
+def warm_up(
+    engine: Engine, num_slots: int, max_model_len: int, max_num_batched_tokens: int
+) -> list[tuple[StepShape, float]]:
+    """Run the warm-up steps; returns each step's shape and measured seconds."""
+    longest = max(1, max_model_len - 1)
+    contexts = sorted({min(64, longest), min(1024, longest)})
+    plans: list[StepPlan] = []
+    for context in contexts:
+        for n in sorted({1, 2, 4, 16, num_slots}):
+            if n <= num_slots:
+                plans.append(_decode(n, context))
+    for chunk in sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}):
+        plans.append(_prefill(0, min(chunk, longest), num_decoding=0, context=0))
+    mixed = min(8, num_slots - 1)
+    if mixed > 0:
+        plans.append(
+            _prefill(mixed, min(max_num_batched_tokens - mixed, longest), mixed, contexts[0])
+        )
+    engine.step(plans[0])  # the very first step pays one-off costs: not a sample
+    observations: list[tuple[StepShape, float]] = []
+    for plan in plans:
+        started = time.perf_counter()
+        engine.step(plan)
+        seconds = time.perf_counter() - started
+        shape = StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens)
+        observations.append((shape, seconds))
+    engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
+    return observations
+
+
+def _decode(num_seqs: int, context: int) -> StepPlan:
+    return StepPlan(sequences=[_sequence(slot, context, 1) for slot in range(num_seqs)])
+
+
+def _prefill(slot: int, num_tokens: int, num_decoding: int, context: int) -> StepPlan:
+    decoding = [_sequence(s, context, 1) for s in range(num_decoding)]
+    return StepPlan(sequences=[*decoding, _sequence(slot, 0, num_tokens, prompt=num_tokens)])
+
+
+def _sequence(slot: int, start: int, num_new: int, prompt: int = 1) -> ScheduledSequence:
+    tokens = [_TOKEN] * (start + num_new)
+    return ScheduledSequence(
+        request_id=f"warm-up-{slot}",
+        kv_slot=slot,
+        all_token_ids=tokens,
+        start_position=start,
+        num_new_tokens=num_new,
+        sample=True,
+        sampling=_SAMPLING,
+        num_prompt_tokens=min(prompt, len(tokens)),
+    )

@@ -1,0 +1,129 @@
+"""A cost model of the engine: how long a step takes, from the shape of its batch.
+
+``seconds = fixed + per_seq · sequences + per_token · batched tokens + per_context ·
+context tokens`` (the context tokens are what attention reads: each sequence's position
+after the step).  Fitted by least squares with non-negative coefficients over the most
+recent steps, so it follows the engine as the machine's load changes; seeded at start-up
+by a few warm-up steps of varied shapes, so it predicts before any request has run.
+
+Written on the engine thread (:meth:`StepCostModel.observe`), read anywhere: the fitted
+coefficients are one immutable tuple, replaced whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Coefficients: (fixed, per sequence, per batched token, per context token), in seconds.
+Coefficients = tuple[float, float, float, float]
+
+_NAMES = ("fixed_seconds", "per_seq_seconds", "per_token_seconds", "per_context_token_seconds")
+
+
+@dataclass(slots=True, frozen=True)
+class StepShape:
+    """The features of one step."""
+
+    num_seqs: int
+    num_batched_tokens: int
+    num_context_tokens: int
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (
+            1.0,
+            float(self.num_seqs),
+            float(self.num_batched_tokens),
+            float(self.num_context_tokens),
+        )
+
+
+class StepCostModel:
+    """Step time as a linear function of the batch's shape, refitted as steps come in."""
+
+    def __init__(self, window: int = 2048, refit_every: int = 32) -> None:
+        self._window: deque[tuple[tuple[float, float, float, float], float]] = deque(maxlen=window)
+        #: Warm-up observations: kept, so the fit stays defined for shapes not seen lately.
+        self._anchors: list[tuple[tuple[float, float, float, float], float]] = []
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self._lock = threading.Lock()
+        self.coefficients: Coefficients = (0.0, 0.0, 0.0, 0.0)
+        self.num_observations = 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.num_observations > 0
+
+    def calibrate(self, observations: list[tuple[StepShape, float]]) -> None:
+        """Seed the model with warm-up steps (kept as anchors of every later fit)."""
+        with self._lock:
+            self._anchors = [(shape.features(), seconds) for shape, seconds in observations]
+            self.num_observations += len(observations)
+            self._fit()
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """One step as it ran."""
+        with self._lock:
+            self._window.append((shape.features(), seconds))
+            self.num_observations += 1
+            self._since_fit += 1
+            if self._since_fit >= self._refit_every:
+                self._fit()
+
+    def predict(self, shape: StepShape) -> float:
+        """Predicted seconds of a step of this shape."""
+        theta = self.coefficients
+        x = shape.features()
+        return sum(t * v for t, v in zip(theta, x, strict=True))
+
+    def decode_step_seconds(self, num_seqs: int, mean_context_tokens: float) -> float:
+        """A step in which ``num_seqs`` sequences decode one token each."""
+        return self.predict(
+            StepShape(num_seqs, num_seqs, int(num_seqs * max(1.0, mean_context_tokens)))
+        )
+
+    def snapshot(self) -> dict[str, float]:
+        out = dict(zip(_NAMES, self.coefficients, strict=True))
+        out["observations"] = float(self.num_observations)
+        return out
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        rows = [*self._anchors, *self._window]
+        if not rows:
+            return
+        x = np.asarray([r[0] for r in rows], dtype=np.float64)
+        y = np.asarray([r[1] for r in rows], dtype=np.float64)
+        theta = _nonnegative_least_squares(x, y)
+        self.coefficients = (float(theta[0]), float(theta[1]), float(theta[2]), float(theta[3]))
+
+
+def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0 (a small active-set loop).
+
+    Columns are scaled to unit norm first, and a little ridge keeps collinear features
+    (decode steps have as many batched tokens as sequences) from trading off wildly.
+    """
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0.0] = 1.0
+    xs = x / scale
+    active = np.ones(x.shape[1], dtype=bool)
+    theta = np.zeros(x.shape[1])
+    ridge = 1e-6
+    for _ in range(x.shape[1]):
+        cols = np.flatnonzero(active)
+        a = xs[:, cols]
+        gram = a.T @ a + ridge * np.eye(len(cols))
+        solution = np.linalg.solve(gram, a.T @ y)
+        theta[:] = 0.0
+        theta[cols] = solution
+        negative = cols[solution < 0.0]
+        if len(negative) == 0:
+            break
+        active[negative] = False
+    result: np.ndarray = np.maximum(theta, 0.0) / scale
+    return result

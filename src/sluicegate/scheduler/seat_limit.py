@@ -1,0 +1,190 @@
+"""How many sequences may decode at once: the largest batch that keeps TPOT under its
+objective, from the cost model, corrected by the step times actually measured.
+
+A sequence's time per output token is the engine's mean step time while it decodes.  A
+step with ``n`` decoding sequences costs ``cost(n, n + prefill, context)``, where the
+prefill share is the prompt tokens that new requests bring per decoded token (measured).
+The model limit is the largest ``n`` whose predicted step stays under ``headroom ×
+objective``.  Then feedback, in the spirit of AIMD limiters (Netflix's
+concurrency-limits, Envoy's adaptive concurrency): when the measured mean decode step
+exceeds the objective, a correction factor shrinks multiplicatively; while it stays well
+under and the limit is reached, the factor grows back slowly.  Without an objective
+the limit is the static ceiling.
+
+Also the service estimate that admission predicts with: the start rate the engine
+sustains at this limit, and how long a prompt takes to prefill.  Single-threaded (the
+engine thread); the estimate is one immutable object, replaced whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from sluicegate.scheduler.cost_model import StepCostModel, StepShape
+from sluicegate.types import Clock
+
+
+@dataclass(slots=True, frozen=True)
+class SeatLimitConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    #: Mean time per output token to keep under (None: the limit is ``max_num_seqs``).
+    tpot_objective_seconds: float | None = None
+    #: Aim the model at this fraction of the objective (prediction error, prefill spikes).
+    headroom: float = 0.8
+    update_interval_seconds: float = 0.5
+    #: Measured steps that count for feedback.
+    feedback_window_seconds: float = 3.0
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceEstimate:
+    """What the engine sustains at the current limit (for admission's predictions)."""
+
+    seat_limit: int
+    #: Predicted mean step time with ``seat_limit`` sequences decoding.
+    step_seconds: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    max_num_batched_tokens: int
+    cost: tuple[float, float, float, float]
+
+    def prefill_seconds(self, num_prompt_tokens: int) -> float:
+        """Until a new request's first token: its prompt in chunks beside the running batch."""
+        decoding = max(0, self.seat_limit - 1)
+        chunk = max(1, self.max_num_batched_tokens - decoding)
+        steps = max(1, math.ceil(num_prompt_tokens / chunk))
+        fixed, per_seq, per_token, per_context = self.cost
+        per_step = fixed + per_seq * (decoding + 1) + per_token * (decoding + chunk)
+        per_step += per_context * (decoding * self.mean_prompt_tokens + num_prompt_tokens / 2)
+        return steps * per_step
+
+    @property
+    def service_seconds(self) -> float:
+        """A typical request's time in a seat: its prefill, then its output."""
+        return self.prefill_seconds(int(self.mean_prompt_tokens)) + (
+            self.mean_output_tokens * self.step_seconds
+        )
+
+    @property
+    def start_rate(self) -> float:
+        """Requests per second that can start (seats free up at this rate when full)."""
+        return self.seat_limit / max(self.service_seconds, 1e-6)
+
+
+class SeatLimiter:
+    """The seat limit and the service estimate, from the cost model and measured steps."""
+
+    def __init__(self, config: SeatLimitConfig, cost: StepCostModel, clock: Clock) -> None:
+        self.config = config
+        self.cost = cost
+        self._clock = clock
+        self.limit = config.max_num_seqs
+        self.model_limit = config.max_num_seqs
+        #: Feedback factor on the model limit, in [0.25, 1.5].
+        self.correction = 1.0
+        self._next_update = 0.0
+        #: (time, seconds, decoding sequences) of recent steps with decodes.
+        self._decode_steps: deque[tuple[float, float, int]] = deque()
+        self._mean_context = 256.0
+        self._prefill_per_decode = 1.0
+        self._mean_prompt = 128.0
+        self._mean_output = 64.0
+        self.estimate = self._estimate()
+
+    # --- inputs (the engine thread) ---
+
+    def on_step(self, shape: StepShape, num_decoding: int, seconds: float) -> None:
+        """One step: ``num_decoding`` of its sequences decoded a token."""
+        now = self._clock()
+        if num_decoding:
+            self._decode_steps.append((now, seconds, num_decoding))
+            self._mean_context = _ewma(
+                self._mean_context, shape.num_context_tokens / max(1, shape.num_seqs), 0.05
+            )
+            prefill = shape.num_batched_tokens - num_decoding
+            self._prefill_per_decode = _ewma(self._prefill_per_decode, prefill / num_decoding, 0.02)
+        horizon = now - self.config.feedback_window_seconds
+        while self._decode_steps and self._decode_steps[0][0] < horizon:
+            self._decode_steps.popleft()
+
+    def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self._mean_prompt = _ewma(self._mean_prompt, num_prompt_tokens, 0.05)
+        self._mean_output = _ewma(self._mean_output, max(1, num_output_tokens), 0.05)
+
+    def update(self, num_holding: int) -> bool:
+        """Recompute at most every ``update_interval_seconds``; True if the limit changed.
+
+        ``num_holding``: sequences holding a seat now (is the limit what binds?).
+        """
+        now = self._clock()
+        if now < self._next_update:
+            return False
+        self._next_update = now + self.config.update_interval_seconds
+        before = self.limit
+        objective = self.config.tpot_objective_seconds
+        if objective is not None and self.cost.calibrated:
+            self.model_limit = self._model_limit(objective * self.config.headroom)
+            measured = self.measured_step_seconds()
+            if measured is not None and measured > objective:
+                self.correction = max(0.25, self.correction * 0.85)
+            elif measured is not None and measured < 0.7 * objective and num_holding >= self.limit:
+                self.correction = min(1.5, self.correction * 1.05)
+            target = math.floor(self.model_limit * self.correction)
+            self.limit = max(1, min(self.config.max_num_seqs, target))
+        self.estimate = self._estimate()
+        return self.limit != before
+
+    # --- outputs ---
+
+    def measured_step_seconds(self) -> float | None:
+        """Mean step time of recent steps with decodes, weighted by sequences decoding."""
+        if not self._decode_steps:
+            return None
+        total = sum(seconds * n for _, seconds, n in self._decode_steps)
+        return total / sum(n for _, _, n in self._decode_steps)
+
+    def predicted_step_seconds(self, num_seqs: int) -> float:
+        """Mean step time with ``num_seqs`` decoding and new prompts prefilled alongside."""
+        prefill = num_seqs * self._prefill_per_decode
+        tokens = num_seqs + min(prefill, self.config.max_num_batched_tokens)
+        context = num_seqs * self._mean_context
+        return self.cost.predict(StepShape(num_seqs, int(tokens), int(context)))
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        return {
+            "seat_limit": self.limit,
+            "model_limit": self.model_limit,
+            "correction": round(self.correction, 3),
+            "tpot_objective_seconds": self.config.tpot_objective_seconds,
+            "predicted_step_seconds": self.estimate.step_seconds,
+            "measured_step_seconds": self.measured_step_seconds(),
+            "mean_context_tokens": round(self._mean_context, 1),
+            "prefill_tokens_per_decode": round(self._prefill_per_decode, 3),
+            "mean_prompt_tokens": round(self._mean_prompt, 1),
+            "mean_output_tokens": round(self._mean_output, 1),
+            "start_rate_per_second": round(self.estimate.start_rate, 3),
+        }
+
+    def _model_limit(self, budget_seconds: float) -> int:
+        best = 1
+        for n in range(1, self.config.max_num_seqs + 1):
+            if self.predicted_step_seconds(n) <= budget_seconds:
+                best = n
+        return best
+
+    def _estimate(self) -> ServiceEstimate:
+        return ServiceEstimate(
+            seat_limit=self.limit,
+            step_seconds=max(1e-4, self.predicted_step_seconds(self.limit)),
+            mean_prompt_tokens=self._mean_prompt,
+            mean_output_tokens=self._mean_output,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            cost=self.cost.coefficients,
+        )
+
+
+def _ewma(current: float, value: float, alpha: float) -> float:
+    return current + alpha * (value - current)

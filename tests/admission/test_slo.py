@@ -1,0 +1,120 @@
+"""Admission by objective on a fake clock: predictions, refusals with held seats, learning."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from sluicegate.admission.slo import TTFTPredictor
+from sluicegate.scheduler.request import Request, SamplingParams
+from sluicegate.scheduler.seat_limit import ServiceEstimate
+from tests.fake_clock import FakeClock
+
+#: 4 seats, 50 ms a step, typical answers of 20 tokens, prefill free: 1 s a request.
+ESTIMATE = ServiceEstimate(
+    seat_limit=4,
+    step_seconds=0.05,
+    mean_prompt_tokens=0.0,
+    mean_output_tokens=20.0,
+    max_num_batched_tokens=512,
+    cost=(0.0, 0.0, 0.0, 0.0),
+)
+
+
+def predictor() -> tuple[TTFTPredictor, FakeClock]:
+    clock = FakeClock()
+    return TTFTPredictor(lambda: ESTIMATE, clock, max_retry_after_seconds=30.0), clock
+
+
+def request(produced: int = 0, max_tokens: int = 20, ignore_eos: bool = True) -> Request:
+    r = Request(
+        f"r{id(object())}", [1, 2, 3],
+        SamplingParams(max_tokens=max_tokens, seed=1, ignore_eos=ignore_eos),
+    )  # fmt: skip
+    r.all_token_ids.extend([7] * produced)
+    r.num_computed_tokens = r.num_tokens
+    return r
+
+
+def test_a_holder_frees_its_seat_when_its_remaining_output_is_done() -> None:
+    p, _ = predictor()
+    assert p.remaining_seconds(request(produced=15)) == pytest.approx(0.25)
+    # Without ignore_eos the typical answer length is the guess (never past max_tokens).
+    assert p.remaining_seconds(request(produced=5, max_tokens=100, ignore_eos=False)) == (
+        pytest.approx(0.75)
+    )
+    assert p.service_seconds(request()) == pytest.approx(1.0)
+
+
+def test_the_wait_is_when_a_seat_frees_after_the_queue_ahead_takes_theirs() -> None:
+    p, _ = predictor()
+    free = p.predict([], [], num_free_seats=2, prompt_tokens=10, objective_seconds=1.0)
+    assert free.wait_seconds == 0 and not free.misses(1.0)
+    # Two seats, held for 0.25 s and 0.5 s more; two queued requests take them, each for
+    # 1 s; the new one gets the first seat to free after that, at 1.25 s.
+    holders = [request(produced=15), request(produced=10)]
+    prediction = p.predict(holders, [request(), request()], 0, 10, objective_seconds=2.0)
+    assert prediction.wait_seconds == pytest.approx(1.25)
+    assert not prediction.misses(2.0) and prediction.misses(1.0)
+    assert p.waits(holders, [request(), request(), request()], 0) == pytest.approx(
+        [0.25, 0.5, 1.25]
+    )
+
+
+def test_a_request_that_would_start_at_once_is_never_refused() -> None:
+    long_prompt = ServiceEstimate(4, 0.05, 0, 20, 64, (0.5, 0.0, 0.0, 0.0))
+    slow = TTFTPredictor(lambda: long_prompt, FakeClock())
+    prediction = slow.predict([], [], 1, prompt_tokens=4000, objective_seconds=1.0)
+    assert prediction.ttft_seconds > 5 and not prediction.misses(1.0)
+
+
+def test_refusals_hold_seats_in_order_and_new_arrivals_do_not_take_them() -> None:
+    p, clock = predictor()
+    holders = [request(produced=19)]  # one seat, free in 50 ms
+    queued = [request() for _ in range(3)]  # then busy for 3 s
+    objective = 0.4
+    retry_afters = [p.refuse(holders, queued, 0, objective, 10) for _ in range(4)]
+    # Spread a seat's release apart (1 s: one seat, 1 s a request), not a herd, and come
+    # back half the objective before the held seat frees.
+    assert all(b - a == pytest.approx(1.0) for a, b in itertools.pairwise(retry_afters))
+    assert retry_afters[0] == pytest.approx(0.05 + 3.0 - objective / 2)
+    # Half a second before the first refused client comes back, the seat is free; a new
+    # request would take it for a second and make that client wait past its objective.
+    clock.advance(retry_afters[0] - 0.5)
+    fresh = p.predict([], [], 1, 10, objective)
+    assert fresh.wait_seconds == 0 and fresh.harms_promised and fresh.misses(objective)
+    # Long before, a new request finishes in time: it may run.
+    assert not p.predict([], [], 1, 10, 5.0).harms_promised
+    # The refused client, back at its time, is not refused for its own seat.
+    clock.advance(0.51)
+    assert not p.predict([], [], 1, 10, objective).misses(objective)
+
+
+def test_an_admission_uses_the_due_promise_and_old_promises_lapse() -> None:
+    p, clock = predictor()
+    queued = [request() for _ in range(8)]
+    first = p.refuse([], queued, 1, 1.0, 10)
+    p.refuse([], queued, 1, 1.0, 10)
+    assert p.snapshot()["promised_seats"] == 2
+    clock.advance(first)
+    p.admitted()  # the client came back: its seat is used
+    assert p.snapshot()["promised_seats"] == 1
+    clock.advance(60.0)  # nobody came for the other one
+    p.predict([], [], 1, 10, 1.0)
+    assert p.snapshot()["promised_seats"] == 0
+
+
+def test_retry_after_is_capped() -> None:
+    p, _ = predictor()
+    assert p.refuse([], [request() for _ in range(500)], 1, 1.0, 10) == pytest.approx(30.0)
+
+
+def test_measured_waits_correct_every_predicted_time() -> None:
+    p, _ = predictor()
+    for _ in range(60):  # queue waits come out twice as long as predicted
+        p.observe_wait(predicted_seconds=0.5 * p.correction, measured_seconds=1.0)
+    assert p.correction == pytest.approx(2.0, rel=0.05)
+    assert p.service_seconds(request()) == pytest.approx(2.0, rel=0.05)
+    p.observe_wait(predicted_seconds=0.0, measured_seconds=0.3)  # started at once: no signal
+    assert p.correction == pytest.approx(2.0, rel=0.05)

@@ -1,0 +1,61 @@
+"""The engine's cost model: it recovers a known step-time law and follows a change."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sluicegate.scheduler.cost_model import StepCostModel, StepShape
+
+
+def law(shape: StepShape) -> float:
+    return (
+        0.004
+        + 0.0002 * shape.num_seqs
+        + 0.00005 * shape.num_batched_tokens
+        + (1e-7 * shape.num_context_tokens)
+    )
+
+
+def shapes(rng: random.Random, count: int) -> list[StepShape]:
+    out = []
+    for _ in range(count):
+        seqs = rng.randint(1, 32)
+        prefill = rng.choice([0, 0, 0, rng.randint(16, 400)])
+        out.append(StepShape(seqs, seqs + prefill, seqs * rng.randint(32, 1500)))
+    return out
+
+
+def test_recovers_a_linear_step_time_from_observed_steps() -> None:
+    rng = random.Random(0)
+    model = StepCostModel(refit_every=8)
+    assert not model.calibrated
+    for shape in shapes(rng, 400):
+        model.observe(shape, law(shape) * rng.uniform(0.97, 1.03))
+    for shape in shapes(random.Random(1), 50):
+        assert model.predict(shape) == pytest.approx(law(shape), rel=0.08)
+    assert all(c >= 0.0 for c in model.coefficients)
+
+
+def test_calibration_alone_predicts_and_coefficients_never_go_negative() -> None:
+    model = StepCostModel()
+    warm = [StepShape(n, n, n * 64) for n in (1, 2, 4, 16)] + [StepShape(1, 512, 512)]
+    # A law with no per-context cost, and noise that would pull a free fit below zero.
+    model.calibrate([(s, 0.01 + 0.0001 * s.num_batched_tokens) for s in warm])
+    assert model.calibrated
+    assert model.predict(StepShape(8, 8, 8 * 64)) == pytest.approx(0.0108, rel=0.05)
+    assert min(model.coefficients) >= 0.0
+    assert set(model.snapshot()) >= {"fixed_seconds", "observations"}
+
+
+def test_the_fit_follows_the_engine_when_it_slows_down() -> None:
+    rng = random.Random(2)
+    model = StepCostModel(window=256, refit_every=16)
+    for shape in shapes(rng, 300):
+        model.observe(shape, law(shape))
+    probe = StepShape(16, 16, 16 * 500)
+    before = model.predict(probe)
+    for shape in shapes(rng, 300):  # another process now shares the cores: 2x slower
+        model.observe(shape, 2 * law(shape))
+    assert model.predict(probe) == pytest.approx(2 * before, rel=0.1)

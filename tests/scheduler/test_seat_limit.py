@@ -1,0 +1,78 @@
+"""The seat limit follows the TPOT objective: from the cost model, then from measurements."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluicegate.scheduler.cost_model import StepCostModel, StepShape
+from sluicegate.scheduler.seat_limit import SeatLimitConfig, SeatLimiter
+from tests.fake_clock import FakeClock
+
+#: 10 ms a step plus 2.5 ms per sequence: 16 sequences take 50 ms.
+FIXED, PER_SEQ = 0.010, 0.0025
+
+
+def step_seconds(num_seqs: int) -> float:
+    return FIXED + PER_SEQ * num_seqs
+
+
+def limiter(objective: float | None, max_num_seqs: int = 64) -> tuple[SeatLimiter, FakeClock]:
+    cost = StepCostModel()
+    cost.calibrate([(StepShape(n, n, n * 100), step_seconds(n)) for n in (1, 2, 4, 8, 16, 32)])
+    clock = FakeClock()
+    config = SeatLimitConfig(max_num_seqs, 512, objective, headroom=1.0)
+    seats = SeatLimiter(config, cost, clock)
+    for _ in range(200):  # pure decode steps: no prefill share
+        seats.on_step(StepShape(8, 8, 800), 8, step_seconds(8))
+    clock.advance(1.0)
+    seats.update(num_holding=0)
+    return seats, clock
+
+
+def test_the_limit_is_the_largest_batch_the_model_keeps_under_the_objective() -> None:
+    seats, _ = limiter(objective=0.050)
+    assert seats.limit == 16
+    assert seats.estimate.step_seconds == pytest.approx(step_seconds(16), rel=0.05)
+
+
+def test_without_an_objective_the_limit_is_the_static_ceiling() -> None:
+    seats, _ = limiter(objective=None, max_num_seqs=12)
+    assert seats.limit == 12
+
+
+def test_measured_steps_over_the_objective_shrink_the_limit() -> None:
+    seats, clock = limiter(objective=0.050)
+    for _ in range(10):  # the engine is slower than its model says (another load)
+        for _ in range(20):
+            seats.on_step(StepShape(16, 16, 1600), 16, 0.080)
+        clock.advance(0.6)
+        seats.update(num_holding=16)
+    assert seats.limit < 16 and seats.correction < 1.0
+
+
+def test_measured_steps_well_under_grow_the_limit_back_only_when_it_binds() -> None:
+    seats, clock = limiter(objective=0.050)
+    seats.correction = 0.5
+    for _ in range(5):
+        seats.on_step(StepShape(8, 8, 800), 8, 0.02)
+        clock.advance(0.6)
+        seats.update(num_holding=2)  # far below the limit: no evidence more would fit
+    assert seats.correction == 0.5
+    for _ in range(5):
+        seats.on_step(StepShape(8, 8, 800), 8, 0.02)
+        clock.advance(0.6)
+        seats.update(num_holding=seats.limit)
+    assert seats.correction > 0.5
+
+
+def test_the_service_estimate_gives_a_start_rate_and_prefill_time() -> None:
+    seats, clock = limiter(objective=0.050)
+    for _ in range(100):
+        seats.on_finished(num_prompt_tokens=200, num_output_tokens=40)
+    clock.advance(1.0)
+    seats.update(num_holding=0)
+    estimate = seats.estimate
+    assert estimate.mean_output_tokens == pytest.approx(40, rel=0.05)
+    # 16 seats, each busy for ~40 steps of ~50 ms (+ a prefill): ~8 starts a second.
+    assert 6.0 < estimate.start_rate < 8.5
+    assert estimate.prefill_seconds(2000) > estimate.prefill_seconds(100) > 0
