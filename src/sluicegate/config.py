@@ -6,6 +6,7 @@ Precedence, highest first: CLI flags, environment, config file, defaults.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,42 @@ from pydantic_settings import (
 from sluicegate.admission.tenants import TenantConfig, validate_tenants
 
 EngineKind = Literal["torch", "sim"]
+
+#: Units of a memory size, in bytes: decimal (kB, MB, GB, TB) and binary (KiB, MiB, ...).
+_MEMORY_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_MEMORY_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
+MEMORY_SIZE_FORMS = "a size like 512MiB, 2GiB, 1.5GB or 800000000 (bytes), or auto"
+
+
+def parse_memory_size(text: str) -> int | None:
+    """Bytes of a size like ``512MiB``, ``2GiB``, ``1.5GB`` or ``800000000``; None for
+    ``auto``.  Units are case-insensitive; raises ValueError for anything else."""
+    spec = text.strip().lower()
+    if spec == "auto":
+        return None
+    match = _MEMORY_SIZE.fullmatch(spec)
+    unit = _MEMORY_UNITS.get(match.group(2)) if match else None
+    if match is None or unit is None:
+        raise ValueError(f"must be {MEMORY_SIZE_FORMS}; got {text!r}")
+    number = match.group(1)
+    size = int(float(number) * unit) if "." in number else int(number) * unit
+    if size < 1:
+        raise ValueError(f"must be at least 1 byte ({MEMORY_SIZE_FORMS}); got {text!r}")
+    return size
+
+
+def format_memory_size(num_bytes: int) -> str:
+    """``num_bytes`` for people, to two decimals: ``1.41 GiB``, ``22.5 MiB``, ``512 B``."""
+    size, unit = float(num_bytes), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
 
 
 class Settings(BaseSettings):
@@ -56,6 +93,14 @@ class Settings(BaseSettings):
     )
     torch_threads: int | None = Field(
         None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
+    )
+    kv_cache_memory: str = Field(
+        "auto",
+        description="Memory of the torch engine's KV cache, allocated in full at start: a "
+        "size (512MiB, 2GiB, 1.5GB, 800000000 bytes) or auto, what max_num_seqs x "
+        "max_model_len positions need but at most 25% of MemTotal and 50% of MemAvailable, "
+        "never below one sequence. Slots that do not fit are not served: the engine runs "
+        "min(max_num_seqs, budget / one sequence's need) sequences at once.",
     )
 
     # --- sim engine ---
@@ -226,6 +271,19 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
 
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _check_kv_cache_memory(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # a YAML number: bytes
+        if isinstance(value, str):
+            try:
+                parse_memory_size(value)
+            except ValueError as exc:
+                raise ValueError(f"kv_cache_memory {exc}") from None
+            return value.strip()
+        return value
+
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
@@ -254,6 +312,11 @@ class Settings(BaseSettings):
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
             )
         return self
+
+    @property
+    def kv_cache_memory_bytes(self) -> int | None:
+        """``kv_cache_memory`` in bytes; None for ``auto`` (the engine applies the rule)."""
+        return parse_memory_size(self.kv_cache_memory)
 
     @property
     def total_kv_blocks(self) -> int:

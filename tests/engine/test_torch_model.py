@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict, unpermute_rotary_rows
-from sluicegate.engine.torch.model import ModelArgs, RopeScaling, Transformer, lazy_zeros
+from sluicegate.engine.torch.model import (
+    ModelArgs,
+    RopeScaling,
+    Transformer,
+    kv_cache_bytes_per_slot,
+)
 
 VOCAB = 97
 
@@ -178,10 +185,34 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     assert torch.equal(unpermute_rotary_rows(permuted, heads), weight)
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``, second field, in pages)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lazy_zeros(dtype: torch.dtype) -> None:
-    t = lazy_zeros((2, 3, 4), dtype)
-    assert t.dtype == dtype and t.shape == (2, 3, 4)
-    assert t.is_contiguous() and not t.any()
-    t[1, 2, 3] = 1.5
-    assert float(t.sum()) == 1.5
+def test_kv_cache_bytes_per_slot_is_what_setup_caches_allocates(dtype: torch.dtype) -> None:
+    args = tiny_args()
+    model = Transformer(args).to(dtype)
+    model.setup_caches(3, 40)  # 40 positions are padded to 64
+    per_slot = kv_cache_bytes_per_slot(args, 40, dtype)
+    assert per_slot == 2 * 2 * 2 * 64 * 8 * dtype.itemsize
+    assert model.kv_cache_bytes == 3 * per_slot
+    assert not model.k_cache.any() and not model.v_cache.any()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_kv_cache_is_resident_from_the_start() -> None:
+    """Every page of the cache is written at allocation: memory does not grow with load."""
+    model = Transformer(tiny_args())
+    before = resident_bytes()
+    model.setup_caches(64, 4096)  # 2 x 2 layers x 64 slots x 2 heads x 4096 x 8 x 4 B
+    kv_bytes = model.kv_cache_bytes
+    assert kv_bytes == 64 * 2**20
+    assert resident_bytes() - before >= 0.9 * kv_bytes
+    grown = resident_bytes()
+    model.k_cache.fill_(0)  # touching every page again costs no new memory
+    model.v_cache.fill_(0)
+    assert resident_bytes() - grown < 0.05 * kv_bytes
+    model.release_caches()

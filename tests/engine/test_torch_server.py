@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess, start_server, stop_server
 
@@ -51,3 +53,20 @@ def test_streaming_and_context_limit(torch_server: ServerProcess) -> None:
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="word " * 600, max_tokens=4)
     assert "maximum context length is 512" in str(info.value)
     client.close()
+
+
+def test_kv_cache_memory_is_reported(torch_server: ServerProcess) -> None:
+    kv = torch_server.stats()["kv_cache"]
+    assert isinstance(kv, dict)
+    assert kv["total_slots"] == 4  # the default budget (auto) holds the 4 slots asked for
+    # SmolLM2: 30 layers x (keys + values) x 3 KV heads x 512 positions x 64 dims, per slot.
+    per_slot_per_byte = 30 * 2 * 3 * 512 * 64
+    assert kv["bytes"] in (4 * per_slot_per_byte * 2, 4 * per_slot_per_byte * 4)  # bf16, f32
+    text = httpx.get(torch_server.base_url + "/metrics", timeout=5).text
+    gauge = next(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "sluicegate_kv_cache_bytes"
+    )
+    assert gauge == kv["bytes"]

@@ -120,9 +120,11 @@ def test_metrics_parse_and_labels_are_low_cardinality(metrics_server: ServerProc
         "sluicegate_requests_running", "sluicegate_requests_waiting",
         "sluicegate_streams_paused", "sluicegate_kv_cache_usage_ratio", "sluicegate_engine_up",
         "sluicegate_preemptions", "sluicegate_streams_evicted", "sluicegate_cancellations",
-        "sluicegate_cancel_latency_seconds", "process_resident_memory_bytes",
+        "sluicegate_cancel_latency_seconds", "sluicegate_kv_cache_bytes",
+        "process_resident_memory_bytes",
     ):  # fmt: skip
         assert required in names, required
+    assert scrape(metrics_server)["sluicegate_kv_cache_bytes{}"] == 0  # the sim keeps no KV
 
 
 def test_stats_snapshot(metrics_server: ServerProcess) -> None:
@@ -133,6 +135,7 @@ def test_stats_snapshot(metrics_server: ServerProcess) -> None:
     assert stats["breaker_state"] in ("closed", "shed_batch", "open")
     assert stats["rejections_by_reason"]["rate_limited_requests"] >= 3
     assert "service_rate_requests_per_second" in stats["queue"]
+    assert stats["kv_cache"]["bytes"] == 0
 
 
 def test_request_log_line_and_usage_timing(metrics_server: ServerProcess) -> None:

@@ -32,7 +32,9 @@ async def make_service() -> AsyncIterator[Callable[..., Service]]:
             engine="sim", sim_step_base_ms=2.0, sim_step_per_token_ms=0.0, **settings
         )
         sim = SimEngine(config.sim_step_base_ms, config.sim_step_per_token_ms)
-        loaded = LoadedEngine(sim, sim.tokenizer, sim.model_name, config.max_model_len)
+        loaded = LoadedEngine(
+            sim, sim.tokenizer, sim.model_name, config.max_model_len, config.max_num_seqs
+        )
         service = Service(config, Metrics("sim"), loaded, asyncio.get_running_loop())
         service.core.start()
         service.dispatcher.start()

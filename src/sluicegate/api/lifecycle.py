@@ -58,6 +58,7 @@ async def _load(state: AppState, store: Store) -> None:
         state.load_error = str(exc)
         logger.exception("engine failed to load")
         return
+    state.metrics.kv_cache_bytes.set(service.core.engine.kv_cache_bytes)
     flow = FlowController(flow_config(settings), service)
     flow.start()
     sessions = SessionRegistry(

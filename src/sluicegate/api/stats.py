@@ -100,6 +100,7 @@ def stats_body(state: AppState, ready: Ready) -> dict[str, object]:
             "total_blocks": kv.num_blocks,
             "free_slots": kv.num_free_slots,
             "total_slots": kv.num_slots,
+            "bytes": service.core.engine.kv_cache_bytes,
         },
         "requests_paused": sched.num_paused,
         "streams_paused": ready.flow.num_paused,

