@@ -16,6 +16,8 @@ from sluicegate.engine.torch.model import (
     lazy_zeros,
 )
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 97
 
 

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
         ["--max-num-seqs", "4", "--max-model-len", "512", "--cache-dir", str(cache)], "torch"
     )
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def test_capital_of_france_is_paris(torch_server: ServerProcess) -> None:

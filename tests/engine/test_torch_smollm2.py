@@ -23,7 +23,7 @@ from sluicegate.engine.torch.model import SequenceChunk, build_batch
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 PROMPTS = [
     "The capital of France is",
