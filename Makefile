@@ -1,4 +1,4 @@
-# `make serve` and `make test` set everything up from nothing, then run.
+# `make serve`, `make test` and `make test-fast` set everything up from nothing, then run.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test lint typecheck pytest install clean
+.PHONY: serve test test-fast lint typecheck pytest pytest-fast install clean
 
 install: $(STAMP)
 
@@ -35,8 +35,16 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# pytest exits 5 when it collects no tests, which fails this target as it should.
+# Every test not marked slow: none that starts a server process, drives a browser or
+# loads the model.
+pytest-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# pytest exits 5 when it collects no tests (or deselects them all), which fails these
+# targets as it should.
 test: lint typecheck pytest
+
+test-fast: lint typecheck pytest-fast
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,81 +1,43 @@
-"""Shared fixtures: a real server process on a free port, talked to over real sockets."""
+"""Shared fixtures: a real server process on a free port, talked to over real sockets.
+
+The server process itself is :mod:`sluicegate.bench.server_process` (the bench starts
+its servers the same way); here each server's log goes to ``test-artifacts/``.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from sluicegate.bench.server_process import ServerProcess, free_port, start_server_with_args
+
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    base_url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def v1(self) -> str:
-        return self.base_url + "/v1"
-
-    def stats(self) -> dict[str, object]:
-        data: dict[str, object] = httpx.get(self.base_url + "/v1/stats", timeout=5).json()
-        return data
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 def start_server(
     args: list[str], name: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None
 ) -> ServerProcess:
+    """``sluicegate serve`` with ``args`` on a free port, logging to
+    ``test-artifacts/server-<name>-<port>.log``; returns once it is ready.
+
+    Stop it with :meth:`ServerProcess.stop`.
+    """
     port = free_port()
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / f"server-{name}-{port}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sluicegate", "serve", "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(base_url + "/ready", timeout=1).status_code == 200:
-                return ServerProcess(base_url, process, log_path)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"server not ready in {ready_timeout}s:\n{log_path.read_text()}")
+    return start_server_with_args(
+        args,
+        ARTIFACTS / f"server-{name}-{port}.log",
+        port=port,
+        ready_timeout_seconds=ready_timeout,
+        env=env,
+    )
 
 
-def stop_server(server: ServerProcess) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(10)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait(5)
+def cancellations(server: ServerProcess) -> float:
+    """The server's ``sluicegate_cancellations_total``: sequences aborted because their
+    client disconnected or cancelled (each counted once)."""
+    return server.metrics().total("sluicegate_cancellations_total")
 
 
 @pytest.fixture(scope="session")
@@ -89,4 +51,35 @@ def sim_server() -> Iterator[ServerProcess]:
         "sim",
     )  # fmt: skip
     yield server
-    stop_server(server)
+    server.stop()
+
+
+# --------------------------------------------------------------------------------------
+# Tools that pip does not install (redis-server, Chromium)
+
+#: The skip reason of each missing tool: every test it skips shares one summary line.
+_missing_tool_reasons: set[str] = set()
+
+
+def skip_unless_installed(installed: bool, tool: str, install: str) -> None:
+    """Skip the calling test (or fixture) when ``tool`` is not installed, saying how to
+    install it: ``redis-server not installed: apt-get install redis-server``."""
+    if installed:
+        return
+    reason = f"{tool} not installed: {install}"
+    _missing_tool_reasons.add(reason)
+    pytest.skip(reason)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Report every skip for a missing tool at one location, so that ``-ra`` folds them
+    into one line per tool instead of one per test."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _, _, message = report.longrepr
+        if message.removeprefix("Skipped: ") in _missing_tool_reasons:
+            report.longrepr = (__file__, skip_unless_installed.__code__.co_firstlineno, message)
+    return report

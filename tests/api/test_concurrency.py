@@ -8,18 +8,27 @@ import time
 
 import httpx
 import openai
+import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, cancellations
 from tests.simtext import expected_chat
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 
 
 def wait_idle(server: ServerProcess, timeout: float = 10.0) -> dict[str, object]:
+    """Wait until no request is running, waiting or otherwise alive (a detached stream
+    in its grace period, a preempted sequence); the stats then."""
     deadline = time.monotonic() + timeout
     while True:
         stats = server.stats()
-        if stats["requests_running"] == 0 and stats["requests_waiting"] == 0:
+        if (
+            stats["requests_running"] == 0
+            and stats["requests_waiting"] == 0
+            and stats["live_requests"] == 0
+        ):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle: {stats}")
@@ -50,6 +59,8 @@ async def test_100_concurrent_streams_each_get_their_own_text(sim_server: Server
 
 
 async def test_disconnect_aborts_generation(sim_server: ServerProcess) -> None:
+    wait_idle(sim_server)
+    cancelled_before = cancellations(sim_server)
     async with httpx.AsyncClient(timeout=10) as client:
         for _ in range(10):
             body = {
@@ -66,18 +77,23 @@ async def test_disconnect_aborts_generation(sim_server: ServerProcess) -> None:
     # disconnects must have aborted them.
     stats = wait_idle(sim_server, timeout=2.0)
     assert stats["kv_cache"]["used_blocks"] == 0  # type: ignore[index]
+    assert cancellations(sim_server) - cancelled_before == 10
 
 
 async def test_non_streaming_disconnect_aborts(sim_server: ServerProcess) -> None:
+    wait_idle(sim_server)
+    cancelled_before = cancellations(sim_server)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=0.2) as client:
         with contextlib.suppress(httpx.TimeoutException):
             await client.post(sim_server.v1 + "/completions", json=body)
     wait_idle(sim_server, timeout=2.0)
+    assert cancellations(sim_server) - cancelled_before == 1
 
 
 async def test_200_disconnects_leak_nothing(sim_server: ServerProcess) -> None:
     before = wait_idle(sim_server)
+    cancelled_before = cancellations(sim_server)
 
     async def one(i: int) -> None:
         body = {
@@ -88,6 +104,7 @@ async def test_200_disconnects_leak_nothing(sim_server: ServerProcess) -> None:
             httpx.AsyncClient(timeout=10) as client,
             client.stream("POST", sim_server.v1 + "/completions", json=body) as resp,
         ):
+            assert resp.status_code == 200
             n = 0
             async for _line in resp.aiter_lines():
                 n += 1
@@ -101,3 +118,4 @@ async def test_200_disconnects_leak_nothing(sim_server: ServerProcess) -> None:
     assert after["streams_paused"] == 0
     # Every per-request task is gone (the same fixed set of server tasks as before).
     assert after["event_loop_tasks"] <= before["event_loop_tasks"]
+    assert cancellations(sim_server) - cancelled_before == 200

@@ -9,8 +9,11 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from tests.conftest import start_server
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 

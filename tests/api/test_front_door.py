@@ -14,7 +14,10 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
+from tests.simtext import expected_completion
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 
@@ -37,7 +40,7 @@ def server(tmp_path: Path, name: str, **settings: Any) -> Iterator[ServerProcess
     try:
         yield proc
     finally:
-        stop_server(proc)
+        proc.stop()
 
 
 def completion(key: str | None = None, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
@@ -109,9 +112,13 @@ def test_openai_client_retries_on_retry_after_and_succeeds(tmp_path: Path) -> No
         assert int(info.value.response.headers["retry-after"]) in (1, 2)
         client = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=3)
         started = time.monotonic()
-        # Still limited: the client waits our Retry-After and then succeeds.
-        result = client.completions.create(model=MODEL, prompt="a", max_tokens=2)
-        assert result.choices[0].text
+        # Still limited: the client waits our Retry-After and then succeeds.  The sim's
+        # text is a function of (seed, prompt) whose characters can span several tokens:
+        # a fixed seed and enough tokens make it whole, known and non-empty.
+        result = client.completions.create(model=MODEL, prompt="a", max_tokens=8, seed=3)
+        assert result.choices[0].text == expected_completion("a", 3, 8) != ""
+        assert result.choices[0].finish_reason == "length"
+        assert result.usage is not None and result.usage.completion_tokens == 8
         assert time.monotonic() - started >= 0.8
         client.close()
         no_retry.close()

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 MODEL = "sluicegate-sim"
 
 

@@ -6,10 +6,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
-from tests.conftest import start_server, stop_server
+from tests.conftest import start_server
 from tests.simtext import expected_completion
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 
@@ -78,4 +81,4 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
         unknown = httpx.get(f"{srv2.v1}/jobs/job-nope", timeout=5)
         assert unknown.status_code == 404
     finally:
-        stop_server(srv2)
+        srv2.stop()

@@ -8,6 +8,8 @@ import pytest
 from tests.conftest import ServerProcess
 from tests.simtext import expected_chat, expected_completion
 
+pytestmark = pytest.mark.slow
+
 MODEL = "sluicegate-sim"
 
 

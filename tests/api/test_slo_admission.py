@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 TTFT_OBJECTIVE = 0.5
@@ -26,7 +28,7 @@ def slo_server() -> Iterator[ServerProcess]:
         "slo",
     )  # fmt: skip
     yield server
-    stop_server(server)
+    server.stop()
 
 
 @dataclass
@@ -142,4 +144,4 @@ def test_static_admission_never_refuses_by_objective() -> None:
         assert all(o.status == 200 for o in outcomes)
         assert server.stats()["admission"] == {"mode": "static", "objectives": {}}
     finally:
-        stop_server(server)
+        server.stop()

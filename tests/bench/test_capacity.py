@@ -22,7 +22,9 @@ import pytest
 from typer.testing import CliRunner
 
 from sluicegate.bench.cli import bench_app
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow
 
 NUM_SEQS = 8
 STEP_BASE_MS = 20.0
@@ -60,7 +62,7 @@ def capacity_server() -> Iterator[ServerProcess]:
         "bench-capacity",
     )  # fmt: skip
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def analytic_capacity_rps() -> float:

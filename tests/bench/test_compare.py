@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 from typer.testing import CliRunner
 
 from sluicegate.bench.cli import bench_app
+
+pytestmark = pytest.mark.slow
 
 SERVER = """
 engine: sim

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from sluicegate.bench.client import Target
@@ -22,8 +21,10 @@ from sluicegate.bench.records import Outcome
 from sluicegate.bench.runner import Runner
 from sluicegate.bench.scenario import load_scenario
 from sluicegate.bench.schedule import ClientClass, build_schedule
-from sluicegate.bench.scrape import MetricsSnapshot, parse_metrics
-from tests.conftest import ServerProcess, start_server, stop_server
+from sluicegate.bench.scrape import MetricsSnapshot
+from tests.conftest import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow
 
 SCENARIO = """
 name: counters
@@ -56,18 +57,14 @@ def small_server() -> Iterator[ServerProcess]:
         "bench-counters",
     )  # fmt: skip
     yield server
-    stop_server(server)
-
-
-def scrape(server: ServerProcess) -> MetricsSnapshot:
-    return parse_metrics(httpx.get(server.base_url + "/metrics", timeout=5).text)
+    server.stop()
 
 
 def test_counts_match_the_server_counters(small_server: ServerProcess, tmp_path: Path) -> None:
     path = tmp_path / "counters.yaml"
     path.write_text(SCENARIO)
     scenario = load_scenario(str(path))
-    before = scrape(small_server)
+    before = small_server.metrics()
     runner = Runner(Target.parse(small_server.base_url), scenario, show_progress=False)
     result = runner.run(build_schedule(scenario), "counters")
 
@@ -94,11 +91,11 @@ def test_counts_match_the_server_counters(small_server: ServerProcess, tmp_path:
     # The server counts a cut stream when it notices the disconnect: let it settle.
     expected_requests = len(admitted) + calibration.num_requests
     deadline = time.monotonic() + 10
-    after = scrape(small_server)
+    after = small_server.metrics()
     while delta(after, "sluicegate_requests_total") < expected_requests:
         assert time.monotonic() < deadline, "the server never counted every request"
         time.sleep(0.1)
-        after = scrape(small_server)
+        after = small_server.metrics()
 
     assert delta(after, "sluicegate_requests_total") == expected_requests
     assert delta(after, "sluicegate_rejections_total") == len(rejected)

@@ -12,6 +12,8 @@ from sluicegate.engine.torch import loader
 from sluicegate.engine.torch.convert import hf_model_args
 from sluicegate.engine.torch.packed_linear import packing_supported
 
+pytestmark = pytest.mark.slow
+
 LLAMA_CONFIG = {
     "model_type": "llama",
     "hidden_size": 64,

@@ -16,6 +16,8 @@ from sluicegate.engine.torch.model import (
     kv_cache_bytes_per_slot,
 )
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 97
 
 

@@ -14,6 +14,8 @@ from sluicegate.engine.torch.sampling import (
 )
 from sluicegate.scheduler.request import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 
 def params(
     seed: int = 7, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0

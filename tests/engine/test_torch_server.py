@@ -9,9 +9,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def torch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
         ["--max-num-seqs", "4", "--max-model-len", "512", "--cache-dir", str(cache)], "torch"
     )
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def test_capital_of_france_is_paris(torch_server: ServerProcess) -> None:

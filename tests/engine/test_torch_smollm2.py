@@ -23,7 +23,7 @@ from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from tests.engine.drive import HOLDER_ID_PREFIX, generate, greedy, run_requests
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 PROMPTS = [
     "The capital of France is",

@@ -9,7 +9,7 @@ import pytest
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.loader import load_tokenizer
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 TEXTS = [
     "Hello world!",

@@ -22,7 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluicegate.api.app import create_app
 from sluicegate.config import load_settings
 from sluicegate.metrics.tracing import use_tracer
-from tests.conftest import ServerProcess, free_port, start_server, stop_server
+from tests.conftest import ServerProcess, free_port, start_server
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 ALLOWED_LABELS = {
@@ -44,7 +46,7 @@ def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     )
     server = start_server(["--config", str(path)], "metrics")
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def scrape(server: ServerProcess) -> dict[str, float]:

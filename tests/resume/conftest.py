@@ -18,7 +18,7 @@ import orjson
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
 from tests.store.conftest import RedisServer, start_redis
 
 MODEL = "sluicegate-sim"
@@ -202,7 +202,7 @@ def servers(*specs: tuple[list[str], str]) -> Iterator[list[ServerProcess]]:
     finally:
         for server in started:
             if server.process.poll() is None:
-                stop_server(server)
+                server.stop()
 
 
 def kill(server: ServerProcess) -> None:

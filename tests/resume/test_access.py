@@ -6,8 +6,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
 from tests.resume.conftest import (
     SIM,
     completion_body,
@@ -17,6 +18,8 @@ from tests.resume.conftest import (
 )
 from tests.simtext import expected_completion
 from tests.store.conftest import start_redis
+
+pytestmark = pytest.mark.slow
 
 TENANTS = [
     {"name": "alpha", "api_key": "key-alpha"},
@@ -54,7 +57,7 @@ def test_only_the_creating_tenant_can_resume_and_expired_streams_are_410(tmp_pat
         error = expired.json()["error"]
         assert error["code"] == "stream_expired" and "expired" in error["message"]
     finally:
-        stop_server(srv)
+        srv.stop()
 
 
 def store_metrics(server: ServerProcess) -> str:
@@ -81,7 +84,7 @@ def test_redis_lost_at_run_time_fail_open_serves_without_ids(tmp_path: Path) -> 
         )
         assert srv.process.poll() is None
     finally:
-        stop_server(srv)
+        srv.stop()
         redis.kill()
 
 
@@ -107,5 +110,5 @@ def test_redis_lost_at_run_time_fail_closed_refuses(tmp_path: Path) -> None:
         assert 'outcome="raised"' in metrics
         assert srv.process.poll() is None
     finally:
-        stop_server(srv)
+        srv.stop()
         redis.kill()

@@ -27,6 +27,8 @@ from tests.resume.conftest import (
 )
 from tests.simtext import expected_completion
 
+pytestmark = pytest.mark.slow
+
 RATE = 5
 TENANTS = [
     {"name": "open", "api_key": "k-open"},

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
 from tests.resume.conftest import (
     SIM,
     assert_continues,
@@ -18,6 +18,8 @@ from tests.resume.conftest import (
     resume,
 )
 from tests.simtext import expected_chat, expected_completion
+
+pytestmark = pytest.mark.slow
 
 STORES = ["memory", "redis"]
 
@@ -30,7 +32,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
         f"resume-{request.param}",
     )
     yield srv
-    stop_server(srv)
+    srv.stop()
 
 
 def test_every_event_has_an_id_and_the_stream_id_is_the_chunk_id(server: ServerProcess) -> None:
@@ -145,4 +147,4 @@ def test_a_stream_left_alone_past_the_grace_is_stopped_and_still_resumable() -> 
         assert first.text + rest.text == expected_completion("left alone", 5, n)
         assert_continues(first, rest)
     finally:
-        stop_server(srv)
+        srv.stop()

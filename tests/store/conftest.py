@@ -1,7 +1,7 @@
 """Fixtures: a real ``redis-server`` on a free port in a temp dir, and stores of both kinds.
 
-Tests that need Redis are skipped (with the reason) only when ``redis-server`` is not
-installed; CI installs it (``apt-get install -y redis-server``).
+Tests that need Redis are skipped only when ``redis-server`` is not installed, all on one
+line of the summary that says what to install; CI installs it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sluicegate.store.base import Store
 from sluicegate.store.memory import MemoryStore
 from sluicegate.store.records import StoreConfig
 from sluicegate.store.redis_store import RedisStore
-from tests.conftest import free_port
+from tests.conftest import free_port, skip_unless_installed
 
 REDIS_SERVER = shutil.which("redis-server")
 BACKENDS = ["memory", "redis"]
@@ -106,8 +106,7 @@ class RedisServer:
 
 
 def start_redis(directory: Path) -> RedisServer:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    skip_unless_installed(REDIS_SERVER is not None, "redis-server", "apt-get install redis-server")
     server = RedisServer(free_port(), directory)
     server.start()
     return server

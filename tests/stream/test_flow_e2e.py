@@ -14,8 +14,10 @@ import orjson
 import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, cancellations, start_server
 from tests.simtext import expected_chat
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 FLOW_ARGS = [
@@ -31,7 +33,7 @@ FLOW_ARGS = [
 def flow_server() -> Iterator[ServerProcess]:
     server = start_server([*FLOW_ARGS, "--pause-preempt-seconds", "1.0"], "flow")
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def body(i: int, max_tokens: int) -> dict[str, Any]:
@@ -68,6 +70,7 @@ def fast_stream_gaps(server: ServerProcess, i: int, n: int) -> list[float]:
 
 
 def test_slow_reader_is_paused_and_others_keep_their_pace(flow_server: ServerProcess) -> None:
+    cancelled_before = cancellations(flow_server)
     # Baseline pace of normal streams, alone.
     baseline = statistics.median(fast_stream_gaps(flow_server, 1, 150))
 
@@ -107,7 +110,11 @@ def test_slow_reader_is_paused_and_others_keep_their_pace(flow_server: ServerPro
     with_slow = statistics.median(gaps)
     assert with_slow < baseline * 1.5 + 0.002, (baseline, with_slow)
     slow.close()
-    wait_for(lambda: flow_server.stats()["requests_running"] == 0, 5.0, "abort after close")
+    # Paused past --pause-preempt-seconds, the slow sequence may already be preempted (not
+    # running); the close detaches its stream, which is cancelled after the detached grace.
+    wait_for(lambda: flow_server.stats()["live_requests"] == 0, 5.0, "abort after close")
+    assert flow_server.stats()["requests_running"] == 0
+    assert cancellations(flow_server) - cancelled_before == 1
 
 
 def test_resume_after_pause_and_preemption_gives_identical_text(flow_server: ServerProcess) -> None:
@@ -161,7 +168,7 @@ def test_stalled_client_is_evicted_with_a_final_error_event() -> None:
         assert tail[-1] == b"data: [DONE]"
         stream.close()
     finally:
-        stop_server(server)
+        server.stop()
 
 
 def test_chunking_reduces_writes_and_zero_means_every_token(sim_server: ServerProcess) -> None:
@@ -214,4 +221,4 @@ def test_queued_work_takes_a_paused_readers_place() -> None:
         assert server.stats()["preemptions_by_reason"].get("kv_pressure", 0) >= 1
         slow.close()
     finally:
-        stop_server(server)
+        server.stop()

@@ -8,10 +8,13 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, cancellations
+
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 
@@ -73,6 +76,7 @@ def test_websocket_errors_and_cancel(sim_server: ServerProcess) -> None:
         _, messages = receive_tokens(ws, 2.0)
         assert messages[-1]["type"] == "error"
         assert messages[-1]["error"]["code"] == "model_not_found"
+    cancelled_before = cancellations(sim_server)
     with connect(ws_url(sim_server)) as ws:
         ws.send(orjson.dumps({"type": "request", "body": chat(900)}).decode())
         ws.recv(timeout=2)
@@ -83,9 +87,11 @@ def test_websocket_errors_and_cancel(sim_server: ServerProcess) -> None:
     while sim_server.stats()["requests_running"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert sim_server.stats()["requests_running"] == 0
+    assert cancellations(sim_server) - cancelled_before == 1
 
 
 def test_cancel_endpoint_stops_a_stream(sim_server: ServerProcess) -> None:
+    cancelled_before = cancellations(sim_server)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", sim_server.v1 + "/completions", json=body, timeout=10) as resp:
         request_id = resp.headers["x-request-id"]
@@ -99,6 +105,7 @@ def test_cancel_endpoint_stops_a_stream(sim_server: ServerProcess) -> None:
     assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
     chunks = [orjson.loads(line[6:]) for line in rest if line.startswith("data: {")]
     assert sum(len(c["choices"][0]["text"]) for c in chunks if c["choices"]) < 1000
+    assert cancellations(sim_server) - cancelled_before == 1
 
 
 def test_max_tokens_per_second_throttles_one_request(sim_server: ServerProcess) -> None:

@@ -6,9 +6,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 CHROMIUM = Path("/usr/bin/chromium")
 # Headless, and nothing that reaches for the network: the machine has none.
 CHROMIUM_ARGS = [
@@ -33,14 +30,3 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
         time.sleep(interval)
-
-
-def metric_total(base_url: str, name: str) -> float:
-    """Sum of a metric's samples (all label sets) in the server's /metrics."""
-    text = httpx.get(base_url + "/metrics", timeout=5).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.conftest import skip_unless_installed
 from tests.web.browser import CHROMIUM, CHROMIUM_ARGS
 
 if TYPE_CHECKING:
@@ -15,10 +16,7 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    if not CHROMIUM.is_file():
-        pytest.skip(
-            f"browser tests need Debian's Chromium at {CHROMIUM} (apt-get install -y chromium)"
-        )
+    skip_unless_installed(CHROMIUM.is_file(), f"Chromium ({CHROMIUM})", "apt-get install chromium")
     sync_api = pytest.importorskip(
         "playwright.sync_api", reason="browser tests need playwright (pip install -e '.[test]')"
     )

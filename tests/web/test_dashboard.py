@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import pytest
 
-from tests.conftest import ARTIFACTS, ServerProcess, start_server, stop_server
+from tests.conftest import ARTIFACTS, ServerProcess, start_server
 from tests.web.browser import MODEL, wait_until
 from tests.web.load import StreamingLoad
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page, Route
+
+pytestmark = pytest.mark.slow
 
 # Few slots, a small KV cache and a concurrency cap: the load queues, fills the cache and
 # is partly refused, so every panel has something to show.
@@ -28,7 +30,7 @@ LOADED_SIM = [
 def load_server() -> Iterator[ServerProcess]:
     server = start_server(LOADED_SIM, "web-load")
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def stat(page: Page, name: str) -> str:

@@ -8,9 +8,12 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess
+
+pytestmark = pytest.mark.slow
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "sluicegate.json"
 METRIC_NAME = re.compile(r"\b((?:sluicegate|process)_[a-z0-9_]+)")

@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.conftest import ARTIFACTS, ServerProcess, start_server, stop_server
-from tests.web.browser import MODEL, metric_total, wait_until
+from tests.conftest import ARTIFACTS, ServerProcess, cancellations, start_server
+from tests.web.browser import MODEL, wait_until
 from tests.web.load import StreamingLoad
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
+
+pytestmark = pytest.mark.slow
 
 SLOW_SIM = [
     "--engine", "sim", "--sim-step-base-ms", "20", "--sim-step-per-token-ms", "0.05",
@@ -28,7 +30,7 @@ API_KEY = "sk-web-test"
 def web_server() -> Iterator[ServerProcess]:
     server = start_server(SLOW_SIM, "web")
     yield server
-    stop_server(server)
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     )
     server = start_server([*SLOW_SIM, "--config", str(config)], "web-auth")
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def open_playground(page: Page, server: ServerProcess) -> None:
@@ -99,7 +101,7 @@ def test_the_answer_streams_in(page: Page, web_server: ServerProcess) -> None:
 
 def test_stop_cancels_the_generation(page: Page, web_server: ServerProcess) -> None:
     open_playground(page, web_server)
-    cancellations = metric_total(web_server.base_url, "sluicegate_cancellations_total")
+    cancelled_before = cancellations(web_server)
     ask(page, "Please write a very long answer.", 3000)  # a minute if left alone
 
     wait_until(lambda: len(text(page, "output")) > 30, "the answer is under way")
@@ -111,10 +113,10 @@ def test_stop_cancels_the_generation(page: Page, web_server: ServerProcess) -> N
 
     # Closing the connection aborted the sequence on the server.
     wait_until(
-        lambda: metric_total(web_server.base_url, "sluicegate_cancellations_total") > cancellations,
-        "the server counts a cancellation",
+        lambda: cancellations(web_server) > cancelled_before, "the server counts a cancellation"
     )
     wait_until(lambda: web_server.stats()["requests_running"] == 0, "no sequence is left running")
+    assert cancellations(web_server) - cancelled_before == 1
     stopped_at = text(page, "output")
     time.sleep(0.5)
     assert text(page, "output") == stopped_at

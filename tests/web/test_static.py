@@ -15,6 +15,8 @@ from sluicegate.api.errors import install_error_handlers
 from sluicegate.api.web import router
 from tests.conftest import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 STATIC = resources.files("sluicegate.api").joinpath("static")
 ASSETS = sorted(p.name for p in STATIC.iterdir() if p.is_file())
 

@@ -1,4 +1,8 @@
-"""Start and stop our own server (``python -m sluicegate serve``) for ``bench compare``."""
+"""Start and stop our own server (``python -m sluicegate serve``) as a child process.
+
+The one implementation for ``bench compare`` and ``bench engine`` (a server from a YAML
+config) and for the end-to-end tests (a server from CLI flags).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -14,7 +19,11 @@ from typing import Any
 
 import httpx
 
+from sluicegate.bench.scrape import MetricsSnapshot, parse_metrics
 from sluicegate.config import read_config_file
+
+#: How often a starting server's ``/ready`` is polled.
+READY_POLL_INTERVAL_SECONDS = 0.05
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,10 +37,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerProcess:
     """A server child process on ``base_url``, logging to ``log_path``."""
 
-    config_path: Path
     base_url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+
+    @property
+    def v1(self) -> str:
+        """The OpenAI API's base URL (what an OpenAI client takes as ``base_url``)."""
+        return self.base_url + "/v1"
+
+    def stats(self, timeout_seconds: float = 5.0) -> dict[str, Any]:
+        """The server's ``GET /v1/stats`` snapshot."""
+        response = httpx.get(self.v1 + "/stats", timeout=timeout_seconds)
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def metrics(self, timeout_seconds: float = 5.0) -> MetricsSnapshot:
+        """Every sample of the server's ``GET /metrics`` (see :class:`MetricsSnapshot`)."""
+        response = httpx.get(self.base_url + "/metrics", timeout=timeout_seconds)
+        response.raise_for_status()
+        return parse_metrics(response.text)
+
+    def log(self) -> str:
+        """Everything the server has written to its log so far."""
+        return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout_seconds: float = 10.0) -> int:
         """Terminate (SIGTERM, then SIGKILL after the timeout); the exit code."""
@@ -77,27 +107,50 @@ def start_server(
     host: str = "127.0.0.1",
     port: int | None = None,
     ready_timeout_seconds: float = 180.0,
-    extra_args: list[str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> ServerProcess:
     """Start a server with ``--config``, wait for ``/ready``; raise with its log if it fails."""
+    return start_server_with_args(
+        ["--config", str(config_path), *extra_args],
+        log_path,
+        host=host,
+        port=port,
+        ready_timeout_seconds=ready_timeout_seconds,
+    )
+
+
+def start_server_with_args(
+    args: Sequence[str],
+    log_path: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    ready_timeout_seconds: float = 180.0,
+    env: Mapping[str, str] | None = None,
+) -> ServerProcess:
+    """Start ``sluicegate serve`` with ``args`` (``--host``/``--port`` are added), its output
+    to ``log_path``, and wait for ``/ready``; raise with its log if it fails.
+
+    ``env`` adds to (or overrides) this process's environment.
+    """
     port = port or free_port(host)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "sluicegate", "serve", "--config", str(config_path),
-        "--host", host, "--port", str(port), *(extra_args or []),
+        sys.executable, "-m", "sluicegate", "serve", *args, "--host", host, "--port", str(port),
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-    server = ServerProcess(config_path, f"http://{host}:{port}", process, log_path)
+    server = ServerProcess(f"http://{host}:{port}", process, log_path)
+    what = f"the server `sluicegate serve {' '.join(args)}`"
     deadline = time.monotonic() + ready_timeout_seconds
     with httpx.Client() as client:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 server.stop()
                 raise RuntimeError(
-                    f"the server for {config_path} exited with code {process.returncode}; "
+                    f"{what} exited with code {process.returncode}; "
                     f"its log ({log_path}):\n{_tail(log_path)}"
                 )
             try:
@@ -105,10 +158,10 @@ def start_server(
                     return server
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
+            time.sleep(READY_POLL_INTERVAL_SECONDS)
     server.stop()
     raise RuntimeError(
-        f"the server for {config_path} was not ready in {ready_timeout_seconds:g}s; "
+        f"{what} was not ready in {ready_timeout_seconds:g}s; "
         f"its log ({log_path}):\n{_tail(log_path)}"
     )
 

@@ -1,7 +1,8 @@
 """Warm-up steps that seed the scheduler's cost model before any request arrives.
 
 A handful of steps of varied shapes (decode batches of growing size at two context
-lengths, prefill chunks, a mixed step) on placeholder tokens, timed.  They write into KV
+lengths, a prefill chunk, a mixed step) on placeholder tokens, timed: enough for a first
+fit, which every real step then refines.  They write into KV
 slots that no request holds yet, and the slots are handed back clean.
 """
 
@@ -24,19 +25,17 @@ def warm_up(
 ) -> list[tuple[StepShape, float]]:
     """Run the warm-up steps; returns each step's shape and measured seconds."""
     longest = max(1, max_model_len - 1)
-    contexts = sorted({min(64, longest), min(1024, longest)})
+    contexts = sorted({min(64, longest), min(512, longest)})
     plans: list[StepPlan] = []
     for context in contexts:
-        for n in sorted({1, 2, 4, 16, num_slots}):
+        for n in sorted({1, 4, min(16, num_slots)}):
             if n <= num_slots:
                 plans.append(_decode(n, context))
-    for chunk in sorted({min(32, max_num_batched_tokens), max_num_batched_tokens}):
-        plans.append(_prefill(0, min(chunk, longest), num_decoding=0, context=0))
+    plans.append(_prefill(0, min(64, max_num_batched_tokens, longest), num_decoding=0, context=0))
     mixed = min(8, num_slots - 1)
-    if mixed > 0:
-        plans.append(
-            _prefill(mixed, min(max_num_batched_tokens - mixed, longest), mixed, contexts[0])
-        )
+    chunk = min(256, max_num_batched_tokens - mixed, longest)
+    if mixed > 0 and chunk > 0:
+        plans.append(_prefill(mixed, chunk, mixed, contexts[0]))
     engine.step(plans[0])  # the very first step pays one-off costs: not a sample
     observations: list[tuple[StepShape, float]] = []
     for plan in plans:
