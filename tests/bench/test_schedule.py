@@ -164,7 +164,7 @@ def test_builtin_scenarios_load(tmp_path: Path) -> None:
     names = builtin_scenario_names()
     assert {
         "steady", "burst-3x", "slow-readers", "disconnect-storm",
-        "long-prompt-interference", "tenant-flood",
+        "long-prompt-interference", "tenant-flood", "overload", "burst-retry",
     } <= set(names)  # fmt: skip
     for name in names:
         scenario = load_scenario(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sluicegate.bench.records import Attempt, Outcome, Sample
-from sluicegate.bench.scenario import ServiceObjectives
+from sluicegate.bench.scenario import RetryAfter, ServiceObjectives
 from sluicegate.bench.schedule import ClientClass, PlannedRequest, StagePlan
 from sluicegate.bench.stats import (
     meets_slo,
@@ -116,3 +116,73 @@ def test_run_summary_groups() -> None:
     assert groups["all"].num_not_sent == 1 and groups["all"].num_good == 2
     assert groups["class=slow"].num_planned == 1
     assert groups["stage=0"].offered_rps == 3.0
+
+
+def refused(
+    sent: float = 0.0,
+    e2e: float = 0.004,
+    retry_after: float = 1.0,
+    in_stream: bool = False,
+) -> Attempt:
+    """A refusal: a 429, or a final error event of an admitted stream."""
+    return Attempt(
+        sent, status=200 if in_stream else 429, outcome=Outcome.REJECTED, e2e_seconds=e2e,
+        retry_after_seconds=retry_after, refused_after_seconds=e2e, refused_in_stream=in_stream,
+        error_code="slo_unreachable",
+    )  # fmt: skip
+
+
+def test_admitted_ttft_keeps_requests_that_never_got_a_token() -> None:
+    cut = Attempt(0.0, status=200, outcome=Outcome.ABORTED, e2e_seconds=5.0)
+    samples = [
+        Sample(planned(0), [streamed(0.1, 0.01, 10)]),
+        Sample(planned(1), [streamed(0.3, 0.02, 10)]),
+        Sample(planned(2), [cut]),  # admitted, queued until the run cut it
+        Sample(planned(3), [refused(e2e=0.004)]),
+        Sample(planned(4), [refused(e2e=0.008)]),
+        Sample(planned(5), [refused(e2e=0.8, in_stream=True)]),  # not a fast refusal
+    ]
+    stats = summarise("all", samples, SLO, window_seconds=2.0)
+    assert stats.num_admitted == 3 and stats.num_admitted_without_token == 1
+    assert stats.admitted_ttft is not None and stats.admitted_ttft.count == 3
+    assert stats.admitted_ttft.p50 == pytest.approx(0.3)
+    # The cut request counts with its 5 s wait (a lower bound), so p99 cannot hide it ...
+    assert stats.admitted_ttft.p99 == pytest.approx(0.3 + 0.98 * 4.7)
+    # ... where the plain TTFT (first tokens only) knows nothing of it.
+    assert stats.ttft is not None and stats.ttft.count == 2
+    assert stats.tpot is not None and stats.tpot.p99 == pytest.approx(0.0199, abs=1e-4)
+    # Refusal latency: sent to the complete 429; an in-stream refusal is counted apart.
+    assert stats.num_rejected == 3 and stats.num_refused_in_stream == 1
+    assert stats.refusal_latency is not None and stats.refusal_latency.count == 2
+    assert stats.refusal_latency.p50 == pytest.approx(0.006)
+    assert stats.refusal_latency.p99 == pytest.approx(0.00796)
+    assert stats.num_good == 2 and stats.goodput_rps == pytest.approx(1.0)
+
+
+def test_retry_success_counts_retries_made_at_the_advertised_time() -> None:
+    policy = RetryAfter(on_time_tolerance_seconds=0.05)
+
+    def retried(index: int, lateness: float, admitted: bool) -> Sample:
+        first = refused(sent=float(index), e2e=0.004, retry_after=1.0)
+        due = float(index) + 0.004 + 1.0
+        retry = (
+            streamed(0.1, 0.01, 10, sent=due + lateness) if admitted else refused(due + lateness)
+        )
+        return Sample(planned(index), [first, retry])
+
+    samples = [
+        retried(0, 0.001, admitted=True),
+        retried(1, 0.002, admitted=True),
+        retried(2, 0.003, admitted=False),
+        retried(3, 0.5, admitted=True),  # half a second late: not at the advertised time
+        Sample(planned(4), [refused(sent=4.0)]),  # never retried
+    ]
+    assert samples[0].retry_lateness_seconds == pytest.approx(0.001)
+    stats = summarise("all", samples, SLO, window_seconds=5.0, retry_policy=policy)
+    assert stats.num_retried == 4 and stats.num_retry_succeeded == 3
+    assert stats.num_retries_on_time == 3 and stats.num_retries_on_time_admitted == 2
+    assert stats.retry_on_time_admitted_fraction == pytest.approx(2 / 3)
+    assert stats.retry_lateness is not None and stats.retry_lateness.count == 4
+    groups = summarise_run(samples, [StagePlan(0, 1.0, 0.0, 5.0)], SLO, policy)
+    assert groups["stage=0"].retry_on_time_admitted_fraction == pytest.approx(2 / 3)
+    assert summarise("all", samples[4:], SLO, 1.0).retry_on_time_admitted_fraction is None

@@ -144,8 +144,12 @@ def run_command(
         result = runner.run(schedule, label, capacity_rps=capacity_rps)
     except (BenchError, ValueError) as exc:
         _fail(str(exc))
+    from sluicegate.bench.targets import targets_markdown
+
     outputs = write_outputs(out, [result], capacity)
     typer.echo(headline_line(label, result.summary()["all"]))
+    for line in targets_markdown([result]):
+        typer.echo(line)
     typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
 
 
@@ -239,10 +243,14 @@ def compare_command(
         )  # fmt: skip
     except (BenchError, RuntimeError, ValueError) as exc:
         _fail(str(exc))
+    from sluicegate.bench.targets import targets_markdown
+
     order = " then ".join(r.label for r in results)
     typer.echo(f"ran in turn: {order}")
     for result in results:
         typer.echo(headline_line(result.label, result.summary()["all"]))
+    for line in targets_markdown(results):
+        typer.echo(line)
     typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
 
 

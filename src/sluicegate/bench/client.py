@@ -12,10 +12,13 @@ its socket after ``k`` tokens.  Token counts per SSE event come from
 from __future__ import annotations
 
 import contextlib
+import email.utils
+import math
 import socket
 import ssl
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -152,7 +155,8 @@ def send_request(
 
 
 def execute(planned: PlannedRequest, ctx: ClientContext) -> Sample:
-    """Send one planned request (and one retry after a 429/503 if the scenario says so)."""
+    """Send one planned request, and retry it once at the advertised time after a refusal
+    if the scenario's ``retry_after`` policy says so."""
     sample = Sample(planned)
     body = request_body(ctx.scenario, planned, ctx.model, ctx.prompt_model)
     headers = {}
@@ -165,12 +169,15 @@ def execute(planned: PlannedRequest, ctx: ClientContext) -> Sample:
     sample.attempts.append(first)
     policy = ctx.scenario.retry_after
     wait = first.retry_after_seconds
+    due = first.retry_due_offset_seconds
     if (
         first.outcome is Outcome.REJECTED
         and policy.retry_once
         and wait is not None
+        and due is not None
         and wait <= policy.max_wait_seconds
-        and not ctx.stop.wait(wait)
+        # The advertised time counts from when the refusal arrived, not from now.
+        and not ctx.stop.wait(max(0.0, ctx.run_start + due - time.monotonic()))
     ):
         sample.attempts.append(run_attempt(planned, ctx, body, headers))
     return sample
@@ -195,9 +202,10 @@ def run_attempt(
         stream = send_request(
             sock, ctx.target, ctx.target.path(ctx.scenario.endpoint), body, headers
         )
+        head_at = time.monotonic()
         attempt.status = stream.status
         if stream.status != 200:
-            _read_refusal(stream, attempt)
+            _read_refusal(stream, attempt, sent, head_at)
         else:
             _read_stream(stream, planned, ctx, attempt, sent)
     except TimeoutError:
@@ -214,30 +222,87 @@ def run_attempt(
     return attempt
 
 
-def _read_refusal(stream: RawStream, attempt: Attempt) -> None:
+def _read_refusal(stream: RawStream, attempt: Attempt, sent: float, head_at: float) -> None:
+    """Read an error response to its end: the refusal's latency is sent to that end."""
     raw = b""
     for event in stream.events():
         raw += event.data + b"\n\n"
         if len(raw) > _MAX_ERROR_BODY_BYTES:
             break
+    attempt.e2e_seconds = time.monotonic() - sent
     attempt.outcome = Outcome.REJECTED if attempt.status in REJECTION_STATUSES else Outcome.ERROR
-    attempt.error = _error_message(raw.strip()) or f"HTTP {attempt.status}"
-    retry_after = stream.headers.get("retry-after")
-    if retry_after is not None:
-        with contextlib.suppress(ValueError):
-            attempt.retry_after_seconds = float(retry_after)
+    error = _error_object(raw.strip())
+    attempt.error = _error_message(raw.strip(), error) or f"HTTP {attempt.status}"
+    attempt.error_code = _error_code(error)
+    attempt.retry_after_seconds = retry_after_seconds(stream.headers)
+    if attempt.retry_after_seconds is not None:
+        attempt.refused_after_seconds = head_at - sent
 
 
-def _error_message(raw: bytes) -> str | None:
+def retry_after_seconds(headers: Mapping[str, str], now_unix: float | None = None) -> float | None:
+    """When to retry, from response headers (names lower-case): ``retry-after-ms``
+    (milliseconds, fractions allowed; what OpenAI's SDKs read first), else ``Retry-After``
+    (seconds, or an HTTP date).  None when neither is there or usable."""
+    milliseconds = _non_negative(headers.get("retry-after-ms"))
+    if milliseconds is not None:
+        return milliseconds / 1000.0
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _non_negative(value)
+    if seconds is not None:
+        return seconds
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now_unix is None else now_unix))
+
+
+def _non_negative(value: str | None) -> float | None:
+    try:
+        number = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def _error_object(raw: bytes) -> Any:
+    """The decoded JSON of an error body or event (``data: `` stripped); None if not JSON."""
     if raw.startswith(b"data: "):
         raw = raw[len(b"data: ") :]
     try:
-        payload = orjson.loads(raw)
+        return orjson.loads(raw)
     except orjson.JSONDecodeError:
+        return None
+
+
+def _error_message(raw: bytes, payload: Any) -> str | None:
+    if payload is None:
+        if raw.startswith(b"data: "):
+            raw = raw[len(b"data: ") :]
         return raw[:200].decode(errors="replace") or None
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
         return str(payload["error"].get("message"))
     return str(payload)[:200]
+
+
+def _error_code(payload: Any) -> str | None:
+    error = payload.get("error") if isinstance(payload, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return None if code is None else str(code)
+
+
+def refusal_from_event(payload: dict[str, Any]) -> float | None:
+    """An error event's ``retry_after_ms`` in seconds: the stream was refused after it
+    was admitted (its deadline became unreachable).  None for another kind of error."""
+    error = payload.get("error")
+    value = error.get("retry_after_ms") if isinstance(error, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) / 1000.0 if math.isfinite(value) and value >= 0 else None
 
 
 def _read_stream(
@@ -269,8 +334,7 @@ def _read_stream(
             return
         payload = orjson.loads(data[len(b"data: ") :])
         if "error" in payload:
-            attempt.outcome = Outcome.ERROR
-            attempt.error = _error_message(data) or "error event"
+            _read_error_event(payload, data, attempt, event.received_at - sent)
             return
         num_new = _count_tokens(payload, attempt)
         if num_new <= 0:
@@ -283,6 +347,24 @@ def _read_stream(
             attempt.outcome = Outcome.DISCONNECTED
             attempt.e2e_seconds = event.received_at - sent
             return
+
+
+def _read_error_event(
+    payload: dict[str, Any], data: bytes, attempt: Attempt, received_seconds: float
+) -> None:
+    """A final error event.  With ``retry_after_ms`` and before any token it is a refusal
+    (an admitted request whose deadline became unreachable), like a 429."""
+    attempt.error = _error_message(data, payload) or "error event"
+    attempt.error_code = _error_code(payload)
+    attempt.retry_after_seconds = refusal_from_event(payload)
+    attempt.e2e_seconds = received_seconds
+    if attempt.retry_after_seconds is not None:
+        attempt.refused_after_seconds = received_seconds
+    if attempt.retry_after_seconds is not None and not attempt.token_events:
+        attempt.outcome = Outcome.REJECTED
+        attempt.refused_in_stream = True
+    else:
+        attempt.outcome = Outcome.ERROR
 
 
 def _count_tokens(payload: dict[str, Any], attempt: Attempt) -> int:

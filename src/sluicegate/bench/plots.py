@@ -2,8 +2,8 @@
 
 - ``latency_vs_load.png``: TTFT and TPOT percentiles, goodput and rejection rate
   against the offered load of each stage.
-- ``timeseries.png``: requests waiting, paused streams, KV cache use and server RSS
-  over the run (scraped from ``/metrics``).
+- ``timeseries.png``: requests waiting, paused streams, KV cache use, the seat limit and
+  server RSS over the run (scraped from ``/metrics``).
 - ``ttft_timeline.png``: every request's TTFT against its send time (queue growth).
 """
 
@@ -71,9 +71,10 @@ def plot_timeseries(results: Sequence[RunResult], path: Path) -> Path:
         ("requests_waiting", "requests waiting (queue depth)", 1.0),
         ("streams_paused", "streams paused (slow readers)", 1.0),
         ("kv_cache_usage_ratio", "KV cache usage (%)", 100.0),
+        ("concurrency_limit", "seat limit (concurrency_limit)", 1.0),
         ("resident_memory_bytes", "server RSS (MiB)", 1 / 2**20),
     )
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 10), sharex=True)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 12), sharex=True)
     for i, result in enumerate(results):
         for ax, (attribute, _, scale) in zip(axes, panels, strict=True):
             points = [(p.offset_seconds, getattr(p, attribute)) for p in result.series]

@@ -21,7 +21,7 @@ class Outcome(enum.StrEnum):
 
     COMPLETED = "completed"  # the stream ended with [DONE]
     DISCONNECTED = "disconnected"  # the client left on purpose after k tokens
-    REJECTED = "rejected"  # 429 or 503 before any token
+    REJECTED = "rejected"  # 429/503, or an error event with retry_after_ms, before any token
     ERROR = "error"  # another HTTP error, or an error event in the stream
     TIMEOUT = "timeout"  # the socket read timed out
     ABORTED = "aborted"  # cut by the bench at the end of the drain window
@@ -36,7 +36,16 @@ class Attempt:
     status: int = 0
     outcome: Outcome = Outcome.CONNECT_ERROR
     error: str | None = None
+    #: The error's ``code`` (``slo_unreachable``, ``queue_full``, ...), when it had one.
+    error_code: str | None = None
+    #: When to come back: ``retry-after-ms``, else ``Retry-After``, else an error event's
+    #: ``retry_after_ms``.
     retry_after_seconds: float | None = None
+    #: Seconds since sent when the refusal arrived (the response head, or the error
+    #: event); a retry is due this long plus ``retry_after_seconds`` after sending.
+    refused_after_seconds: float | None = None
+    #: The refusal came as a final SSE error event of an admitted stream, not an HTTP status.
+    refused_in_stream: bool = False
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     finish_reason: str | None = None
@@ -64,6 +73,23 @@ class Attempt:
         return [b - a for a, b in itertools.pairwise(self.token_times())]
 
     @property
+    def admitted(self) -> bool:
+        """The server took the request and did not refuse it later (it may have failed)."""
+        return self.status == 200 and self.outcome is not Outcome.REJECTED
+
+    @property
+    def refused_by_status(self) -> bool:
+        """Refused with an HTTP 429/503 (not by an error event after being admitted)."""
+        return self.outcome is Outcome.REJECTED and self.status in REJECTION_STATUSES
+
+    @property
+    def retry_due_offset_seconds(self) -> float | None:
+        """When a retry is due, in run time: the refusal's arrival plus the advertised wait."""
+        if self.retry_after_seconds is None or self.refused_after_seconds is None:
+            return None
+        return self.sent_offset_seconds + self.refused_after_seconds + self.retry_after_seconds
+
+    @property
     def served(self) -> bool:
         """The server took the request (a token came, or it ran to the end)."""
         return self.outcome in (Outcome.COMPLETED, Outcome.DISCONNECTED) or bool(self.token_events)
@@ -74,7 +100,10 @@ class Attempt:
             "status": self.status,
             "outcome": self.outcome.value,
             "error": self.error,
+            "error_code": self.error_code,
             "retry_after_seconds": self.retry_after_seconds,
+            "refused_after_seconds": self.refused_after_seconds,
+            "refused_in_stream": self.refused_in_stream,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
@@ -114,6 +143,15 @@ class Sample:
     def retry(self) -> Attempt | None:
         return self.attempts[1] if len(self.attempts) > 1 else None
 
+    @property
+    def retry_lateness_seconds(self) -> float | None:
+        """How long after the advertised time the retry was sent (None: no retry)."""
+        first, retry = self.first, self.retry
+        due = None if first is None else first.retry_due_offset_seconds
+        if retry is None or due is None:
+            return None
+        return retry.sent_offset_seconds - due
+
     def to_json(self) -> dict[str, Any]:
         p = self.planned
         return {
@@ -129,6 +167,7 @@ class Sample:
             "read_tokens_per_second": p.read_tokens_per_second,
             "outcome": self.outcome,
             "not_sent_reason": self.not_sent_reason,
+            "retry_lateness_seconds": self.retry_lateness_seconds,
             "attempts": [a.to_json() for a in self.attempts],
         }
 
@@ -143,6 +182,7 @@ class SeriesPoint:
     requests_waiting: float | None = None
     requests_running: float | None = None
     streams_paused: float | None = None
+    concurrency_limit: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -152,4 +192,5 @@ class SeriesPoint:
             "requests_waiting": self.requests_waiting,
             "requests_running": self.requests_running,
             "streams_paused": self.streams_paused,
+            "concurrency_limit": self.concurrency_limit,
         }

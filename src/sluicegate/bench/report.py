@@ -17,6 +17,7 @@ from sluicegate.bench.capacity import CapacityResult
 from sluicegate.bench.runner import RunResult
 from sluicegate.bench.scenario import Scenario
 from sluicegate.bench.stats import GroupStats, Percentiles
+from sluicegate.bench.targets import checks_of, figures_of, targets_markdown
 
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.md"
@@ -49,6 +50,15 @@ def headline(stats: GroupStats) -> dict[str, Any]:
         "qoe_mean": stats.qoe_mean,
         "retry_success_rate": stats.retry_success_rate,
         "output_tokens_per_second": stats.output_tokens_per_second,
+        "num_admitted": stats.num_admitted,
+        "num_refused_in_stream": stats.num_refused_in_stream,
+        "admitted_ttft_p50_seconds": pct("admitted_ttft", "p50"),
+        "admitted_ttft_p99_seconds": pct("admitted_ttft", "p99"),
+        "refusal_p50_seconds": pct("refusal_latency", "p50"),
+        "refusal_p99_seconds": pct("refusal_latency", "p99"),
+        "num_retries_on_time": stats.num_retries_on_time,
+        "retry_on_time_admitted_fraction": stats.retry_on_time_admitted_fraction,
+        "retry_lateness_p99_seconds": pct("retry_lateness", "p99"),
     }
 
 
@@ -71,6 +81,17 @@ def summary_object(results: Sequence[RunResult]) -> dict[str, Any]:
         lateness = [x.send_lateness_seconds for x in result.samples if x.send_lateness_seconds]
         # Open-loop health: how late the generator sent, against the schedule.
         entry["send_lateness_p99_seconds"] = Percentiles.of(lateness).p99
+        figures = figures_of(result, groups)
+        capacity = result.capacity_rps
+        entry["goodput_capacity_fraction"] = entry["goodput_rps"] / capacity if capacity else None
+        entry["stages"] = [
+            {**headline(groups[f"stage={f.index}"]), **dataclasses.asdict(f)}
+            for f in figures.stages
+        ]
+        entry["base_stage"], entry["peak_stage"] = figures.base_stage, figures.peak_stage
+        entry["ttft_p99_ratio"] = figures.ttft_p99_ratio
+        entry["resident_memory_ratio"] = figures.resident_memory_ratio
+        entry["targets"] = [dataclasses.asdict(c) for c in checks_of(result, groups)]
         entry["groups"] = {name: dataclasses.asdict(g) for name, g in groups.items()}
         out[result.label] = entry
     return out
@@ -200,6 +221,9 @@ def summary_markdown(
     if capacity is not None:
         lines += _capacity_lines(capacity)
     summaries = {r.label: r.summary() for r in results}
+    targets = targets_markdown(results)
+    if targets:
+        lines += ["## Targets", "", *targets]
     if results:
         lines += ["## Per configuration", ""]
         rows = []
@@ -269,6 +293,7 @@ def summary_markdown(
             ],
             rows,
         )  # fmt: skip
+        lines += _admission_lines(results, summaries)
         lines += _counter_lines(results)
         notes = [f"- `{r.label}`: {note}" for r in results for note in r.notes]
         notes += [f"- `{r.label}`: prompt calibration: {r.calibration.note}" for r in results
@@ -305,6 +330,67 @@ def _capacity_lines(capacity: CapacityResult) -> list[str]:
         ],
         rows,
     )  # fmt: skip
+
+
+def _admission_lines(
+    results: Sequence[RunResult], summaries: dict[str, dict[str, GroupStats]]
+) -> list[str]:
+    """Per stage: admitted-only latency, goodput against capacity, refusals, RSS, retries."""
+    rows = []
+    for result in results:
+        groups = summaries[result.label]
+        for figures in figures_of(result, groups).stages:
+            s = groups[f"stage={figures.index}"]
+            multiplier = figures.capacity_multiplier
+            refusal = s.refusal_latency
+            retries = "–"
+            if s.num_retries_on_time:
+                retries = (
+                    f"{_pct(s.retry_on_time_admitted_fraction)} "
+                    f"({s.num_retries_on_time_admitted}/{s.num_retries_on_time})"
+                )
+            rows.append(
+                [
+                    f"`{result.label}`", str(figures.index),
+                    "–" if multiplier is None else f"{multiplier:g}x", _num(figures.offered_rps),
+                    str(s.num_admitted), f"{s.num_rejected} ({s.num_refused_in_stream})",
+                    _ms(s.admitted_ttft.p50 if s.admitted_ttft else None),
+                    _ms(s.admitted_ttft.p99 if s.admitted_ttft else None),
+                    _ms(s.tpot.p99 if s.tpot else None), _num(s.goodput_rps),
+                    _pct(figures.goodput_capacity_fraction),
+                    _ms3(refusal.p50 if refusal else None), _ms3(refusal.p99 if refusal else None),
+                    _mib(figures.resident_memory_mean_bytes),
+                    _mib(figures.resident_memory_max_bytes),
+                    _num(figures.concurrency_limit_mean, "{:.1f}"), retries,
+                ]
+            )  # fmt: skip
+    if not rows:
+        return []
+    header = [
+        "configuration", "stage", "load", "offered req/s", "admitted", "refused (in stream)",
+        "adm. TTFT p50", "adm. TTFT p99", "TPOT p99", "goodput req/s", "goodput / capacity",
+        "refusal p50", "refusal p99", "RSS mean", "RSS max", "seat limit",
+        "retries on time admitted",
+    ]  # fmt: skip
+    return [
+        "## Admission by stage",
+        "",
+        "Admitted TTFT: first attempts the server took (one cut or failed before its first "
+        "token counts with the time it waited). Refusal: sent to the complete 429/503. "
+        "Seat limit: mean `sluicegate_concurrency_limit`. Retries on time: sent within "
+        "the scenario's tolerance of the advertised time.",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def _ms3(value: float | None) -> str:
+    """Milliseconds with a decimal, for short times (refusals)."""
+    return "–" if value is None else f"{value * 1000:.1f} ms"
+
+
+def _mib(value: float | None) -> str:
+    return _num(None if value is None else value / 2**20, "{:.0f} MiB")
 
 
 def _counter_lines(results: Sequence[RunResult]) -> list[str]:

@@ -78,7 +78,8 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, GroupStats]:
-        return summarise_run(self.samples, self.stages, self.scenario.slo)
+        scenario = self.scenario
+        return summarise_run(self.samples, self.stages, scenario.slo, scenario.retry_after)
 
     @property
     def counters_delta(self) -> dict[str, float]:

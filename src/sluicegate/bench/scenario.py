@@ -177,10 +177,46 @@ class ServiceObjectives(_Strict):
 
 
 class RetryAfter(_Strict):
-    """On 429/503 with ``Retry-After: R``, wait R seconds and retry once."""
+    """On a refusal that says when to come back (``retry-after-ms``, ``Retry-After``, or an
+    error event's ``retry_after_ms``: R), retry once, R seconds after the refusal came."""
 
     retry_once: bool = True
     max_wait_seconds: float = Field(10.0, ge=0.0, description="Do not retry when R is larger.")
+    on_time_tolerance_seconds: float = Field(
+        0.05,
+        ge=0.0,
+        description="A retry sent at most this long after its advertised time counts as "
+        "made at that time (the retry-success figure counts only those).",
+    )
+
+
+class Targets(_Strict):
+    """What a run should show, each checked in the summary's targets table (met or not).
+
+    Stages are compared by offered rate: the *base* stage is the first at the lowest rate,
+    the *peak* stage the first at the highest.  Unset targets are not checked.
+    """
+
+    ttft_p99_ratio_max: float | None = Field(
+        None, gt=0.0, description="Admitted TTFT p99 at the peak stage over the base stage."
+    )
+    tpot_p99_within_objective: bool = Field(
+        False, description="Admitted TPOT p99 at the peak stage at most slo.tpot_seconds."
+    )
+    goodput_capacity_fraction_min: float | None = Field(
+        None, gt=0.0, description="Goodput at the peak stage over the capacity, at least."
+    )
+    refusal_p99_seconds_below: float | None = Field(
+        None, gt=0.0, description="Refusal latency p99 (sent to complete 429) at the peak stage."
+    )
+    resident_memory_ratio_tolerance: float | None = Field(
+        None,
+        ge=0.0,
+        description="Peak RSS in the peak stage within this fraction of that in the base stage.",
+    )
+    retry_admitted_fraction_min: float | None = Field(
+        None, gt=0.0, le=1.0, description="Retries made at the advertised time admitted, at least."
+    )
 
 
 class Limits(_Strict):
@@ -239,6 +275,7 @@ class Scenario(_Strict):
     )
     slo: ServiceObjectives = Field(default_factory=ServiceObjectives)
     retry_after: RetryAfter = Field(default_factory=RetryAfter)
+    targets: Targets = Field(default_factory=Targets)
     limits: Limits = Field(default_factory=Limits)
     capacity: CapacitySearch = Field(default_factory=CapacitySearch)
     tokens_per_word: float | None = Field(

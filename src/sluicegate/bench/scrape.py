@@ -23,6 +23,7 @@ SERIES_METRICS = {
     "sluicegate_requests_waiting": "requests_waiting",
     "sluicegate_requests_running": "requests_running",
     "sluicegate_streams_paused": "streams_paused",
+    "sluicegate_concurrency_limit": "concurrency_limit",
 }
 
 #: Counters compared before and after a run (sample names, with their labels).

@@ -17,7 +17,14 @@ Definitions (see ``docs/bench.md``):
   scores 0.
 
 Latency figures use each request's first attempt; a retry after ``Retry-After`` is
-reported separately (how often it then succeeded).
+reported separately (how often it then succeeded).  With admission control, three more:
+
+- *admitted TTFT*: the TTFT of first attempts the server admitted (not refused by status
+  or by a final error event); one admitted but cut or failed before its first token
+  counts with the time it waited, a lower bound, so a stalled queue cannot hide.
+- *refusal latency*: sent (just before connect) to the complete 429/503 response.
+- *retries at the advertised time*: retries sent within ``on_time_tolerance_seconds``
+  of the refusal's arrival plus its advertised wait, and the fraction of them admitted.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sluicegate.bench.records import Outcome, Sample
-from sluicegate.bench.scenario import ServiceObjectives
+from sluicegate.bench.scenario import RetryAfter, ServiceObjectives
 from sluicegate.bench.schedule import StagePlan
 
 SLOW_READER_TPOT_SLACK = 1.25
@@ -81,6 +88,18 @@ class GroupStats:
     num_retry_succeeded: int = 0
     retry_success_rate: float | None = None
     retry_after_mean_seconds: float | None = None
+    num_admitted: int = 0
+    #: Admitted, but no token came (cut, timed out, failed): in ``admitted_ttft`` as a
+    #: lower bound.
+    num_admitted_without_token: int = 0
+    admitted_ttft: Percentiles | None = None
+    #: Refused by a final error event after being admitted (a slipped deadline).
+    num_refused_in_stream: int = 0
+    refusal_latency: Percentiles | None = None
+    num_retries_on_time: int = 0
+    num_retries_on_time_admitted: int = 0
+    retry_on_time_admitted_fraction: float | None = None
+    retry_lateness: Percentiles | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     output_tokens_per_second: float = 0.0
@@ -128,9 +147,11 @@ def summarise(
     slo: ServiceObjectives,
     window_seconds: float,
     offered_rps: float | None = None,
+    retry_policy: RetryAfter | None = None,
 ) -> GroupStats:
     """Every figure of one group of samples."""
     stats = GroupStats(name, window_seconds, num_planned=len(samples), offered_rps=offered_rps)
+    _admission_figures(stats, samples, retry_policy or RetryAfter())
     ttft: list[float] = []
     tpot: list[float] = []
     itl: list[float] = []
@@ -192,6 +213,44 @@ def summarise(
     return stats
 
 
+def _admission_figures(stats: GroupStats, samples: Sequence[Sample], policy: RetryAfter) -> None:
+    """Admitted-only TTFT, refusal latency, and retries at the advertised time."""
+    admitted_ttft: list[float] = []
+    refusals: list[float] = []
+    lateness: list[float] = []
+    for sample in samples:
+        attempt = sample.first
+        if attempt is None:
+            continue
+        if attempt.admitted:
+            stats.num_admitted += 1
+            ttft = attempt.ttft_seconds
+            if ttft is None:
+                stats.num_admitted_without_token += 1
+                ttft = attempt.e2e_seconds or 0.0
+            admitted_ttft.append(ttft)
+        if attempt.refused_in_stream:
+            stats.num_refused_in_stream += 1
+        if attempt.refused_by_status and attempt.e2e_seconds is not None:
+            refusals.append(attempt.e2e_seconds)
+        late = sample.retry_lateness_seconds
+        retry = sample.retry
+        if late is None or retry is None:
+            continue
+        lateness.append(late)
+        if abs(late) <= policy.on_time_tolerance_seconds:
+            stats.num_retries_on_time += 1
+            if retry.admitted:
+                stats.num_retries_on_time_admitted += 1
+    stats.admitted_ttft = Percentiles.of(admitted_ttft)
+    stats.refusal_latency = Percentiles.of(refusals)
+    stats.retry_lateness = Percentiles.of(lateness)
+    if stats.num_retries_on_time:
+        stats.retry_on_time_admitted_fraction = (
+            stats.num_retries_on_time_admitted / stats.num_retries_on_time
+        )
+
+
 def _groups(samples: Sequence[Sample], key: Callable[[Sample], str]) -> dict[str, list[Sample]]:
     out: dict[str, list[Sample]] = {}
     for sample in samples:
@@ -200,29 +259,36 @@ def _groups(samples: Sequence[Sample], key: Callable[[Sample], str]) -> dict[str
 
 
 def summarise_run(
-    samples: Sequence[Sample], stages: Iterable[StagePlan], slo: ServiceObjectives
+    samples: Sequence[Sample],
+    stages: Iterable[StagePlan],
+    slo: ServiceObjectives,
+    retry_policy: RetryAfter | None = None,
 ) -> dict[str, GroupStats]:
     """``all``, then per client class, per tenant and per stage."""
     stage_list = list(stages)
     window = stage_list[-1].end_seconds if stage_list else 0.0
-    out = {"all": summarise("all", samples, slo, window)}
+
+    def group(name: str, members: Sequence[Sample], window_seconds: float = window) -> GroupStats:
+        return summarise(name, members, slo, window_seconds, retry_policy=retry_policy)
+
+    out = {"all": group("all", samples)}
     by_class = _groups(samples, lambda s: s.planned.client_class.value)
-    for name, group in by_class.items():
-        out[f"class={name}"] = summarise(f"class={name}", group, slo, window)
+    for name, members in by_class.items():
+        out[f"class={name}"] = group(f"class={name}", members)
     by_tenant = _groups(samples, lambda s: s.planned.tenant)
-    for name, group in by_tenant.items():
-        out[f"tenant={name}"] = summarise(f"tenant={name}", group, slo, window)
+    for name, members in by_tenant.items():
+        out[f"tenant={name}"] = group(f"tenant={name}", members)
     if len(by_class) > 1 and len(by_tenant) > 1:
-        for name, group in _groups(
+        for name, members in _groups(
             samples, lambda s: f"{s.planned.tenant}/{s.planned.client_class.value}"
         ).items():
-            out[f"tenant/class={name}"] = summarise(f"tenant/class={name}", group, slo, window)
+            out[f"tenant/class={name}"] = group(f"tenant/class={name}", members)
     by_stage = _groups(samples, lambda s: f"{s.planned.stage_index:03d}")
     for stage in stage_list:
-        group = by_stage.get(f"{stage.index:03d}", [])
-        out[f"stage={stage.index}"] = summarise(
-            f"stage={stage.index}", group, slo, stage.duration_seconds, stage.offered_rps
-        )
+        name = f"stage={stage.index}"
+        stats = group(name, by_stage.get(f"{stage.index:03d}", []), stage.duration_seconds)
+        stats.offered_rps = stage.offered_rps
+        out[name] = stats
     return out
 
 
