@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sluicegate.bench.cli import bench_app
-from tests.conftest import ServerProcess, start_server, stop_server
+from tests.conftest import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def slo_server() -> Iterator[ServerProcess]:
         "bench-burst-retry",
     )  # fmt: skip
     yield server
-    stop_server(server)
+    server.stop()
 
 
 def test_retries_at_the_advertised_time_are_mostly_admitted(

@@ -137,7 +137,7 @@ async def test_a_request_refused_after_queueing_gets_the_reason(
         await service.collect(late, None)
     assert info.value.status_code == 503 and "retry-after" in info.value.headers
     assert counter(service, "rejections_total", "queue_timeout") == 1
-    assert late.life is Life.COMPLETED and counter(service, "requests_total", "error") == 1
+    assert late.life is Life.COMPLETED and counter(service, "requests_total", "refused") == 1
     service.cancel(running)
 
 

@@ -145,7 +145,8 @@ class Rejection:
         if retry_after is not None and self.retry_after_seconds is not None:
             out["retry-after"] = retry_after
             # Exact, for clients that read it (OpenAI's SDKs prefer it to whole seconds).
-            out["retry-after-ms"] = str(max(1, round(self.retry_after_seconds * 1000)))
+            # Rounded up: a client that waits exactly this long is never early.
+            out["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_seconds * 1000 - 1e-6)))
         if self.reason is RejectReason.AUTH:
             out["www-authenticate"] = "Bearer"
         return out

@@ -255,9 +255,17 @@ class Service:
         self._end(generation, Life.STOPPED, status)
 
     def complete(self, generation: Generation, status: str) -> None:
-        """Its final output was delivered (``status``: the finish reason, or ``error``)."""
-        if not generation.ended:
-            self._end(generation, Life.COMPLETED, status)
+        """Its final output was delivered (``status``: the finish reason, or ``error``).
+
+        An error that is the queue's refusal after admission (dropped, expired, deadline
+        unreachable) is recorded as ``refused``: it is counted among the rejections too,
+        and the engine did not fail."""
+        if generation.ended:
+            return
+        ticket = generation.ticket
+        if status == "error" and ticket is not None and ticket.rejection is not None:
+            status = "refused"
+        self._end(generation, Life.COMPLETED, status)
 
     def evicted(self, generation: Generation) -> None:
         """Its client stopped reading and was cut off (flow control aborted the sequence)."""
