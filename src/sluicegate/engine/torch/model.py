@@ -30,7 +30,7 @@ decoded or re-prefilled after a preemption (the promise seeded resume rests on):
   :data:`~sluicegate.engine.torch.attention_batch.KEY_ALIGN` (the cache is allocated that
   long), with masked keys beyond each query's own position.
 
-``tests/engine/test_torch_smollm2.py`` checks this end to end in both dtypes.
+``tests/engine/torch/test_smollm2.py`` checks this end to end in both dtypes.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
 from sluicegate.engine.torch.loader import load_checkpoint
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
-from tests.engine.drive import HOLDER_ID_PREFIX, generate, greedy, run_requests
+from tests.engine.torch.drive import HOLDER_ID_PREFIX, generate, greedy, run_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 

@@ -10,7 +10,7 @@ import pytest
 
 from sluicegate.engine.kv_budget import KVBudgetError
 from sluicegate.engine.torch import TorchEngine
-from tests.engine.drive import generate
+from tests.engine.torch.drive import generate
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

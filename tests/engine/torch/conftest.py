@@ -17,11 +17,9 @@ if TYPE_CHECKING:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool:
     """Run each engine test on the process's torch thread, where the engines compute: a
     second OpenMP team in the process throttles both (see ``TorchEngine``)."""
-    if not pyfuncitem.path.name.startswith("test_torch_"):
-        return None  # not a torch engine test: nothing to move
     from sluicegate.engine.torch.runner import run_on_torch_thread
 
     if pyfuncitem.get_closest_marker("caller_thread"):
