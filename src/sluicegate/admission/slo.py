@@ -16,7 +16,8 @@ a seat is *held* for it: the refusal books the seat that frees after everything 
 and promised, and the client is told to come back half its objective's budget before
 that, so refused clients come back spread out, not as a herd.  Until they do, a new
 arrival is admitted only if it would not push any promised client past its objective:
-refused clients are served in the order they were refused.  The first request to arrive
+refused clients are served in the order they were refused (only clients due back while a
+new request would hold its seat are protected from it).  The first request to arrive
 after a promise's time is taken to be its client.  A client that comes back late loses
 its hold (it is then treated like any new request), and a promise not claimed within
 ``promise_grace_seconds`` of its time lapses.  Not every refused client comes back, so
@@ -136,9 +137,11 @@ class TTFTPredictor:
         seats = self._seats(holders, queued_ahead, num_free_seats)
         wait = seats[0]
         prefill = self.prefill_seconds(prompt_tokens)
-        # Only clients yet to come back hold seats (a late one lost its hold), and only
-        # in the share of clients that do come back.
-        promises = self._held(p for p in self._promises if p > now)
+        # Only clients yet to come back hold seats (a late one lost its hold), only those
+        # due back while this request would be in its seat, and only in the share of
+        # clients that do come back.
+        horizon = now + wait + prefill + self._own_output_seconds()
+        promises = self._held(p for p in self._promises if now < p <= horizon)
         harms = False
         if promises:
             # Take the seat, then see that every promised client still starts in time.
