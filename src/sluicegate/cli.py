@@ -26,6 +26,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: rich's option tables cut long flag names (--max-request-bo…) to fit the
+    # terminal; click's plain layout wraps the descriptions and keeps every name whole.
+    rich_markup_mode=None,
 )
 
 
@@ -88,8 +91,9 @@ def _serve_signature() -> inspect.Signature:
             continue
         default_text = "none" if field.default is None else str(field.default)
         option = typer.Option(
-            help=f"{field.description or ''} (env SLUICEGATE_{name.upper()})",
-            show_default=default_text,
+            help=f"{field.description or ''} [default: {default_text}; "
+            f"env SLUICEGATE_{name.upper()}]",
+            show_default=False,
         )
         params.append(
             inspect.Parameter(

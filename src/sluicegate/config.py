@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -89,7 +89,8 @@ class Settings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Torch engine dtype.")
     cache_dir: str | None = Field(
-        None, description="Converted-weights cache (default ~/.cache/sluicegate)."
+        None,
+        description="Converted weights and the default job journal (default ~/.cache/sluicegate).",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
@@ -125,6 +126,26 @@ class Settings(BaseSettings):
     )
     default_max_tokens: int = Field(
         512, ge=1, description="max_tokens when a request gives none (capped by the context)."
+    )
+    default_temperature: float | None = Field(
+        None,
+        ge=0.0,
+        le=2.0,
+        description="temperature when a request gives none (default: the model's recommended "
+        "sampling, e.g. 0.2 for SmolLM2 Instruct; else 1).",
+    )
+    default_top_p: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="top_p when a request gives none (default: the model's recommended "
+        "sampling, e.g. 0.9 for SmolLM2 Instruct; else 1).",
+    )
+    default_top_k: int | None = Field(
+        None,
+        ge=0,
+        description="top_k when a request gives none (default: the model's recommended "
+        "sampling; else 0, no top-k cut).",
     )
 
     # --- flow control ---
@@ -163,6 +184,12 @@ class Settings(BaseSettings):
     )
     transport_write_buffer_bytes: int = Field(
         16384, ge=1024, description="High-water mark of each connection's write buffer."
+    )
+    pace_floor_tokens_per_second: float = Field(
+        1.0,
+        gt=0.0,
+        description="Slowest pace a request (max_tokens_per_second) or a tenant may ask "
+        "for; a slower one is refused with 400, so no stream holds its KV for ever.",
     )
 
     # --- shutdown ---
@@ -224,6 +251,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="API keys and per-tenant limits (config file); none = open mode.",
     )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="Bearer key that GET /v1/stats and GET /metrics require (config file "
+        "or SLUICEGATE_ADMIN_API_KEY, never a flag: flags show in ps); none = both open.",
+    )
     max_queued_requests: int | None = Field(
         256, ge=1, description="Requests waiting per priority class before the policy applies."
     )
@@ -260,13 +292,18 @@ class Settings(BaseSettings):
         5.0, ge=0.0, description="Least time in a breaker state before it changes."
     )
     journal_path: str | None = Field(
-        None, description="SQLite journal of background jobs (default in the cache dir)."
+        None,
+        description="SQLite journal of background jobs (default: jobs.sqlite3 in the cache "
+        "dir, one file reused by every start; a second server on the machine uses a "
+        "temporary one, deleted when it stops).",
     )
     max_background_jobs_in_memory: int = Field(
         64, ge=1, description="Background jobs held in memory; the rest wait in the journal."
     )
 
-    @field_validator("model", "served_model_name", "cache_dir", "journal_path", mode="before")
+    @field_validator(
+        "model", "served_model_name", "cache_dir", "journal_path", "admin_api_key", mode="before"
+    )
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
@@ -297,6 +334,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         validate_tenants(self.tenants)
+        admin_key = self.admin_api_key.get_secret_value() if self.admin_api_key else None
+        if admin_key is not None and any(t.api_key == admin_key for t in self.tenants):
+            raise ValueError("admin_api_key must differ from every tenant's api_key")
         if self.breaker_queue_wait_open_seconds < self.breaker_queue_wait_shed_seconds:
             raise ValueError("breaker_queue_wait_open_seconds must be >= the shed threshold")
         if self.breaker_step_open_seconds < self.breaker_step_shed_seconds:
@@ -306,6 +346,14 @@ class Settings(BaseSettings):
                 f"low_water_tokens ({self.low_water_tokens}) must be below "
                 f"high_water_tokens ({self.high_water_tokens})"
             )
+        floor = self.pace_floor_tokens_per_second
+        for index, tenant in enumerate(self.tenants):
+            pace = tenant.max_tokens_per_second
+            if pace is not None and pace < floor:
+                raise ValueError(
+                    f"tenants[{index}] ({tenant.name}): max_tokens_per_second {pace:g} is "
+                    f"below pace_floor_tokens_per_second ({floor:g})"
+                )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

@@ -107,4 +107,5 @@ def test_reason_values_are_the_metric_labels() -> None:
         "circuit_open",
         "draining",
         "auth",
+        "store_unavailable",
     ]

@@ -153,3 +153,25 @@ async def test_shutdown_fails_what_is_left(core: tuple[EngineCore, Recorder]) ->
     for stream in streams:
         _, last = await drain(stream)
         assert last.finish_reason in (FinishReason.ERROR, FinishReason.LENGTH)
+
+
+async def test_stats_show_an_abort_at_once_when_no_step_follows(
+    core: tuple[EngineCore, Recorder],
+) -> None:
+    """Throttled sequences leave nothing to compute: an abort must still show at once."""
+    engine_core, _ = core
+    streams = {}
+    for rid in ("slow-a", "slow-b"):
+        req = request(rid, "pace", 100)
+        req.min_token_interval_seconds = 30.0  # its next token is far away
+        streams[rid] = RequestStream(rid)
+        engine_core.add_request(req, streams[rid])
+        await asyncio.wait_for(streams[rid].get(), 5.0)
+    await asyncio.sleep(0.1)  # each has its token of slack, then waits for its pace
+    assert engine_core.stats().scheduler.num_running == 2
+    engine_core.abort_request("slow-a")
+    await wait_until(lambda: engine_core.stats().scheduler.num_running == 1, within_seconds=0.5)
+    engine_core.abort_request("slow-b")
+    await wait_until(lambda: engine_core.stats().scheduler.num_running == 0, within_seconds=0.5)
+    stats = engine_core.stats().scheduler
+    assert stats.kv_cache.num_used_blocks == 0 and stats.num_throttled == 0

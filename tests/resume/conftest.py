@@ -152,6 +152,12 @@ def read_stream(
         return Received(events, dict(resp.headers), resp.status_code)
 
 
+def owner(received: Received) -> dict[str, str]:
+    """The header that proves a caller owns a stream in open mode: the resume token its
+    creating response carried."""
+    return {"x-sluicegate-resume-token": received.headers["x-sluicegate-resume-token"]}
+
+
 def resume(
     server: ServerProcess,
     stream_id: str,

@@ -13,6 +13,7 @@ from tests.resume.conftest import (
     SIM,
     completion_body,
     config_file,
+    owner,
     read_stream,
     resume,
 )
@@ -112,3 +113,26 @@ def test_redis_lost_at_run_time_fail_closed_refuses(tmp_path: Path) -> None:
     finally:
         srv.stop()
         redis.kill()
+
+
+def test_in_open_mode_the_resume_token_works_on_every_replica(redis_url: str) -> None:
+    """The token's digest travels in the stream's metadata in Redis: another replica
+    checks it too, before it relays or takes the stream over."""
+    args = [
+        *SIM, "--store", f"{redis_url}/3", "--flush-interval-ms", "0",
+        "--lease-ttl-seconds", "1", "--detached-grace-seconds", "0.5",
+    ]  # fmt: skip
+    a = start_server(args, "open-token-a")
+    b = start_server(args, "open-token-b")
+    try:
+        body = completion_body("any replica", 13, 300)
+        first = read_stream("POST", a.v1 + "/completions", json=body, stop_after_events=10)
+        sid = first.headers["x-sluicegate-stream-id"]
+        stranger = httpx.get(f"{b.v1}/streams/{sid}", timeout=5)
+        assert stranger.status_code == 404 and stranger.json()["error"]["code"] == "not_found"
+        rest = resume(b, sid, first.last_event_id, headers=owner(first))
+        assert first.text + rest.text == expected_completion("any replica", 13, 300)
+        assert rest.done
+    finally:
+        a.stop()
+        b.stop()

@@ -14,6 +14,7 @@ from tests.resume.conftest import (
     assert_continues,
     chat_body,
     completion_body,
+    owner,
     read_stream,
     resume,
 )
@@ -56,7 +57,9 @@ def test_drop_and_resume_gives_the_uninterrupted_text(
     body = completion_body("resume me", 7, n)
     first = read_stream("POST", server.v1 + "/completions", json=body, stop_after_events=cut_after)
     assert not first.done
-    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    rest = resume(
+        server, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
+    )
     assert rest.status == 200
     assert first.text + rest.text == expected_completion("resume me", 7, n)
     assert_continues(first, rest)
@@ -77,7 +80,9 @@ def test_a_detached_stream_pauses_at_the_high_water_mark(server: ServerProcess) 
     assert 128 <= produced < n  # the high-water mark (128 tokens nobody received)
     time.sleep(0.2)
     assert server.stats()["streams"][0]["tokens_produced"] == produced  # type: ignore[index]
-    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    rest = resume(
+        server, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
+    )
     assert first.text + rest.text == expected_completion("paused while away", 8, n)
     assert_continues(first, rest)
     assert server.stats()["streams_paused"] == 0
@@ -89,7 +94,9 @@ def test_chat_stream_resumes_after_the_role_chunk(server: ServerProcess) -> None
     first = read_stream("POST", server.v1 + "/chat/completions", json=body, stop_after_events=3)
     assert first.events[0].json is not None
     assert first.events[0].json["choices"][0]["delta"]["role"] == "assistant"
-    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    rest = resume(
+        server, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
+    )
     messages = body["messages"]
     assert first.text + rest.text == expected_chat(messages, 11, n)
     assert_continues(first, rest)
@@ -104,7 +111,9 @@ def test_stop_strings_across_a_resume(server: ServerProcess, stop: str) -> None:
     assert stop in full
     body = completion_body("resume me", 7, n, stop=[stop])
     first = read_stream("POST", server.v1 + "/completions", json=body, stop_after_events=20)
-    rest = resume(server, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+    rest = resume(
+        server, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
+    )
     assert first.text + rest.text == full[: full.index(stop)]
     finish = [e.json for e in rest.events if e.json and e.json["choices"]]
     assert finish[-1]["choices"][0]["finish_reason"] == "stop"
@@ -114,16 +123,21 @@ def test_stop_strings_across_a_resume(server: ServerProcess, stop: str) -> None:
 def test_after_query_parameter_and_replay_of_a_finished_stream(server: ServerProcess) -> None:
     got = read_stream("POST", server.v1 + "/completions", json=completion_body("done", 3, 50))
     stream_id = got.headers["x-sluicegate-stream-id"]
-    whole = read_stream("GET", f"{server.v1}/streams/{stream_id}")
+    mine = owner(got)
+    whole = read_stream("GET", f"{server.v1}/streams/{stream_id}", headers=mine)
     assert whole.text == got.text and whole.seqs == got.seqs and whole.done
-    tail = read_stream("GET", f"{server.v1}/streams/{stream_id}?after=2")
+    tail = read_stream("GET", f"{server.v1}/streams/{stream_id}?after=2", headers=mine)
     assert tail.seqs == got.seqs[2:] and whole.text.endswith(tail.text)
-    nothing = read_stream("GET", f"{server.v1}/streams/{stream_id}?after={got.seqs[-1]}")
+    nothing = read_stream(
+        "GET", f"{server.v1}/streams/{stream_id}?after={got.seqs[-1]}", headers=mine
+    )
     assert nothing.status == 200 and nothing.events == []
-    beyond = httpx.get(f"{server.v1}/streams/{stream_id}?after=999", timeout=5)
+    beyond = httpx.get(f"{server.v1}/streams/{stream_id}?after=999", headers=mine, timeout=5)
     assert beyond.status_code == 400 and "last event is seq" in beyond.json()["error"]["message"]
     other = httpx.get(
-        f"{server.v1}/streams/{stream_id}", headers={"last-event-id": "cmpl-other:3"}, timeout=5
+        f"{server.v1}/streams/{stream_id}",
+        headers={**mine, "last-event-id": "cmpl-other:3"},
+        timeout=5,
     )
     assert other.status_code == 400 and other.json()["error"]["param"] == "Last-Event-ID"
 
@@ -143,7 +157,9 @@ def test_a_stream_left_alone_past_the_grace_is_stopped_and_still_resumable() -> 
         assert stats["requests_running"] == 0 and stats["live_requests"] == 0
         metrics = httpx.get(srv.base_url + "/metrics", timeout=5).text
         assert 'sluicegate_streams_checkpointed_total{reason="detached"} 1.0' in metrics
-        rest = resume(srv, first.headers["x-sluicegate-stream-id"], first.last_event_id)
+        rest = resume(
+            srv, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
+        )
         assert first.text + rest.text == expected_completion("left alone", 5, n)
         assert_continues(first, rest)
     finally:

@@ -22,10 +22,10 @@ def test_a_paused_request_gives_up_its_seat_and_takes_it_back() -> None:
     capacity = DispatchCapacity(max_num_seqs=1, kv_capacity_tokens=1024, block_size=16)
     capacity.on_change = lambda: changes.append(capacity.num_holding)
     assert capacity.try_reserve("slow", 100)
-    capacity.set_paused("slow", True)
-    capacity.set_paused("slow", True)  # no change, no call
+    capacity.set_idle("slow", True)
+    capacity.set_idle("slow", True)  # no change, no call
     assert changes == [0] and capacity.try_reserve("next", 100)
-    capacity.set_paused("slow", False)  # resumed: over the limit until one finishes
+    capacity.set_idle("slow", False)  # resumed: over the limit until one finishes
     assert capacity.num_holding == 2 and not capacity.fits(1)
     capacity.release("next")
     capacity.release("slow")
@@ -36,7 +36,7 @@ def test_a_paused_request_gives_up_its_seat_and_takes_it_back() -> None:
 def test_a_paused_request_that_finishes_releases_nothing_twice() -> None:
     capacity = DispatchCapacity(max_num_seqs=2, kv_capacity_tokens=64, block_size=16)
     assert capacity.try_reserve("a", 32)
-    capacity.set_paused("a", True)
+    capacity.set_idle("a", True)
     capacity.release("a")
     assert capacity.num_holding == 0 and capacity.fits(64)
 

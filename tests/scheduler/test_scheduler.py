@@ -350,3 +350,60 @@ def test_finishing_releases_the_dispatch_seat() -> None:
     sched.add_request(req)
     run_to_completion(sched, FakeEngine())
     assert changes == [0] and sched.capacity.fits(1)
+
+
+def test_throttled_sequences_lend_their_seats_and_slots_to_queued_work() -> None:
+    """Four streams at a slow pace on four seats: the fifth request still runs at once."""
+    sched, clock = clocked(max_num_seqs=4)
+    engine = FakeEngine()
+    capacity = sched.capacity
+    paced = [make_request(f"paced{i}", 4, 5) for i in range(4)]
+    for request in paced:
+        request.min_token_interval_seconds = 1.0  # one token a second
+        assert capacity.try_reserve(request.request_id, request.max_total_tokens, request)
+        sched.add_request(request)
+    assert capacity.seats_full
+    for _ in range(3):
+        step(sched, engine)
+    # One token of slack, then each waits a second for the next: their seats are lent.
+    assert all(r.num_output_tokens == 2 for r in paced)
+    assert capacity.num_free_seats == 4 and capacity.num_holding == 0
+    assert all(r.throttled for r in paced) and sched.make_stats().num_throttled == 4
+    assert not sched.has_schedulable_work
+    assert sched.seconds_until_wake() == pytest.approx(1.0)
+    # Their seats are lent: the dispatcher may hand over more work, which takes the slot of
+    # the throttled sequence whose next token is furthest away.
+    fresh = make_request("fresh", 4, 3)
+    assert capacity.try_reserve("fresh", fresh.max_total_tokens, fresh)
+    sched.add_request(fresh)
+    run_to_completion_or(sched, engine, until=lambda: fresh.status.is_finished)
+    assert fresh.status == RequestStatus.FINISHED_LENGTH
+    assert sum(r.num_preemptions for r in paced) == 1
+    assert all(r.num_output_tokens == 2 for r in paced)  # nothing ran ahead of its pace
+    # When their pace allows, they take their seats back and finish (re-prefilling the
+    # one whose KV was lent), one token a second.
+    for second in range(1, 4):
+        clock.advance(1.0)
+        assert sched.release_paced() == 4
+        assert capacity.num_holding == 4
+        run_to_completion_or(
+            sched, engine, until=lambda: all(r.throttled or r.status.is_finished for r in paced)
+        )
+        assert all(r.num_output_tokens == 2 + second for r in paced)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in paced)
+    assert capacity.num_holding == 0 and not sched.throttled
+
+
+def test_a_pace_faster_than_a_step_keeps_its_seat() -> None:
+    sched, clock = clocked(max_num_seqs=1)
+    engine = FakeEngine()
+    quick = make_request("quick", 4, 20)
+    quick.min_token_interval_seconds = 0.01
+    assert sched.capacity.try_reserve("quick", quick.max_total_tokens, quick)
+    sched.add_request(quick)
+    plan = step(sched, engine)
+    sched.record_step(plan, 0.05)  # a step takes longer than the pace's interval
+    for _ in range(3):
+        plan = step(sched, engine)
+        clock.advance(0.05)
+    assert not quick.throttled and sched.capacity.seats_full

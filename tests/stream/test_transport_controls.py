@@ -95,11 +95,16 @@ def test_cancel_endpoint_stops_a_stream(sim_server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", sim_server.v1 + "/completions", json=body, timeout=10) as resp:
         request_id = resp.headers["x-request-id"]
+        token = {"x-sluicegate-resume-token": resp.headers.get("x-sluicegate-resume-token", "")}
         lines = resp.iter_lines()
         next(lines)
-        other = httpx.post(f"{sim_server.v1}/requests/cmpl-unknown/cancel", timeout=5)
-        assert other.status_code == 404
-        cancelled = httpx.post(f"{sim_server.v1}/requests/{request_id}/cancel", timeout=5)
+        cancel = f"{sim_server.v1}/requests/{request_id}/cancel"
+        unknown = httpx.post(f"{sim_server.v1}/requests/cmpl-unknown/cancel", timeout=5)
+        no_token = httpx.post(cancel, timeout=5)  # open mode: the id alone is not enough
+        wrong = httpx.post(cancel, headers={"x-sluicegate-resume-token": "guess"}, timeout=5)
+        assert unknown.status_code == no_token.status_code == wrong.status_code == 404
+        assert {r.json()["error"]["code"] for r in (unknown, no_token, wrong)} == {"not_found"}
+        cancelled = httpx.post(cancel, headers=token, timeout=5)
         assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
         rest = list(lines)
     assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"

@@ -34,6 +34,8 @@ class RejectReason(enum.StrEnum):
     CIRCUIT_OPEN = "circuit_open"
     DRAINING = "draining"
     AUTH = "auth"
+    #: ``store_failure_mode fail_closed`` and the shared store is unreachable.
+    STORE_UNAVAILABLE = "store_unavailable"
 
 
 # OpenAI's error ``code`` for each reason (a 400 "too large" overrides it).
@@ -47,6 +49,7 @@ _CODE_BY_REASON: dict[RejectReason, str] = {
     RejectReason.CIRCUIT_OPEN: "server_overloaded",
     RejectReason.DRAINING: "server_draining",
     RejectReason.AUTH: "invalid_api_key",
+    RejectReason.STORE_UNAVAILABLE: "store_unavailable",
 }
 
 

@@ -128,6 +128,35 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+def bearer_key(authorization_header: str | None) -> str | None:
+    """The key of ``Authorization: Bearer <key>``; ``None`` when absent or malformed."""
+    scheme, _, credentials = (authorization_header or "").strip().partition(" ")
+    key = credentials.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+class AdminKey:
+    """The operator's key (``admin_api_key``) that guards ``/v1/stats`` and ``/metrics``.
+
+    Not a tenant: it admits no completion.  Compared in constant time, like tenant keys.
+    Without one configured the operator endpoints are open (:attr:`enabled` is False).
+    """
+
+    def __init__(self, key: str | None) -> None:
+        self._digest = _digest(key) if key else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._digest is not None
+
+    def admits(self, authorization_header: str | None) -> bool:
+        """Whether the header carries the admin key (False whenever none is configured)."""
+        key = bearer_key(authorization_header)
+        if self._digest is None or key is None:
+            return False
+        return hmac.compare_digest(_digest(key), self._digest)
+
+
 class TenantRegistry:
     """All tenants, looked up by name or authenticated by ``Authorization`` header."""
 

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from sluicegate import __version__
 from sluicegate.api import jobs, lifecycle, openai_routes, resume, stats, web, websocket
 from sluicegate.api.errors import install_error_handlers
+from sluicegate.api.metric_labels import declare_label_values
 from sluicegate.api.state import AppState
 from sluicegate.config import Settings
 from sluicegate.metrics.registry import Metrics
@@ -18,6 +19,7 @@ from sluicegate.metrics.registry import Metrics
 def create_app(settings: Settings) -> FastAPI:
     lifecycle.check_store_reachable(settings)
     state = AppState(settings, Metrics(settings.engine))
+    declare_label_values(state.metrics, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

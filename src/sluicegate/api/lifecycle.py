@@ -17,7 +17,8 @@ from sluicegate.api.jobs import job_executor
 from sluicegate.api.state import AppState, Ready
 from sluicegate.config import Settings
 from sluicegate.engine.output import FlushPolicy
-from sluicegate.queue.jobs import JobRunner, journal_path, open_journal
+from sluicegate.queue.jobs import JobRunner, open_journal
+from sluicegate.queue.journal_location import claim_journal
 from sluicegate.service.service import Service
 from sluicegate.store import Store, StoreConfig, StoreFailureMode, StoreUnavailable, open_store
 from sluicegate.store.records import DegradedOutcome
@@ -45,6 +46,7 @@ async def stop(state: AppState) -> None:
         await ready.sessions.stop()
         await ready.flow.stop()
         await ready.jobs.stop()
+        ready.journal_location.release()
         await ready.service.close()
     if state.store is not None:
         await state.store.close()
@@ -67,10 +69,12 @@ async def _load(state: AppState, store: Store) -> None:
         lease_ttl_seconds=settings.lease_ttl_seconds,
     )  # fmt: skip
     sessions.start()
-    journal = open_journal(journal_path(settings.journal_path, settings.cache_dir, settings.port))
-    jobs = JobRunner(journal, settings.max_background_jobs_in_memory, job_executor(service))
+    location = claim_journal(settings.journal_path, settings.cache_dir)
+    jobs = JobRunner(
+        open_journal(location.path), settings.max_background_jobs_in_memory, job_executor(service)
+    )
     await jobs.start()
-    state.ready = Ready(service, store, flow, sessions, jobs)
+    state.ready = Ready(service, store, flow, sessions, jobs, location)
 
 
 def flow_config(settings: Settings) -> FlowConfig:

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
+from sluicegate.api.access import not_found, owner_admits, presented_resume_token
 from sluicegate.api.jobs import job_payload, job_view
 from sluicegate.api.prepare import prepare, response_body, stream_format
 from sluicegate.api.state import app_state, ready_state
@@ -37,7 +38,13 @@ async def read_json(request: HTTPRequest, max_bytes: int) -> Any:
 
 @router.get("/v1/models")
 async def list_models(request: HTTPRequest) -> Response:
+    """The served model.  With tenants configured it needs a tenant's key (or the admin
+    key), like every other route of the API."""
+    state = app_state(request)
     service = ready_state(request).service
+    header = request.headers.get("authorization")
+    if service.tenants.auth_enabled and not state.admin_key.admits(header):
+        service.authenticate(header)
     return json_response(
         {
             "object": "list",
@@ -100,19 +107,17 @@ async def completions(request: HTTPRequest) -> Response:
 async def cancel_request(request_id: str, request: HTTPRequest) -> Response:
     """Cancel a running or queued request by id (the ``id`` of its chunks).
 
-    Only the tenant that made the request can cancel it; another tenant gets the same 404
-    as for an unknown id, so ids do not leak.
+    Only its owner can cancel it: the tenant that made it or, in open mode, the holder of
+    its resume token.  Anyone else gets the same 404 as for an unknown id.
     """
-    service = ready_state(request).service
+    ready = ready_state(request)
+    service = ready.service
     tenant = service.authenticate(request.headers.get("authorization"))
     generation = service.generations.get(request_id)
-    if generation is None or (
-        generation.ticket is not None and generation.ticket.tenant.name != tenant.name
-    ):
-        raise APIError(
-            404, f"No running request with id '{request_id}'.", param="request_id",
-            code="not_found",
-        )  # fmt: skip
+    token = presented_resume_token(request)
+    if generation is None or not owner_admits(ready, generation.owner, tenant.name, token):
+        open_mode = not service.tenants.auth_enabled
+        raise not_found("running request", "request_id", request_id, open_mode=open_mode)
     service.cancel(generation)
     return json_response({"id": request_id, "object": "request.cancelled", "cancelled": True})
 

@@ -57,7 +57,8 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         if requested is None:
             requested = chat.max_tokens
         max_tokens = resolve_max_tokens(service, requested, len(prompt_ids))
-        sampling = build_sampling(chat, max_tokens)
+        check_pace(service, chat.max_tokens_per_second)
+        sampling = build_sampling(service, chat, max_tokens)
         return Prepared(kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling)
     comp: CompletionRequest = parse_body(CompletionRequest, body)
     check_completion(comp)
@@ -77,18 +78,32 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
     if not prompt_ids:
         raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
     max_tokens = resolve_max_tokens(service, comp.max_tokens, len(prompt_ids))
-    sampling = build_sampling(comp, max_tokens)
+    check_pace(service, comp.max_tokens_per_second)
+    sampling = build_sampling(service, comp, max_tokens)
     return Prepared(kind, comp, new_request_id("cmpl"), prompt_ids, sampling)
 
 
-def check_model(service: Service, model: str) -> None:
-    if model != service.model_name:
+def check_model(service: Service, model: str | None) -> None:
+    """The model asked for is the one served (a request that names none gets it)."""
+    if model is not None and model != service.model_name:
         raise APIError(
             404,
             f"The model '{model}' does not exist; this server serves '{service.model_name}' "
             "(see GET /v1/models).",
             param="model",
             code="model_not_found",
+        )
+
+
+def check_pace(service: Service, max_tokens_per_second: float | None) -> None:
+    """A pace below the floor would hold a sequence's KV cache (and the client's stream)
+    for hours: refuse it, saying the floor."""
+    floor = service.settings.pace_floor_tokens_per_second
+    if max_tokens_per_second is not None and not max_tokens_per_second >= floor:
+        raise invalid_param(
+            "max_tokens_per_second",
+            f"max_tokens_per_second must be at least {floor:g} (this server's "
+            f"pace_floor_tokens_per_second); got {max_tokens_per_second:g}",
         )
 
 
@@ -122,13 +137,16 @@ def resolve_max_tokens(service: Service, requested: int | None, num_prompt_token
     return requested
 
 
-def build_sampling(req: CommonParams, max_tokens: int) -> SamplingParams:
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+def build_sampling(service: Service, req: CommonParams, max_tokens: int) -> SamplingParams:
+    """The request's sampling; what it does not set is the model's recommended sampling
+    (:attr:`Service.sampling_defaults`)."""
+    defaults = service.sampling_defaults
+    top_k = defaults.top_k if req.top_k is None else max(0, req.top_k)
     return SamplingParams(
         max_tokens=max_tokens,
         seed=req.seed if req.seed is not None else secrets.randbits(63),
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
         top_k=top_k,
         stop=stop_sequences(req.stop),
         ignore_eos=req.ignore_eos,

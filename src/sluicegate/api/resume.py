@@ -11,8 +11,10 @@ from its start.  It gets the events after that position, then the live ones:
 * another replica generates it: the log is followed live, and taken over as soon as the
   other replica lets go (or its lease expires).
 
-Only the tenant that created a stream can resume it; for anyone else it does not exist
-(404, never 403).  A stream whose log expired is 410.
+Only the stream's owner can resume it: the tenant that created it or, in open mode, the
+holder of its resume token (``x-sluicegate-resume-token``, returned only to its creator;
+see :mod:`sluicegate.api.access`).  For anyone else it does not exist (404, never 403).
+A stream whose log expired is 410.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
 from sluicegate.admission.tenants import Tenant
+from sluicegate.api.access import not_found as _no_such
+from sluicegate.api.access import owner_admits, presented_resume_token
 from sluicegate.api.state import Ready, ready_state
 from sluicegate.errors import APIError
+from sluicegate.service.ownership import Owner
 from sluicegate.store.errors import (
     InvalidReplayPosition,
     ReplayTrimmed,
@@ -42,46 +47,54 @@ from sluicegate.stream.sse import EventStreamResponse, SSEConnection
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
+#: How a resume was served (the ``stream_resumes_total{status}`` label values).
+RESUME_STATUSES = ("attach", "replay", "follow", "takeover", "rejected", "not_found")
+
 
 @router.get("/v1/streams/{stream_id}")
 async def resume_stream(stream_id: str, request: HTTPRequest) -> Response:
     ready = ready_state(request)
     tenant = ready.service.authenticate(request.headers.get("authorization"))
-    after_seq = _position(stream_id, request)
+    token = presented_resume_token(request)
     try:
-        return await _resume(ready, tenant, stream_id, after_seq)
+        after_seq = _position(ready, stream_id, request)
+        return await _resume(ready, tenant, token, stream_id, after_seq)
     except APIError as error:
         status = "rejected" if error.status_code != 404 else "not_found"
         ready.service.metrics.stream_resumes_total.labels(status).inc()
         raise
 
 
-async def _resume(ready: Ready, tenant: Tenant, stream_id: str, after_seq: int) -> Response:
+async def _resume(
+    ready: Ready, tenant: Tenant, token: str | None, stream_id: str, after_seq: int
+) -> Response:
     store = ready.store
     metrics = ready.service.metrics
     headers = {"x-sluicegate-stream-id": stream_id, "x-request-id": stream_id}
     local = ready.sessions.get(stream_id)
+    if local is not None and not owner_admits(ready, local.generation.owner, tenant.name, token):
+        raise _not_found(ready, stream_id)
     if local is not None and local.stop_reason is not None:
         # Stopping (detach grace over, drain, lease lost): once it has checkpointed, the
         # stream is served from the store like any other.
         await local.wait_done()
         local = None
     if local is not None and not local.done:
-        if local.tenant_name != tenant.name:
-            raise _not_found(stream_id)
         if after_seq > local.last_seq:
             raise _bad_position(InvalidReplayPosition(stream_id, after_seq, local.last_seq))
         metrics.stream_resumes_total.labels("attach").inc()
         return local.response(after_seq, headers)
     try:
         meta = await store.get_meta(stream_id)
-        if meta.tenant != tenant.name:
-            raise _not_found(stream_id)
+        if not owner_admits(
+            ready, Owner(meta.tenant, meta.resume_token_sha256), tenant.name, token
+        ):
+            raise _not_found(ready, stream_id)
         head = await store.read(stream_id, after_seq, limit=REPLAY_BATCH_EVENTS)
     except StreamExpired:
         raise _expired(stream_id) from None
     except StreamNotFound:
-        raise _not_found(stream_id) from None
+        raise _not_found(ready, stream_id) from None
     except InvalidReplayPosition as error:
         raise _bad_position(error) from None
     except StoreUnavailable as error:
@@ -128,12 +141,12 @@ def _response(
     )  # fmt: skip
 
 
-def _position(stream_id: str, request: HTTPRequest) -> int:
+def _position(ready: Ready, stream_id: str, request: HTTPRequest) -> int:
     """The client's position: ``Last-Event-ID`` (it wins: it is newer), ``?after``, or 0."""
     try:
         validate_stream_id(stream_id)
     except ValueError:
-        raise _not_found(stream_id) from None
+        raise _not_found(ready, stream_id) from None
     last_event_id = request.headers.get("last-event-id")
     if last_event_id:
         try:
@@ -156,10 +169,9 @@ def _position(stream_id: str, request: HTTPRequest) -> int:
         raise APIError(400, str(error), param="after") from None
 
 
-def _not_found(stream_id: str) -> APIError:
-    return APIError(
-        404, f"No stream with id '{stream_id[:200]}'.", param="stream_id", code="not_found"
-    )
+def _not_found(ready: Ready, stream_id: str) -> APIError:
+    open_mode = not ready.service.tenants.auth_enabled
+    return _no_such("stream", "stream_id", stream_id, open_mode=open_mode)
 
 
 def _expired(stream_id: str) -> APIError:

@@ -31,7 +31,8 @@ class StreamOptions(BaseModel):
 class CommonParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    #: Optional, as in vLLM: a request that names no model gets the served one.
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

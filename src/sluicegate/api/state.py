@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 from starlette.requests import HTTPConnection
 
+from sluicegate.admission.tenants import AdminKey
 from sluicegate.config import Settings
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.jobs import JobRunner
+from sluicegate.queue.journal_location import JournalLocation
 from sluicegate.service.service import Service
 from sluicegate.store.base import Store
 from sluicegate.stream.flow import FlowController
@@ -31,6 +33,8 @@ class Ready:
     flow: FlowController
     sessions: SessionRegistry
     jobs: JobRunner
+    #: The job journal's file (and its lock, or its temporary directory).
+    journal_location: JournalLocation
 
 
 @dataclass(slots=True)
@@ -49,6 +53,12 @@ class AppState:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Preemptions already counted into the Prometheus counter, by reason.
     preemptions_seen: dict[str, int] = field(default_factory=dict)
+    #: Guards ``/v1/stats`` and ``/metrics`` when ``admin_api_key`` is set.
+    admin_key: AdminKey = field(init=False)
+
+    def __post_init__(self) -> None:
+        key = self.settings.admin_api_key
+        self.admin_key = AdminKey(key.get_secret_value() if key is not None else None)
 
     def require_ready(self) -> Ready:
         """The stages, or the 503 that says why there are none yet.  (While draining they

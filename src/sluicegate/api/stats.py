@@ -10,6 +10,7 @@ from fastapi import Request as HTTPRequest
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from sluicegate.api.access import StatsViewer, require_admin, stats_viewer, visible_streams
 from sluicegate.api.state import AppState, Ready, app_state, not_ready
 from sluicegate.types import PriorityClass
 
@@ -41,6 +42,7 @@ async def ready(request: HTTPRequest) -> Response:
 @router.get("/metrics")
 async def metrics(request: HTTPRequest) -> Response:
     state = app_state(request)
+    require_admin(state, request, "GET /metrics")
     refresh_state_metrics(state)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -48,9 +50,10 @@ async def metrics(request: HTTPRequest) -> Response:
 @router.get("/v1/stats")
 async def stats(request: HTTPRequest) -> Response:
     state = app_state(request)
+    viewer = stats_viewer(state, request)
     if state.ready is None:
         return json_response({"ready": False})
-    return json_response(stats_body(state, state.ready))
+    return json_response(stats_body(state, state.ready, viewer))
 
 
 def refresh_state_metrics(state: AppState) -> None:
@@ -81,7 +84,9 @@ def refresh_state_metrics(state: AppState) -> None:
             state.preemptions_seen[reason] = count
 
 
-def stats_body(state: AppState, ready: Ready) -> dict[str, object]:
+def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, object]:
+    """Aggregate state for anyone allowed to read it; per-stream entries only as
+    ``viewer`` may see them (:func:`sluicegate.api.access.visible_streams`)."""
     service = ready.service
     core = service.core.stats()
     sched = core.scheduler
@@ -103,8 +108,10 @@ def stats_body(state: AppState, ready: Ready) -> dict[str, object]:
             "bytes": service.core.engine.kv_cache_bytes,
         },
         "requests_paused": sched.num_paused,
+        "requests_throttled": sched.num_throttled,
         "streams_paused": ready.flow.num_paused,
-        "streams": ready.flow.snapshot(),
+        "streams_scope": viewer.scope.value,
+        "streams": visible_streams(ready, viewer),
         "preemptions_total": sched.num_preemptions_total,
         "preemptions_by_reason": sched.preemptions_by_reason,
         "queue": {

@@ -7,6 +7,7 @@ OpenAI-compatible server still reports ``process_resident_memory_bytes``, say).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,10 +74,17 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     return snapshot
 
 
+def admin_headers() -> dict[str, str]:
+    """The admin key of a server whose ``/metrics`` and ``/v1/stats`` are protected
+    (``admin_api_key``), taken from ``SLUICEGATE_ADMIN_API_KEY`` when it is set."""
+    key = os.environ.get("SLUICEGATE_ADMIN_API_KEY")
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def scrape_once(client: httpx.Client, base_url: str) -> MetricsSnapshot | None:
     """One scrape; None when the server has no usable ``/metrics``."""
     try:
-        response = client.get(base_url + "/metrics", timeout=2.0)
+        response = client.get(base_url + "/metrics", headers=admin_headers(), timeout=2.0)
         if response.status_code != 200:
             return None
         return parse_metrics(response.text)

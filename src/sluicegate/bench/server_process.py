@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from sluicegate.bench.scrape import MetricsSnapshot, parse_metrics
+from sluicegate.bench.scrape import MetricsSnapshot, admin_headers, parse_metrics
 from sluicegate.config import read_config_file
 
 #: How often a starting server's ``/ready`` is polled.
@@ -48,14 +48,16 @@ class ServerProcess:
 
     def stats(self, timeout_seconds: float = 5.0) -> dict[str, Any]:
         """The server's ``GET /v1/stats`` snapshot."""
-        response = httpx.get(self.v1 + "/stats", timeout=timeout_seconds)
+        response = httpx.get(self.v1 + "/stats", headers=admin_headers(), timeout=timeout_seconds)
         response.raise_for_status()
         data: dict[str, Any] = response.json()
         return data
 
     def metrics(self, timeout_seconds: float = 5.0) -> MetricsSnapshot:
         """Every sample of the server's ``GET /metrics`` (see :class:`MetricsSnapshot`)."""
-        response = httpx.get(self.base_url + "/metrics", timeout=timeout_seconds)
+        response = httpx.get(
+            self.base_url + "/metrics", headers=admin_headers(), timeout=timeout_seconds
+        )
         response.raise_for_status()
         return parse_metrics(response.text)
 

@@ -3,7 +3,9 @@
 The event loop never blocks on the engine.  It talks to this thread through a command
 queue (add, abort) that is drained before every step, so an abort takes effect before
 the next step is planned; results come back once per step through
-``loop.call_soon_threadsafe``.
+``loop.call_soon_threadsafe``.  The scheduler's stats are published after every step and
+after every batch of commands, so an abort shows in ``/v1/stats`` and the metrics at
+once, even when no step follows (every sequence left is paused or throttled).
 """
 
 from __future__ import annotations
@@ -140,12 +142,12 @@ class EngineCore:
     def _run(self) -> None:
         running = True
         while running:
-            if self.scheduler.preempt_long_pauses():
+            if self.scheduler.preempt_long_pauses() + self.scheduler.release_paced():
                 self._publish_stats()
-            # Nothing to compute (idle, or every sequence paused): sleep until a command, or
-            # until a long pause is due for preemption.
+            # Nothing to compute (idle, or every sequence paused or throttled): sleep until a
+            # command, a long pause due for preemption, or a throttled sequence's next token.
             block = not self.scheduler.has_schedulable_work
-            timeout = self.scheduler.seconds_until_long_pause() if block else None
+            timeout = self.scheduler.seconds_until_wake() if block else None
             running = self._drain_commands(block, timeout)
             if not running or not self.scheduler.has_schedulable_work:
                 self._publish_stats()
@@ -178,6 +180,8 @@ class EngineCore:
         self._fail_batch(list(self.scheduler.requests), reason="server shutting down")
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply every queued command (waiting for the first one when ``block``), then
+        publish the stats if any was applied; False once asked to stop."""
         first = True
         while True:
             try:
@@ -186,6 +190,8 @@ class EngineCore:
                 else:
                     command = self._commands.get_nowait()
             except queue.Empty:
+                if not first:
+                    self._publish_stats()
                 return True
             first = False
             if isinstance(command, _Stop):

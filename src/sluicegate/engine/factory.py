@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluicegate.config import Settings
 from sluicegate.engine.base import Engine
+from sluicegate.engine.sampling_defaults import SamplingDefaults, with_settings
 from sluicegate.engine.sim import SimEngine
 from sluicegate.engine.tokenizer import TextTokenizer
 
@@ -23,13 +24,19 @@ class LoadedEngine:
     #: Sequences the engine can hold at once (its KV slots): the torch engine may have
     #: fewer than ``settings.max_num_seqs`` when its KV cache memory budget is smaller.
     max_num_seqs: int
+    #: Sampling of a request that sets none: the model's recommended sampling under the
+    #: ``default_*`` settings.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def build_engine(settings: Settings) -> LoadedEngine:
     if settings.engine == "sim":
         sim = SimEngine(settings.sim_step_base_ms, settings.sim_step_per_token_ms)
         name = settings.served_model_name or sim.model_name
-        return LoadedEngine(sim, sim.tokenizer, name, settings.max_model_len, settings.max_num_seqs)
+        return LoadedEngine(
+            sim, sim.tokenizer, name, settings.max_model_len, settings.max_num_seqs,
+            sampling_defaults(settings, SamplingDefaults()),
+        )  # fmt: skip
     try:  # imported here so that a sim server never loads torch
         from sluicegate.engine.torch.runner import TorchEngine
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -44,4 +51,14 @@ def build_engine(settings: Settings) -> LoadedEngine:
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
     )
     name = settings.served_model_name or engine.model_name
-    return LoadedEngine(engine, engine.tokenizer, name, engine.max_model_len, engine.max_num_seqs)
+    return LoadedEngine(
+        engine, engine.tokenizer, name, engine.max_model_len, engine.max_num_seqs,
+        sampling_defaults(settings, engine.sampling_defaults),
+    )  # fmt: skip
+
+
+def sampling_defaults(settings: Settings, model: SamplingDefaults) -> SamplingDefaults:
+    """The model's recommended sampling under the operator's ``default_*`` settings."""
+    return with_settings(
+        model, settings.default_temperature, settings.default_top_p, settings.default_top_k
+    )

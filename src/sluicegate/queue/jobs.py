@@ -28,14 +28,6 @@ logger = logging.getLogger(__name__)
 JobExecutor = Callable[[JobRecord], Awaitable[str]]
 
 
-def journal_path(journal_path: str | None, cache_dir: str | None, port: int) -> Path:
-    """The journal file: ``journal_path``, or ``jobs-<port>.sqlite3`` in the cache dir."""
-    if journal_path:
-        return Path(journal_path)
-    base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "sluicegate"
-    return base / f"jobs-{port}.sqlite3"
-
-
 def open_journal(path: Path) -> JobJournal:
     path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -4,13 +4,14 @@ The dispatcher in front of the scheduler hands a request over only when it fits 
 so the scheduler's own waiting line stays short and waiting happens in the fair queue,
 where it is bounded and can be told its position.  A request holds a seat and its
 worst-case KV footprint (prompt + ``max_tokens``, in whole blocks) from the moment it is
-dispatched until the scheduler lets go of it; while paused for a slow reader it holds
-neither, because the scheduler hands a paused sequence's slot to waiting work.  The
+dispatched until the scheduler lets go of it; while it is *idle* (paused for a slow
+reader, or waiting for its pace) it holds neither, because the scheduler hands an idle
+sequence's slot to waiting work.  The
 number of seats follows the latency objective (:meth:`DispatchCapacity.set_seat_limit`,
 from the scheduler's seat limiter), under the static ``max_num_seqs`` ceiling.
 
 The scheduler (engine thread) is the one owner of these numbers: it marks requests
-paused, resumed and finished.  The dispatcher (event loop) only asks and reserves.  A
+idle, busy again and finished.  The dispatcher (event loop) only asks and reserves.  A
 lock keeps the two threads' views consistent; ``on_change`` tells the dispatcher that
 room may have appeared (it is called on the engine thread, without the lock held).
 """
@@ -29,7 +30,7 @@ class _Holding:
     kv_tokens: int
     #: The request itself, when given: how far along it is tells when its seat frees.
     request: Request | None = None
-    paused: bool = False
+    idle: bool = False
 
 
 class DispatchCapacity:
@@ -83,7 +84,7 @@ class DispatchCapacity:
         """The requests holding a seat now (those reserved with their request)."""
         with self._lock:
             return [
-                h.request for h in self._holding.values() if h.request is not None and not h.paused
+                h.request for h in self._holding.values() if h.request is not None and not h.idle
             ]
 
     def set_seat_limit(self, limit: int) -> None:
@@ -97,21 +98,22 @@ class DispatchCapacity:
 
     @property
     def num_holding(self) -> int:
-        """Requests holding a seat (dispatched, not paused, not finished)."""
+        """Requests holding a seat (dispatched, not idle, not finished)."""
         with self._lock:
             return self._num_seats
 
-    def set_paused(self, request_id: str, paused: bool) -> None:
-        """The scheduler paused (or resumed) a request: it gives up (or takes back) its seat."""
+    def set_idle(self, request_id: str, idle: bool) -> None:
+        """The scheduler found a request idle (paused, or waiting for its pace) or busy
+        again: it lends out (or takes back) its seat.  Idempotent."""
         with self._lock:
             holding = self._holding.get(request_id)
-            if holding is None or holding.paused == paused:
+            if holding is None or holding.idle == idle:
                 return
-            holding.paused = paused
-            sign = -1 if paused else 1
+            holding.idle = idle
+            sign = -1 if idle else 1
             self._num_seats += sign
             self._kv_tokens += sign * holding.kv_tokens
-        if paused:
+        if idle:
             self._changed()
 
     def release(self, request_id: str) -> None:
@@ -120,7 +122,7 @@ class DispatchCapacity:
             holding = self._holding.pop(request_id, None)
             if holding is None:
                 return
-            if not holding.paused:
+            if not holding.idle:
                 self._num_seats -= 1
                 self._kv_tokens -= holding.kv_tokens
         self._changed()

@@ -84,6 +84,10 @@ class Request:
     #: Token-level throttle: at most one output token per this many seconds (0 = off).
     min_token_interval_seconds: float = 0.0
     next_token_time: float = 0.0
+    #: Waiting for its pace (``max_tokens_per_second``) for longer than a step: not
+    #: scheduled, and its dispatch seat lent out like a paused sequence's.  Set by the
+    #: scheduler only (the engine thread); others may read it.
+    throttled: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -7,8 +7,12 @@ than the remaining budget is prefilled in chunks over several steps.
 
 The scheduler is the one owner of a sequence's pause state (a slow reader's sequence is
 paused on request of flow control, skipped by every step, and preempted when paused too
-long or when its slot is needed) and of engine capacity (:class:`DispatchCapacity`,
-which the dispatcher in front of it asks before handing work over).
+long or when its slot is needed), of its pace (a sequence capped by
+``max_tokens_per_second`` that must sit out more than a step is *throttled*: skipped,
+and preempted when its slot is needed, like a paused one) and of engine capacity
+(:class:`DispatchCapacity`, which the dispatcher in front of it asks before handing work
+over).  An idle sequence, paused or throttled, lends its dispatch seat to queued work, so
+slow readers and slow paces cannot hold every seat.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     num_paused: int
+    #: Sequences waiting for their pace (``max_tokens_per_second``), their seats lent out.
+    num_throttled: int
     kv_cache: KVCacheStats
     num_preemptions_total: int
     preemptions_by_reason: dict[str, int]
@@ -92,8 +98,14 @@ class Scheduler:
     ) -> None:
         self.config = config
         self._clock = clock
-        #: Paused sequences whose KV was freed: out of the waiting line until resumed.
+        #: Idle sequences whose KV was freed: out of the waiting line until resumed (paused)
+        #: or due (throttled).
         self.parked: dict[str, Request] = {}
+        #: Throttled sequences (waiting for their pace), by id.
+        self.throttled: dict[str, Request] = {}
+        #: Wall time of the latest step: a sequence whose pace makes it sit out longer than
+        #: this lends its seat.
+        self._last_step_seconds = 0.0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(config.max_num_seqs, config.total_kv_blocks, config.kv_block_size)
         #: What the dispatcher may still hand over; kept by this scheduler alone.
@@ -143,24 +155,27 @@ class Scheduler:
 
     @property
     def has_schedulable_work(self) -> bool:
-        """False when everything left is paused: the engine thread may sleep."""
-        return len(self.waiting) > 0 or any(not r.paused for r in self.running)
+        """False when everything left is paused or throttled: the engine thread may sleep
+        (until :meth:`seconds_until_wake`).  Call :meth:`release_paced` first."""
+        return len(self.waiting) > 0 or any(not (r.paused or r.throttled) for r in self.running)
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
+        self.release_paced()
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(freed_kv_slots=self._freed_slots)
         self._freed_slots = []
         scheduled: set[str] = set()
 
         now = self._clock()
-        # Running first, oldest first; a paused or throttled sequence costs nothing this
-        # step.  When KV blocks run out, preempt (paused sequences first, then newest).
+        # Running first, oldest first; a paused or throttled sequence, or one whose pace
+        # does not allow a token yet, costs nothing this step.  When KV blocks run out,
+        # preempt (idle sequences first, then the newest).
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or request.paused or self._throttled(request, now):
+            if num_new <= 0 or self._idle(request) or self._pace_not_due(request, now):
                 idx += 1
                 continue
             while not self.kv.ensure_capacity(
@@ -182,12 +197,13 @@ class Scheduler:
         # Then waiting, by priority then arrival, while slots, blocks and budget last.
         while budget > 0 and len(self.waiting) > 0:
             if self.kv.num_free_slots == 0:
-                # A paused reader's slot is idle: hand it to waiting work (the paused
-                # sequence keeps its tokens and re-prefills when its reader catches up).
-                paused = self._last_paused()
-                if paused is None:
+                # An idle sequence's slot is unused: hand it to waiting work (the idle
+                # sequence keeps its tokens and re-prefills when its reader catches up or
+                # its pace allows the next token).
+                idle = self._idle_victim()
+                if idle is None:
                     break
-                self._preempt(paused, PreemptReason.KV_PRESSURE)
+                self._preempt(idle, PreemptReason.KV_PRESSURE)
             candidate = self.waiting.peek()
             assert candidate is not None
             request = candidate
@@ -223,20 +239,31 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
         )
 
-    def _throttled(self, request: Request, now: float) -> bool:
+    @staticmethod
+    def _pace_not_due(request: Request, now: float) -> bool:
         return (
             request.min_token_interval_seconds > 0
             and request.num_computed_tokens + 1 >= request.num_tokens  # decoding, not prefill
             and now < request.next_token_time
         )
 
-    def _last_paused(self) -> Request | None:
-        """The newest running sequence whose reader is behind (first to give up its KV)."""
-        return next((r for r in reversed(self.running) if r.paused), None)
+    @staticmethod
+    def _idle(request: Request) -> bool:
+        """Paused for its reader or throttled by its pace: it lends its seat."""
+        return request.paused or request.throttled
+
+    def _idle_victim(self) -> Request | None:
+        """The running sequence to give up its KV first: the newest paused one, else the
+        throttled one whose next token is furthest away."""
+        paused = next((r for r in reversed(self.running) if r.paused), None)
+        if paused is not None:
+            return paused
+        throttled = [r for r in self.running if r.throttled]
+        return max(throttled, key=lambda r: r.next_token_time) if throttled else None
 
     def _pick_victim(self) -> Request:
-        paused = self._last_paused()
-        return paused if paused is not None else self.running[-1]
+        idle = self._idle_victim()
+        return idle if idle is not None else self.running[-1]
 
     # ------------------------------------------------------------ cost and seats
     def calibrate(self, observations: list[tuple[StepShape, float]]) -> None:
@@ -248,6 +275,7 @@ class Scheduler:
     def record_step(self, plan: StepPlan, seconds: float) -> None:
         """A step ran in ``seconds``: learn from it, and move the seat limit if due."""
         shape = StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens)
+        self._last_step_seconds = seconds
         self.cost.observe(shape, seconds)
         self.seats.on_step(shape, plan.num_decoding, seconds)
         if self.seats.update(self.capacity.num_holding):
@@ -264,7 +292,7 @@ class Scheduler:
             return False
         request.paused = True
         request.paused_since = self._clock()
-        self.capacity.set_paused(request_id, True)
+        self._lend_seat(request)
         return True
 
     def resume(self, request_id: str) -> float | None:
@@ -275,11 +303,50 @@ class Scheduler:
         request.paused = False
         paused_seconds = self._clock() - request.paused_since
         request.total_paused_seconds += paused_seconds
-        self.capacity.set_paused(request_id, False)
-        parked = self.parked.pop(request_id, None)
-        if parked is not None:
-            self.waiting.push(parked, front=True)
+        self._lend_seat(request)
         return paused_seconds
+
+    # ------------------------------------------------------------------ pace
+    def release_paced(self) -> int:
+        """Take back the seats of throttled sequences whose pace allows a token now (a
+        preempted one returns to the front of the waiting line).  Returns how many."""
+        if not self.throttled:
+            return 0
+        now = self._clock()
+        due = [r for r in self.throttled.values() if now >= r.next_token_time]
+        for request in due:
+            self._set_throttled(request, False)
+        return len(due)
+
+    def seconds_until_wake(self) -> float | None:
+        """Until an idle sequence needs the engine thread: a long pause due for
+        preemption or a throttled sequence's next token (None: nothing pending)."""
+        due = [self.seconds_until_long_pause()]
+        if self.throttled:
+            next_token = min(r.next_token_time for r in self.throttled.values())
+            due.append(max(0.0, next_token - self._clock()))
+        pending = [seconds for seconds in due if seconds is not None]
+        return min(pending) if pending else None
+
+    def _set_throttled(self, request: Request, throttled: bool) -> None:
+        if request.throttled == throttled:
+            return
+        request.throttled = throttled
+        if throttled:
+            self.throttled[request.request_id] = request
+        else:
+            del self.throttled[request.request_id]
+        self._lend_seat(request)
+
+    def _lend_seat(self, request: Request) -> None:
+        """An idle sequence lends its dispatch seat; once it is busy again it takes it back,
+        and if its KV was freed meanwhile it returns to the front of the waiting line."""
+        idle = self._idle(request)
+        self.capacity.set_idle(request.request_id, idle)
+        if not idle:
+            parked = self.parked.pop(request.request_id, None)
+            if parked is not None:
+                self.waiting.push(parked, front=True)
 
     def preempt_long_pauses(self) -> int:
         """Free the KV of sequences paused longer than ``pause_preempt_seconds``.
@@ -319,7 +386,7 @@ class Scheduler:
         self._counters.preemptions[reason.value] = (
             self._counters.preemptions.get(reason.value, 0) + 1
         )
-        if request.paused:
+        if self._idle(request):
             self.parked[request.request_id] = request
         else:
             self.waiting.push(request, front=True)
@@ -337,13 +404,10 @@ class Scheduler:
                 continue
             token_id = result.sampled_token_ids[seq.request_id]
             request.all_token_ids.append(token_id)
-            if request.min_token_interval_seconds > 0:
-                request.next_token_time = (
-                    max(request.next_token_time, self._clock() - request.min_token_interval_seconds)
-                    + request.min_token_interval_seconds
-                )
             is_stop_token = self._is_stop_token(request, token_id)
             reason = FinishReason.STOP if is_stop_token else self._check_length(request)
+            if request.min_token_interval_seconds > 0 and reason is None:
+                self._pace(request)
             if reason is not None:
                 self.seats.on_finished(request.num_prompt_tokens, request.num_output_tokens)
                 request.finish_reason = reason
@@ -355,6 +419,15 @@ class Scheduler:
                 )
             events.append(TokenEvent(request, token_id, reason is not None, is_stop_token))
         return events
+
+    def _pace(self, request: Request) -> None:
+        """After a token of a paced sequence: when may it have the next one?  If that is
+        more than a step away, it sits out as throttled and lends its seat."""
+        now = self._clock()
+        interval = request.min_token_interval_seconds
+        request.next_token_time = max(request.next_token_time, now - interval) + interval
+        if request.next_token_time - now > self._last_step_seconds:
+            self._set_throttled(request, True)
 
     def _is_stop_token(self, request: Request, token_id: int) -> bool:
         """The one stop-token check: end of sequence (unless ignored) or a stop token id."""
@@ -386,6 +459,9 @@ class Scheduler:
         if request.paused:
             request.paused = False
             request.total_paused_seconds += self._clock() - request.paused_since
+        if request.throttled:
+            request.throttled = False
+            del self.throttled[request.request_id]
         self.capacity.release(request.request_id)
         if request.finish_reason is None:
             request.finish_reason = {
@@ -403,7 +479,9 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_paused=sum(1 for r in self.running if r.paused) + len(self.parked),
+            num_paused=sum(1 for r in self.running if r.paused)
+            + sum(1 for r in self.parked.values() if r.paused),
+            num_throttled=len(self.throttled),
             kv_cache=self.kv.stats(),
             num_preemptions_total=sum(self._counters.preemptions.values()),
             preemptions_by_reason=dict(self._counters.preemptions),

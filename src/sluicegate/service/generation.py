@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from sluicegate.engine.output import RequestStream
 from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.request import Request
+from sluicegate.service.ownership import RESUME_TOKEN_HEADER, Owner
 
 
 class Life(enum.IntEnum):
@@ -42,7 +43,12 @@ class Generation:
     stream: RequestStream
     #: ``None`` only for a resumed stream that needs no engine (every token delivered).
     ticket: Ticket | None
+    #: Who may resume or cancel it (:mod:`sluicegate.service.ownership`).
+    owner: Owner
     priority_label: str = "interactive"
+    #: The resume token itself, on the replica that created the request only (it is
+    #: returned once, to the creator); ``None`` for a stream taken over from another.
+    resume_token: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     life: Life = Life.LIVE
     #: Its output is a resumable stream (logged, continued elsewhere if stopped).
@@ -64,10 +70,13 @@ class Generation:
 
     @property
     def headers(self) -> dict[str, str]:
-        """Response headers: the request id and the tenant's rate-limit state."""
+        """Response headers: the request id, a stream's id and resume token (for its
+        creator), and the tenant's rate-limit state."""
         out = {"x-request-id": self.request_id}
         if self.resumable:
             out["x-sluicegate-stream-id"] = self.request_id
+            if self.resume_token is not None:
+                out[RESUME_TOKEN_HEADER] = self.resume_token
         if self.ticket is not None:
             out.update(self.ticket.admitted.headers())
         return out

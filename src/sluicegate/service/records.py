@@ -11,6 +11,14 @@ from sluicegate.metrics.tracing import RequestTimeline, record_request_spans
 from sluicegate.metrics.window import SlidingWindow
 from sluicegate.service.generation import Generation
 
+#: Every ``status`` a request can end with (the ``requests_total{status}`` label values):
+#: OpenAI's finish reasons, an engine ``error``, ``cancelled`` (the client went away or
+#: cancelled, or its detached stream's grace ran out), ``evicted`` (it stopped reading),
+#: ``drained`` (stopped by a shutdown) and ``moved`` (another replica continues it).
+REQUEST_STATUSES = (
+    "stop", "length", "error", "refused", "cancelled", "evicted", "drained", "moved",
+)  # fmt: skip
+
 
 @dataclass(slots=True)
 class LatencyWindows:

@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from sluicegate.admission.controller import Admitted, BucketFactory
-from sluicegate.admission.decision import Rejection
+from sluicegate.admission.decision import Rejection, RejectReason
 from sluicegate.admission.tenants import AuthError, Tenant
 from sluicegate.config import Settings
 from sluicegate.engine.calibrate import warm_up
@@ -34,6 +34,7 @@ from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 from sluicegate.service.build import build_admission, build_scheduler, build_slo, queue_config
 from sluicegate.service.generation import Generation, Life
+from sluicegate.service.ownership import Owner, new_resume_token, resume_token_digest
 from sluicegate.service.records import LatencyWindows, record_delivery, record_end
 from sluicegate.store.errors import StoreUnavailable
 from sluicegate.types import PriorityClass
@@ -56,6 +57,8 @@ class Service:
         self.metrics = metrics
         self.tokenizer: TextTokenizer = loaded.tokenizer
         self.model_name = loaded.model_name
+        #: Sampling of a request that sets none (the model's recommended sampling).
+        self.sampling_defaults = loaded.sampling_defaults
         self.scheduler = build_scheduler(settings, loaded)
         self.max_model_len = self.scheduler.config.max_model_len
         admission = build_admission(settings, bucket_factory)
@@ -118,8 +121,9 @@ class Service:
         service.dispatcher.start()
         metrics.engine_up.labels(metrics.engine).set(1)
         logger.info(
-            "engine %s ready: model %s, max_model_len %d",
+            "engine %s ready: model %s, max_model_len %d; default sampling: %s",
             settings.engine, service.model_name, service.max_model_len,
+            service.sampling_defaults.describe(),
         )  # fmt: skip
         return service
 
@@ -132,7 +136,7 @@ class Service:
         try:
             return self.tenants.authenticate(authorization)
         except AuthError as exc:
-            self.metrics.rejections_total.labels("auth").inc()
+            self.metrics.rejections_total.labels(RejectReason.AUTH.value).inc()
             raise exc.to_rejection().to_error() from None
 
     async def submit(
@@ -146,11 +150,13 @@ class Service:
         *,
         output_token_ids: Sequence[int] = (),
         resumed: bool = False,
+        resume_token_sha256: str | None = None,
     ) -> Generation:
         """Admit and queue a request; it reaches the engine when the dispatcher has room.
 
         A ``resumed`` stream continues on this replica after ``output_token_ids`` (delivered
-        elsewhere): it re-prefills them, and its tenant's rate limits are not charged again.
+        elsewhere): it re-prefills them, and its tenant's rate limits are not charged again;
+        it keeps its resume token (``resume_token_sha256``).  A new request gets a new one.
         Raises the :class:`APIError` that refuses it.
         """
         request = Request(
@@ -163,14 +169,19 @@ class Service:
         if tenant.max_tokens_per_second and max_tokens_per_second:
             pace = min(max_tokens_per_second, tenant.max_tokens_per_second)
         if pace:
+            # Never below the floor (checked at the front door; a stream continued from an
+            # older replica's log is held to it too).
+            pace = max(pace, self.settings.pace_floor_tokens_per_second)
             request.min_token_interval_seconds = 1.0 / pace
         priority_class = PriorityClass(priority) if priority else tenant.priority_class
         request.priority = priority_class.rank
         admitted = await self._admit(tenant, priority_class, request, rate_limited=not resumed)
         ticket = Ticket(request, tenant, priority_class, admitted, time.monotonic())
+        token = new_resume_token() if resume_token_sha256 is None else None
+        digest = resume_token_digest(token) if token is not None else resume_token_sha256 or ""
         generation = Generation(
-            request_id, request, RequestStream(request_id), ticket, priority_class.value,
-            num_resumed_tokens=len(output_token_ids),
+            request_id, request, RequestStream(request_id), ticket, Owner(tenant.name, digest),
+            priority_class.value, resume_token=token, num_resumed_tokens=len(output_token_ids),
         )  # fmt: skip
         self.generations[request_id] = generation
         try:
@@ -190,6 +201,7 @@ class Service:
         prompt_ids: list[int],
         output_ids: list[int],
         sampling: SamplingParams,
+        owner: Owner,
     ) -> Generation:
         """A resumed stream whose every token was delivered (only its end was not logged):
         it ends at once, without the engine."""
@@ -201,7 +213,7 @@ class Service:
             RequestOutput(request_id, "", 0, len(prompt_ids), len(output_ids), FinishReason.LENGTH)
         )
         generation = Generation(
-            request_id, request, stream, None, num_resumed_tokens=len(output_ids)
+            request_id, request, stream, None, owner, num_resumed_tokens=len(output_ids)
         )
         self.generations[request_id] = generation
         return generation
@@ -216,7 +228,7 @@ class Service:
             )  # fmt: skip
         except StoreUnavailable as error:
             # store_failure_mode fail_closed: no shared limits, no admission.
-            self.metrics.rejections_total.labels("store_unavailable").inc()
+            self.metrics.rejections_total.labels(RejectReason.STORE_UNAVAILABLE.value).inc()
             raise APIError(
                 503,
                 f"The rate-limit store is unreachable, so limits cannot be checked ({error}). "
@@ -398,8 +410,9 @@ class Service:
 
 
 def new_request_id(prefix: str) -> str:
-    """An unguessable id (128 random bits): it is also the stream id that resumes a stream,
-    so knowing it must be as good as having created it (besides the tenant check)."""
+    """An unguessable id (128 random bits).  Still not a credential: resuming or cancelling
+    also needs the owner's API key, or in open mode the resume token
+    (:mod:`sluicegate.service.ownership`)."""
     return f"{prefix}-{secrets.token_hex(16)}"
 
 

@@ -307,6 +307,7 @@ def _copy_meta(meta: StreamMeta) -> StreamMeta:
         status=meta.status,
         extra=copy.deepcopy(meta.extra),
         created_at_unix_seconds=meta.created_at_unix_seconds,
+        resume_token_sha256=meta.resume_token_sha256,
     )
 
 

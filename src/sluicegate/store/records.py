@@ -124,6 +124,9 @@ class StreamMeta:
     #: id, created time, …).
     extra: dict[str, JSONValue] = field(default_factory=dict)
     created_at_unix_seconds: float = 0.0
+    #: SHA-256 (hex) of the stream's resume token: in open mode, what a resume or cancel
+    #: must present (empty: no token admits it).
+    resume_token_sha256: str = ""
 
 
 @dataclass(slots=True)
@@ -166,6 +169,28 @@ class DegradedOutcome(enum.StrEnum):
 
 #: Called once per degraded operation: ``(operation, outcome)``.
 DegradedCallback = Callable[[str, DegradedOutcome], None]
+
+#: Reads: nothing to fall back to, so they raise in either mode.
+_READS = ("read", "tail", "get_meta", "lease_owner")
+#: Writes a stream's log and metadata need: dropped (fail_open) or raised (fail_closed).
+_WRITES = ("append", "finish", "put_meta", "update_meta")
+
+
+def degraded_operation_labels(
+    mode: StoreFailureMode,
+) -> list[tuple[str, DegradedOutcome]]:
+    """Every ``(operation, outcome)`` a shared store reports while unreachable in ``mode``
+    (the ``store_degraded_operations_total`` label pairs)."""
+    closed = mode is StoreFailureMode.FAIL_CLOSED
+    raised, dropped = DegradedOutcome.RAISED, DegradedOutcome.DROPPED
+    pairs = [(op, raised) for op in _READS]
+    pairs += [(op, raised if closed else dropped) for op in _WRITES]
+    pairs += [(op, raised if closed else DegradedOutcome.GRANTED)
+              for op in ("acquire_lease", "renew_lease")]  # fmt: skip
+    pairs += [(op, raised if closed else DegradedOutcome.ADMITTED)
+              for op in ("bucket_acquire", "bucket_peek")]  # fmt: skip
+    pairs += [(op, dropped) for op in ("release_lease", "bucket_charge", "bucket_refund")]
+    return pairs
 
 
 @dataclass(slots=True)

@@ -232,6 +232,7 @@ class RedisStore(Store):
             "seed": meta.seed,
             "sampling_params": meta.sampling_params,
             "created_at_unix_seconds": meta.created_at_unix_seconds or time.time(),
+            "resume_token_sha256": meta.resume_token_sha256,
         }
         args = [
             *self._write_args(None),
@@ -270,6 +271,7 @@ class RedisStore(Store):
             status=StreamStatus(bytes(reply[2]).decode()),
             extra=extra,
             created_at_unix_seconds=fixed["created_at_unix_seconds"],
+            resume_token_sha256=str(fixed.get("resume_token_sha256") or ""),
         )
 
     async def update_meta(

@@ -162,6 +162,17 @@ def drain_notice(stream_id: str) -> dict[str, object]:
     }
 
 
+def superseded_notice(stream_id: str) -> bytes:
+    """The last event of a connection whose stream another connection resumed."""
+    return error_event(
+        "stream_superseded",
+        "Another connection resumed this stream and receives the rest of it; this "
+        f"connection ends here. To take it back, resume with GET /v1/streams/{stream_id} "
+        "and Last-Event-ID.",
+        stream_id=stream_id,
+    )
+
+
 def is_final_event(data: bytes) -> bool:
     """Whether a logged event ends its stream (it carries the ``[DONE]`` message)."""
     return data.endswith(DONE)

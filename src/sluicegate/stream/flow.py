@@ -181,8 +181,9 @@ class FlowController:
     def num_paused(self) -> int:
         return sum(1 for f in self._flows.values() if f.paused)
 
-    def snapshot(self, limit: int = 20) -> list[dict[str, object]]:
-        """The streams furthest behind, for /v1/stats (operators, not Prometheus labels)."""
+    def snapshot(self, limit: int | None = 20) -> list[dict[str, object]]:
+        """The streams furthest behind (``limit`` of them; None: all), with their request
+        ids, for ``/v1/stats`` (which shows each caller only what it may see)."""
         flows = sorted(self._flows.values(), key=lambda f: f.unreceived_tokens, reverse=True)
         return [
             {

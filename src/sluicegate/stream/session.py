@@ -42,7 +42,14 @@ from sluicegate.store.base import Store
 from sluicegate.store.errors import LeaseLost, ReplayTrimmed, StoreError, StoreUnavailable
 from sluicegate.store.event_id import format_event_id
 from sluicegate.store.records import StreamStatus
-from sluicegate.stream.events import StreamFormat, drain_notice, error_event, replay_error, usage
+from sluicegate.stream.events import (
+    StreamFormat,
+    drain_notice,
+    error_event,
+    replay_error,
+    superseded_notice,
+    usage,
+)
 from sluicegate.stream.feed import FEED_MAX_WAITING, Emission, Feed, FeedItem
 from sluicegate.stream.flow import FlowController, StreamFlow
 from sluicegate.stream.sse import DONE, EventStreamResponse, SSEConnection, sse_data, with_event_id
@@ -54,6 +61,9 @@ REPLAY_BATCH_EVENTS = 256
 
 #: Why a session stopped generating without finishing its stream.
 StopReason = Literal["draining", "detached", "lease_lost", "evicted", "store_unavailable"]
+
+#: Why a stream was checkpointed (the ``streams_checkpointed_total{reason}`` label values).
+CHECKPOINT_REASONS = ("draining", "detached", "degraded_log")
 
 
 @dataclass(slots=True)
@@ -118,12 +128,14 @@ class StreamSession:
     def attach(self, after_seq: int) -> Feed:
         """A client connects holding the events up to ``after_seq``; returns its feed.
 
-        Replaces any connection attached before.  Events logged so far (up to the feed's
-        watermark) come from the log; every later one through the feed, so none is
-        missed or repeated.
+        Replaces any connection attached before, which is told so in a final error event
+        (``stream_superseded``) after what it already has: it never just goes quiet.
+        Events logged so far (up to the feed's watermark) come from the log; every later
+        one through the feed, so none is missed or repeated.
         """
         if self.feed is not None:
-            self.feed.close()  # superseded: its writer ends after what it already has
+            self.feed.push(FeedItem(superseded_notice(self.stream_id), None, 0))
+            self.feed.close()
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None

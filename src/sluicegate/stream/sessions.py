@@ -14,6 +14,7 @@ from sluicegate.admission.tenants import Tenant
 from sluicegate.engine.output import FlushPolicy
 from sluicegate.errors import APIError
 from sluicegate.service.generation import Generation
+from sluicegate.service.ownership import Owner
 from sluicegate.service.service import Service
 from sluicegate.store.base import Store
 from sluicegate.store.errors import StoreUnavailable
@@ -124,6 +125,7 @@ class SessionRegistry:
             seed=request.sampling.seed,
             sampling_params=sampling_to_json(request.sampling),
             extra=fmt.to_json(),
+            resume_token_sha256=generation.owner.resume_token_sha256,
         )
         try:
             await store.put_meta(generation.request_id, meta)
@@ -183,13 +185,15 @@ class SessionRegistry:
         sampling = sampling_from_json(meta.seed, meta.sampling_params)
         generated = meta.generated_token_ids
         if len(generated) >= sampling.max_tokens:
+            owner = Owner(meta.tenant, meta.resume_token_sha256)
             generation = service.completed_generation(
-                stream_id, meta.prompt_token_ids, generated, sampling
+                stream_id, meta.prompt_token_ids, generated, sampling, owner
             )
         else:
             generation = await service.submit(
                 tenant, fmt.priority, stream_id, meta.prompt_token_ids, sampling,
                 fmt.max_tokens_per_second, output_token_ids=generated, resumed=True,
+                resume_token_sha256=meta.resume_token_sha256,
             )  # fmt: skip
         try:
             await store.update_meta(stream_id, status=StreamStatus.RUNNING)

@@ -16,6 +16,7 @@ export function initPlayground({ onModel }) {
   const model = $("model");
   const temperature = $("temperature");
   let controller = null; // the AbortController of the answer being streamed, if any
+  let current = null; // { id, resumeToken } of that answer, once its headers arrived
 
   temperature.addEventListener("input", () => {
     $("temperature-value").value = Number(temperature.value).toFixed(2);
@@ -30,9 +31,19 @@ export function initPlayground({ onModel }) {
       ask();
     }
   });
-  // Closing the connection is the cancel: the server aborts the sequence before its
-  // next engine step.
-  stop.addEventListener("click", () => controller?.abort());
+  // Stop cancels the generation on the server at once, then closes the connection.
+  // (Closing alone would leave a resumable stream running for its detach grace.)
+  stop.addEventListener("click", () => {
+    if (current?.id) cancelOnServer(current);
+    controller?.abort();
+  });
+
+  function cancelOnServer({ id, resumeToken }) {
+    // Its owner's key (auth on) or its resume token (open mode) authorises the cancel.
+    const headers = authHeaders(resumeToken ? { "x-sluicegate-resume-token": resumeToken } : {});
+    fetch(`/v1/requests/${encodeURIComponent(id)}/cancel`, { method: "POST", headers })
+      .catch(() => {}); // the connection closes anyway, and the server cancels after its grace
+  }
 
   function setState(state, text = "") {
     root.dataset.state = state; // idle | waiting | streaming | done | stopped | error
@@ -101,6 +112,10 @@ export function initPlayground({ onModel }) {
         signal: controller.signal,
       });
       if (!response.ok) throw await errorFromResponse(response);
+      current = {
+        id: response.headers.get("x-request-id"),
+        resumeToken: response.headers.get("x-sluicegate-resume-token"),
+      };
       for await (const data of sseData(response.body)) {
         if (data === "[DONE]") break;
         const event = JSON.parse(data);
@@ -125,6 +140,7 @@ export function initPlayground({ onModel }) {
       }
     } finally {
       controller = null;
+      current = null;
       timing.render();
     }
   }

