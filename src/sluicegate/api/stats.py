@@ -10,7 +10,7 @@ from fastapi import Request as HTTPRequest
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from sluicegate.api.state import AppState, Ready, app_state, not_ready
+from sluicegate.api.state import AppState, Ready, app_state, not_ready, store_down
 from sluicegate.types import PriorityClass
 
 router = APIRouter()
@@ -33,7 +33,7 @@ async def health() -> Response:
 @router.get("/ready")
 async def ready(request: HTTPRequest) -> Response:
     state = app_state(request)
-    if state.ready is None or state.draining:
+    if state.ready is None or state.draining or store_down(state):
         raise not_ready(state)
     return json_response({"status": "ready", "model": state.ready.service.model_name})
 
