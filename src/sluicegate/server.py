@@ -22,6 +22,7 @@ from sluicegate.api.lifecycle import drain
 from sluicegate.api.state import AppState
 from sluicegate.config import Settings
 from sluicegate.connections import (
+    RESERVED_FILE_DESCRIPTORS,
     ConnectionGuard,
     ConnectionLimits,
     default_max_connections,
@@ -118,6 +119,13 @@ def run_server(settings: Settings) -> None:
         timeout_keep_alive=max(1, round(settings.keep_alive_timeout_seconds)),
         ws_max_size=settings.max_request_body_bytes,
     )
+    safe_cap = open_file_limit - RESERVED_FILE_DESCRIPTORS
+    if limits.max_connections > safe_cap:
+        logging.getLogger("sluicegate").warning(
+            "max_connections %d exceeds what the open-file limit (%d) leaves room for (%d): "
+            "past that, connections are refused by the kernel instead of managed",
+            limits.max_connections, open_file_limit, safe_cap,
+        )  # fmt: skip
     server = DrainingServer(config, fastapi_app)
     state = fastapi_app.state.sluicegate
     assert isinstance(state, AppState)

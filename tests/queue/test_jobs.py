@@ -100,3 +100,25 @@ def test_purging_gives_the_space_back(tmp_path: Path) -> None:
         assert journal.purge_finished(clock()) == 40
         journal._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         assert os.path.getsize(path) < full / 4, (full, os.path.getsize(path))
+
+
+async def test_the_rate_limits_are_charged_only_for_a_job_that_fits(tmp_path: Path) -> None:
+    journal = JobJournal(tmp_path / "jobs.db")
+    runner = JobRunner(journal, 1, echo, JobLimits(max_job_bytes=1024))
+    charged: list[str] = []
+
+    async def charge() -> None:
+        charged.append("charged")
+
+    async def refuse() -> None:
+        raise APIError(429, "over the tenant's tokens_per_minute")
+
+    with pytest.raises(APIError):
+        await runner.submit("t", "x" * 2000, charge=charge)
+    assert charged == []  # too large: refused before the tenant is charged
+    with pytest.raises(APIError) as refused:
+        await runner.submit("t", "{}", charge=refuse)
+    assert refused.value.status_code == 429 and journal.count() == 0
+    await runner.submit("t", "{}", charge=charge)
+    assert charged == ["charged"] and journal.count() == 1
+    journal.close()

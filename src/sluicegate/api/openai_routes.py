@@ -54,9 +54,12 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
                 400, "A background job cannot stream; drop 'stream' or 'background'.",
                 param="background",
             )  # fmt: skip
-        payload = job_payload(prepared)
-        await service.charge_tokens(tenant, len(prepared.prompt_ids), prepared.sampling.max_tokens)
-        record = await ready.jobs.submit(tenant.name, payload)
+        record = await ready.jobs.submit(
+            tenant.name, job_payload(prepared),
+            charge=lambda: service.charge_tokens(
+                tenant, len(prepared.prompt_ids), prepared.sampling.max_tokens
+            ),
+        )  # fmt: skip
         return json_response(job_view(record), status_code=202)
     req = prepared.req
     generation = await service.submit(

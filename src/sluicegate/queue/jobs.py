@@ -90,8 +90,16 @@ class JobRunner:
                 await task
         await asyncio.to_thread(self.journal.close)
 
-    async def submit(self, tenant_name: str, payload_json: str) -> JobRecord:
-        """Journal a job (durably) and wake the runner; 413/429 past the limits."""
+    async def submit(
+        self,
+        tenant_name: str,
+        payload_json: str,
+        charge: Callable[[], Awaitable[None]] | None = None,
+    ) -> JobRecord:
+        """Journal a job (durably) and wake the runner; 413/429 past the limits.
+
+        ``charge`` (the tenant's rate limits) is awaited once the job is known to fit,
+        just before it is journaled; what it raises refuses the job."""
         limits = self.limits
         size = len(payload_json.encode())
         if size > limits.max_job_bytes:
@@ -108,6 +116,8 @@ class JobRunner:
                 "have finished.",
                 code="too_many_jobs", headers={"retry-after": "10"},
             )  # fmt: skip
+        if charge is not None:
+            await charge()
         job_id = f"job-{uuid.uuid4().hex}"
         record = await asyncio.to_thread(self.journal.submit, job_id, tenant_name, payload_json)
         self._wake.set()
