@@ -5,8 +5,9 @@ The run's ``/metrics`` scrapes give ``process_resident_memory_bytes`` over time.
 first fifth of the run is warm-up (allocator pools, caches, the first of every kind of
 request, and what the server keeps on purpose for a while: replay logs for
 ``replay_ttl_seconds``, latency windows); after it, the median of the first window is
-compared with the median of the last, and a least-squares slope is fitted.  Memory is *flat* when it grew by at most
-``max(tolerance_fraction × start, min_tolerance_bytes)`` from one window to the other.
+compared with the median of the last, and a least-squares slope is fitted.  Memory is
+*flat* when it grew by at most ``max(tolerance_fraction × start, min_tolerance_bytes)``
+from one window to the other.
 """
 
 from __future__ import annotations
