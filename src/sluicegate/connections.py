@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -92,6 +93,7 @@ class ConnectionGuard:
         self.num_evicted = 0
         self.num_refused = 0
         self.num_timed_out = 0
+        self._warned_at = -float("inf")
 
     def set_idle(self, connection: GuardedHttpProtocol, idle: bool, *, first: bool = False) -> None:
         """Mark ``connection`` idle (evictable; ``first``: before every other) or busy."""
@@ -100,6 +102,17 @@ class ConnectionGuard:
             self.idle[connection] = None
             if first:
                 self.idle.move_to_end(connection, last=False)
+
+    def refused(self, num_open: int) -> None:
+        """Count a refused newcomer; say so in the log at most every 10 seconds."""
+        self.num_refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= 10.0:
+            self._warned_at = now
+            logger.warning(
+                "refusing connections: %d open, every one busy (max_connections); %d "
+                "refused so far", num_open, self.num_refused,
+            )  # fmt: skip
 
     def make_room(self, newcomer: GuardedHttpProtocol) -> bool:
         """Close the oldest idle connection other than ``newcomer``; False if none."""
@@ -137,11 +150,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         guard = self.guard
         if len(self.connections) > guard.limits.max_connections and not guard.make_room(self):
-            guard.num_refused += 1
-            logger.warning(
-                "connection refused: %d connections open, every one busy (max_connections)",
-                len(self.connections) - 1,
-            )
+            guard.refused(len(self.connections) - 1)
             self._reply_and_close(
                 APIError(
                     503, "The server has too many open connections; retry shortly.",

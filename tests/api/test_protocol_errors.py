@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,11 +14,23 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
+
+
+@pytest.fixture(scope="module")
+def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server of this module's own (its log is read), with fixed limits only, so that
+    what other tests left running cannot delay or refuse these requests."""
+    journal = tmp_path_factory.mktemp("protocol") / "jobs.sqlite3"
+    server = start_server(
+        ["--engine", "sim", "--admission", "static", "--journal-path", str(journal)], "protocol"
+    )
+    yield server
+    server.stop()
 
 
 def test_openapi_publishes_the_request_bodies_and_400_not_422(sim_server: ServerProcess) -> None:
@@ -83,14 +96,15 @@ def test_a_bad_first_websocket_message_closes_1003_with_an_error(
 def test_a_bad_message_mid_stream_closes_1003_with_an_error(
     sim_server: ServerProcess, bad: str
 ) -> None:
+    # 8 tokens of credit hold at least one whole character (the sim's tokens are bytes).
     request = {
-        "type": "request", "credits": 2,
+        "type": "request", "credits": 8,
         "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                 "max_tokens": 200, "ignore_eos": True},
+                 "max_tokens": 200, "ignore_eos": True, "seed": 7},
     }  # fmt: skip
     with connect(ws_url(sim_server)) as ws:
         ws.send(orjson.dumps(request).decode())
-        first = orjson.loads(ws.recv(timeout=5))
+        first = orjson.loads(ws.recv(timeout=10))
         assert first["object"] == "chat.completion.chunk", first
         ws.send(bad)
         _, code = closing_error(ws)

@@ -42,11 +42,12 @@ async def abandoned_request(server: ServerProcess, i: int) -> None:
 
 async def dropped_websocket(server: ServerProcess, i: int) -> None:
     url = server.base_url.replace("http://", "ws://") + "/v1/ws"
-    request = {"type": "request", "credits": 2 + i % 3,
+    # At least 8 tokens of credit: a whole character (the sim's tokens are bytes).
+    request = {"type": "request", "credits": 8 + i % 3,
                "body": {**LONG, "messages": [{"role": "user", "content": f"ws {i}"}]}}  # fmt: skip
     async with connect(url) as ws:
         await ws.send(orjson.dumps(request).decode())
-        await ws.recv()  # one chunk, then the client goes
+        await asyncio.wait_for(ws.recv(), 10)  # one chunk, then the client goes
 
 
 async def storm(server: ServerProcess) -> None:
