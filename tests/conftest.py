@@ -6,7 +6,7 @@ its servers the same way); here each server's log goes to ``test-artifacts/``.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,11 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 
 def start_server(
-    args: list[str], name: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None
+    args: list[str],
+    name: str,
+    ready_timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> ServerProcess:
     """``sluicegate serve`` with ``args`` on a free port, logging to
     ``test-artifacts/server-<name>-<port>.log``; returns once it is ready.
@@ -31,6 +35,7 @@ def start_server(
         port=port,
         ready_timeout_seconds=ready_timeout,
         env=env,
+        preexec_fn=preexec_fn,
     )
 
 

@@ -19,6 +19,7 @@ LAYERS = [
     ("__main__",),
     ("cli",),
     ("server", "bench"),
+    ("connections",),
     ("api",),
     ("stream",),
     ("service",),

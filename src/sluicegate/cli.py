@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 import typer
+import yaml
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from sluicegate.bench.cli import bench_app
@@ -62,9 +64,25 @@ def _serve(**kwargs: Any) -> None:
     flags = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in kwargs.items()}
     try:
         settings = load_settings(config, **flags)
-    except Exception as exc:  # a pydantic ValidationError or a YAML error: say it plainly
-        raise typer.BadParameter(str(exc)) from exc
+    except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"sluicegate: invalid configuration: {settings_error(exc)}") from None
     run_server(settings)
+
+
+def settings_error(exc: Exception) -> str:
+    """A settings problem on one line: each field, what is wrong, and what was given."""
+    if isinstance(exc, ValidationError):
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"]) or "settings"
+            message = error["msg"].removeprefix("Value error, ")
+            given = error.get("input")
+            shown = "" if isinstance(given, dict) or error["type"] == "missing" else given
+            problems.append(f"{where}: {message}" + (f" (got {shown!r})" if shown != "" else ""))
+        return "; ".join(problems)
+    if isinstance(exc, OSError):
+        return f"cannot read {exc.filename}: {exc.strerror}"
+    return " ".join(str(exc).split())
 
 
 def _serve_signature() -> inspect.Signature:
@@ -76,10 +94,7 @@ def _serve_signature() -> inspect.Signature:
             annotation=Annotated[
                 Optional[Path],  # noqa: UP045 - typer inspects this at run time
                 typer.Option(
-                    "--config",
-                    exists=True,
-                    dir_okay=False,
-                    help="YAML file of settings (flags and env vars override it).",
+                    "--config", help="YAML file of settings (flags and env vars override it)."
                 ),
             ],
         )

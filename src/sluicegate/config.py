@@ -75,6 +75,32 @@ class Settings(BaseSettings):
         1_048_576, ge=1024, description="Larger request bodies get 413."
     )
 
+    # --- connections (see docs/security.md) ---
+    max_connections: int | None = Field(
+        None,
+        ge=16,
+        description="Open client connections at most; at the cap the oldest connection "
+        "that has no request in flight is closed to make room (default: the open-file "
+        "limit less 128, at most 8192).",
+    )
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0.0,
+        description="Close a connection that takes longer to send a request's headers.",
+    )
+    body_timeout_seconds: float = Field(
+        30.0,
+        gt=0.0,
+        description="Answer 408 and close when a request's body takes longer than this "
+        "after its headers.",
+    )
+    keep_alive_timeout_seconds: float = Field(
+        5.0, gt=0.0, description="Close a connection idle this long between requests."
+    )
+    max_header_bytes: int = Field(
+        65536, ge=4096, description="Larger request lines and headers get 431."
+    )
+
     # --- engine ---
     engine: EngineKind = Field(
         "torch", description="Engine: torch (the embedded model) or sim (simulated)."
@@ -299,6 +325,15 @@ class Settings(BaseSettings):
     )
     max_background_jobs_in_memory: int = Field(
         64, ge=1, description="Background jobs held in memory; the rest wait in the journal."
+    )
+    max_job_bytes: int = Field(
+        262_144, ge=1024, description="Largest background job, as journaled once validated (413)."
+    )
+    max_unfinished_jobs_per_tenant: int = Field(
+        1000, ge=1, description="Background jobs a tenant may have queued or running (429)."
+    )
+    job_retention_seconds: float = Field(
+        86400.0, gt=0.0, description="Finished background jobs are purged this long after."
     )
 
     @field_validator(

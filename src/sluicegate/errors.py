@@ -21,7 +21,10 @@ _TYPE_BY_STATUS = {
     410: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_exceeded",
+    431: "invalid_request_error",
+    499: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }

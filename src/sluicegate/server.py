@@ -1,4 +1,9 @@
-"""Run the app under uvicorn (uvloop, httptools) on a socket we create ourselves."""
+"""Run the app under uvicorn (uvloop, httptools) on a socket we create ourselves.
+
+Every start-up failure (a missing model, a port in use, an unreachable store, an engine
+that fails to load) ends the process with one line on stderr and exit code 1; bad
+settings are caught before this, by the CLI.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import logging
 import signal
 import socket
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -13,7 +19,16 @@ from fastapi import FastAPI
 
 from sluicegate.api.app import create_app
 from sluicegate.api.lifecycle import drain
+from sluicegate.api.state import AppState
 from sluicegate.config import Settings
+from sluicegate.connections import (
+    RESERVED_FILE_DESCRIPTORS,
+    ConnectionGuard,
+    ConnectionLimits,
+    default_max_connections,
+    guarded_protocol,
+    raise_open_file_limit,
+)
 from sluicegate.metrics.request_log import configure_request_log
 from sluicegate.metrics.tracing import setup_tracing
 from sluicegate.stream.sse import TransportCapture
@@ -47,6 +62,13 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._app = app
         self._drain_task: asyncio.Task[None] | None = None
+        #: Why the server stopped on its own (the engine failed to load), if it did.
+        self.fatal_error: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """Stop serving at once: the server cannot work (see :attr:`fatal_error`)."""
+        self.fatal_error = reason
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or sig not in (signal.SIGTERM, signal.SIGINT):
@@ -63,25 +85,67 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(settings: Settings) -> None:
+    """Serve until stopped; raises ``SystemExit`` with one line when the server cannot
+    start or its engine cannot load."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_model_path(settings)
+    open_file_limit = raise_open_file_limit()
+    try:
+        sock = make_listen_socket(settings.host, settings.port, settings.socket_send_buffer_bytes)
+    except OSError as error:
+        raise SystemExit(
+            f"sluicegate: cannot listen on {settings.host}:{settings.port}: "
+            f"{error.strerror or error} (--host, --port)"
+        ) from None
     configure_request_log(settings.request_log)
     setup_tracing()
     fastapi_app = create_app(settings)
     app = TransportCapture(fastapi_app, settings.transport_write_buffer_bytes)
+    limits = ConnectionLimits(
+        max_connections=settings.max_connections or default_max_connections(open_file_limit),
+        header_timeout_seconds=settings.header_timeout_seconds,
+        body_timeout_seconds=settings.body_timeout_seconds,
+        max_header_bytes=settings.max_header_bytes,
+    )
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",
+        http=guarded_protocol(ConnectionGuard(limits)),
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=max(1, round(settings.keep_alive_timeout_seconds)),
+        ws_max_size=settings.max_request_body_bytes,
     )
+    safe_cap = open_file_limit - RESERVED_FILE_DESCRIPTORS
+    if limits.max_connections > safe_cap:
+        logging.getLogger("sluicegate").warning(
+            "max_connections %d exceeds what the open-file limit (%d) leaves room for (%d): "
+            "past that, connections are refused by the kernel instead of managed",
+            limits.max_connections, open_file_limit, safe_cap,
+        )  # fmt: skip
     server = DrainingServer(config, fastapi_app)
-    sock = make_listen_socket(settings.host, settings.port, settings.socket_send_buffer_bytes)
+    state = fastapi_app.state.sluicegate
+    assert isinstance(state, AppState)
+    state.on_fatal = server.fail
     logging.getLogger("sluicegate").info(
-        "listening on http://%s:%d (engine %s)", settings.host, sock.getsockname()[1],
-        settings.engine,
+        "listening on http://%s:%d (engine %s, at most %d connections)", settings.host,
+        sock.getsockname()[1], settings.engine, limits.max_connections,
     )  # fmt: skip
     server.run(sockets=[sock])
+    if server.fatal_error is not None:
+        raise SystemExit(f"sluicegate: {server.fatal_error}")
+
+
+def check_model_path(settings: Settings) -> None:
+    """A model path that does not exist is a one-line error before anything starts."""
+    if settings.engine != "torch" or settings.model is None:
+        return
+    if not Path(settings.model).expanduser().exists():
+        raise SystemExit(
+            f"sluicegate: the model {settings.model} does not exist (--model): give a GGUF "
+            "file or a Hugging Face model directory, or leave --model out for the built-in "
+            "SmolLM2-135M-Instruct"
+        )

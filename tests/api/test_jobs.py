@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import time
 from pathlib import Path
 
@@ -82,3 +84,52 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
         assert unknown.status_code == 404
     finally:
         srv2.stop()
+
+
+def test_jobs_are_under_the_tenants_limits_and_journal_only_their_fields(
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / "jobs.sqlite3"
+    config = tmp_path / "limited.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "engine": "sim",
+                "journal_path": str(journal),
+                "tenants": [
+                    {"name": "five", "api_key": "sk-five", "requests_per_second": 5,
+                     "tokens_per_minute": 100_000},
+                ],
+            }
+        )
+    )  # fmt: skip
+    srv = start_server(["--config", str(config)], "jobs-limits")
+    headers = {"authorization": "Bearer sk-five"}
+    try:
+        junk = "j" * 300_000  # three of them: just under max_request_body_bytes
+        body = {"model": MODEL, "prompt": "a job", "max_tokens": 8, "background": True,
+                "junk": junk, "user": junk, "metadata": {"junk": junk}}  # fmt: skip
+        statuses = []
+        with httpx.Client(timeout=10) as client:
+            for _ in range(40):
+                response = client.post(srv.v1 + "/completions", json=body, headers=headers)
+                statuses.append(response.status_code)
+                if response.status_code == 429:
+                    error = response.json()["error"]
+                    assert error["type"] == "rate_limited_requests", error
+                    assert "retry-after" in response.headers
+        accepted = statuses.count(202)
+        # A burst of 5, plus what 5/s refills while 40 requests are sent.
+        assert 5 <= accepted <= 10, statuses
+        assert statuses.count(429) == 40 - accepted, statuses
+    finally:
+        srv.stop()
+    with sqlite3.connect(journal) as db:
+        rows = [json.loads(body) for (body,) in db.execute("SELECT body_json FROM jobs")]
+    assert len(rows) == accepted
+    for row in rows:
+        assert row == {
+            "kind": "completion",
+            "body": {"model": MODEL, "prompt": "a job", "max_tokens": 8, "ignore_eos": False},
+        }
+    assert journal.stat().st_size < 1_000_000

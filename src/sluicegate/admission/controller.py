@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sluicegate.admission.breaker import BreakerState, CircuitBreaker
 from sluicegate.admission.concurrency import ConcurrencyLimiter, ConcurrencySlot
 from sluicegate.admission.decision import RateLimitSnapshot, Rejection, RejectReason
+from sluicegate.admission.limits import BucketFactory, TenantLimits
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.tenants import Tenant, TenantRegistry
 from sluicegate.store.base import SharedBucket
@@ -40,8 +41,6 @@ from sluicegate.types import Clock, PriorityClass
 
 T = TypeVar("T")
 
-#: ``(key, rate_per_second, burst) -> bucket``; ``Store.bucket`` shares it between replicas.
-BucketFactory = Callable[[str, float, float], SharedBucket]
 
 #: Reconciliations of shared buckets still running (a strong reference until they end).
 _pending_reconciliations: set[asyncio.Task[None]] = set()
@@ -146,45 +145,6 @@ class Admitted:
         return self.rate_limits.headers()
 
 
-class _TenantLimits:
-    """One tenant's buckets and cap, with its refusal messages written once up front."""
-
-    __slots__ = (
-        "concurrency",
-        "concurrency_message",
-        "requests",
-        "requests_message",
-        "tokens",
-        "tokens_message",
-    )
-
-    def __init__(self, tenant: Tenant, make_bucket: BucketFactory) -> None:
-        # Bursts: one second's worth of requests (at least one), one minute's of tokens.
-        rps = tenant.requests_per_second
-        tpm = tenant.tokens_per_minute
-        name = tenant.name
-        self.requests = make_bucket(f"{name}:requests", rps, max(1.0, rps)) if rps else None
-        self.tokens = make_bucket(f"{name}:tokens", tpm / 60.0, tpm) if tpm else None
-        self.concurrency = ConcurrencyLimiter(tenant.max_concurrent, tenant.name)
-        # Refusals must be cheap: only the retry time is formatted per refusal.
-        self.requests_message = (
-            f"Rate limit reached for tenant {name!r}: requests_per_second limit of {rps:g} "
-            f"(burst {max(1.0, rps):g}). Retry after "
-            if rps
-            else ""
-        )
-        self.tokens_message = (
-            f"Rate limit reached for tenant {name!r}: tokens_per_minute limit of {tpm:g} "
-            "(prompt + max_tokens per request). Lower max_tokens, or retry after "
-            if tpm
-            else ""
-        )
-        self.concurrency_message = (
-            f"Too many concurrent requests for tenant {name!r}: max_concurrent limit of "
-            f"{tenant.max_concurrent} reached. Retry when one of them finishes."
-        )
-
-
 class AdmissionController:
     """Composes the per-tenant buckets and caps, the global cap and the breaker."""
 
@@ -212,8 +172,8 @@ class AdmissionController:
         self._open_max_in_flight = (
             open_cap if open_cap is not None else self.config.max_concurrent_requests
         )
-        self._limits: dict[str, _TenantLimits] = {
-            t.name: _TenantLimits(t, self._make_bucket) for t in registry.tenants
+        self._limits: dict[str, TenantLimits] = {
+            t.name: TenantLimits(t, self._make_bucket) for t in registry.tenants
         }
         self._draining = False
         self._global_message = (
@@ -274,13 +234,17 @@ class AdmissionController:
         max_tokens: int,
         *,
         rate_limited: bool = True,
+        request_charged: bool = False,
     ) -> Admitted | Rejection:
         """Admit one request or say why not (``priority_class`` ``None``: the tenant's).
 
         ``rate_limited=False`` skips the tenant's buckets (and reconciles nothing at the
         end): for a stream resumed on this replica, whose buckets were charged where it
-        started.  Raises :class:`~sluicegate.store.base.StoreUnavailable` when a shared
-        bucket cannot be checked and the store fails closed.
+        started, and for a background job, charged when it was submitted.
+        ``request_charged`` skips only the request bucket, taken by
+        :meth:`charge_request` when the request arrived.  Raises
+        :class:`~sluicegate.store.base.StoreUnavailable` when a shared bucket cannot be
+        checked and the store fails closed.
         """
         pc = tenant.priority_class if priority_class is None else priority_class
         if self._draining:
@@ -297,41 +261,25 @@ class AdmissionController:
                 return refusal
 
         limits = self._limits_for(tenant)
-        requests = limits.requests if rate_limited else None
+        requests = limits.requests if rate_limited and not request_charged else None
         if requests is not None:
-            got = await requests.try_acquire(1.0)
-            if not got.admitted:
-                retry_after_seconds = self._clamp(got.retry_after_seconds)
-                return Rejection(
-                    RejectReason.RATE_LIMITED_REQUESTS,
-                    429,
-                    f"{limits.requests_message}{retry_after_seconds:.2f}s.",
-                    retry_after_seconds,
-                    await self._snapshot(limits),
-                )
+            refusal = await self._take_request(limits, requests)
+            if refusal is not None:
+                return refusal
 
         cost = prompt_tokens + max_tokens
         tokens = limits.tokens if rate_limited else None
         if tokens is not None:
             try:
-                got = await tokens.try_acquire(cost)
+                refusal = await self._take_tokens(tenant, limits, tokens, prompt_tokens, max_tokens)
             except StoreUnavailable:
                 if requests is not None:
                     await requests.refund(1.0)
                 raise
-            if not got.admitted:
+            if refusal is not None:
                 if requests is not None:
                     await requests.refund(1.0)
-                if got.exceeds_burst:
-                    return await self._too_large(tenant, limits, tokens, prompt_tokens, max_tokens)
-                retry_after_seconds = self._clamp(got.retry_after_seconds)
-                return Rejection(
-                    RejectReason.RATE_LIMITED_TOKENS,
-                    429,
-                    f"{limits.tokens_message}{retry_after_seconds:.2f}s.",
-                    retry_after_seconds,
-                    await self._snapshot(limits),
-                )
+                return refusal
 
         tenant_slot = limits.concurrency.try_acquire()
         if tenant_slot is None:
@@ -357,7 +305,66 @@ class AdmissionController:
         handle = AdmissionHandle(tokens, cost, tenant_slot, global_slot)
         return Admitted(tenant, pc, cost, await self._snapshot(limits), handle)
 
+    async def charge_request(self, tenant: Tenant) -> Rejection | None:
+        """Take one request from the tenant's request bucket as the request arrives,
+        before its body is read, so that parsing cannot be used to get round the limit.
+
+        Not given back if the request is then refused (an invalid body is a request too);
+        admit it with ``request_charged=True``.  Raises ``StoreUnavailable`` like
+        :meth:`admit_async`.
+        """
+        limits = self._limits_for(tenant)
+        if limits.requests is None:
+            return None
+        return await self._take_request(limits, limits.requests)
+
+    async def charge_tokens(
+        self, tenant: Tenant, prompt_tokens: int, max_tokens: int
+    ) -> Rejection | None:
+        """Take a background job's tokens (prompt + ``max_tokens``) at submission; the job
+        runs later with ``rate_limited=False``.  Raises ``StoreUnavailable`` like
+        :meth:`admit_async`."""
+        limits = self._limits_for(tenant)
+        if limits.tokens is None:
+            return None
+        return await self._take_tokens(tenant, limits, limits.tokens, prompt_tokens, max_tokens)
+
     # --- internals ---
+
+    async def _take_request(self, limits: TenantLimits, requests: SharedBucket) -> Rejection | None:
+        got = await requests.try_acquire(1.0)
+        if got.admitted:
+            return None
+        retry_after_seconds = self._clamp(got.retry_after_seconds)
+        return Rejection(
+            RejectReason.RATE_LIMITED_REQUESTS,
+            429,
+            f"{limits.requests_message}{retry_after_seconds:.2f}s.",
+            retry_after_seconds,
+            await self._snapshot(limits),
+        )
+
+    async def _take_tokens(
+        self,
+        tenant: Tenant,
+        limits: TenantLimits,
+        tokens: SharedBucket,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> Rejection | None:
+        got = await tokens.try_acquire(prompt_tokens + max_tokens)
+        if got.admitted:
+            return None
+        if got.exceeds_burst:
+            return await self._too_large(tenant, limits, tokens, prompt_tokens, max_tokens)
+        retry_after_seconds = self._clamp(got.retry_after_seconds)
+        return Rejection(
+            RejectReason.RATE_LIMITED_TOKENS,
+            429,
+            f"{limits.tokens_message}{retry_after_seconds:.2f}s.",
+            retry_after_seconds,
+            await self._snapshot(limits),
+        )
 
     def _check_breaker(self, breaker: CircuitBreaker, pc: PriorityClass) -> Rejection | None:
         state = breaker.state
@@ -380,7 +387,7 @@ class AdmissionController:
     async def _too_large(
         self,
         tenant: Tenant,
-        limits: _TenantLimits,
+        limits: TenantLimits,
         tokens: SharedBucket,
         prompt_tokens: int,
         max_tokens: int,
@@ -397,11 +404,11 @@ class AdmissionController:
             code="request_too_large",
         )
 
-    def _limits_for(self, tenant: Tenant) -> _TenantLimits:
+    def _limits_for(self, tenant: Tenant) -> TenantLimits:
         limits = self._limits.get(tenant.name)
         if limits is None:
             # A tenant the registry does not list (tests, a custom default): limits on demand.
-            limits = self._limits[tenant.name] = _TenantLimits(tenant, self._make_bucket)
+            limits = self._limits[tenant.name] = TenantLimits(tenant, self._make_bucket)
         return limits
 
     @staticmethod
@@ -423,7 +430,7 @@ class AdmissionController:
         return self.estimator.retry_after_seconds(1)
 
     @staticmethod
-    async def _snapshot(limits: _TenantLimits) -> RateLimitSnapshot:
+    async def _snapshot(limits: TenantLimits) -> RateLimitSnapshot:
         """The ``x-ratelimit-*`` values; none when a shared bucket cannot be read (they
         inform, they decide nothing)."""
         requests = limits.requests

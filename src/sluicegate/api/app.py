@@ -11,6 +11,7 @@ from sluicegate import __version__
 from sluicegate.api import jobs, lifecycle, openai_routes, resume, stats, web, websocket
 from sluicegate.api.errors import install_error_handlers
 from sluicegate.api.metric_labels import declare_label_values
+from sluicegate.api.openapi import install_openapi
 from sluicegate.api.state import AppState
 from sluicegate.config import Settings
 from sluicegate.metrics.registry import Metrics
@@ -37,4 +38,5 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     for module in (openai_routes, jobs, resume, websocket, stats, web):
         app.include_router(module.router)
+    install_openapi(app)
     return app

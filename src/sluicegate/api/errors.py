@@ -28,16 +28,28 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, APIError)
         return exc.to_response()
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         status = exc.status_code
+        code = None
         if status == 404:
             message = "Not found: no such route. See GET /v1/models and POST /v1/chat/completions."
+            code = "unknown_url"
         elif status == 405:
-            message = f"Method not allowed: {exc.detail}"
+            allowed = (exc.headers or {}).get("allow", "")
+            message = f"Method {request.method} is not allowed here; use {allowed or 'another'}."
+            code = "method_not_allowed"
         else:
             message = str(exc.detail)
-        return APIError(status, message, headers=dict(exc.headers or {})).to_response()
+        return APIError(status, message, code=code, headers=dict(exc.headers or {})).to_response()
+
+    async def on_unexpected_error(_: Request, __: Exception) -> Response:
+        # A bug, not a client error: answered in the same shape (Starlette then re-raises
+        # it, and uvicorn logs its traceback).
+        return APIError(
+            500, "The server failed unexpectedly; the request was not completed. Retry; if it "
+            "keeps failing, report it with the time of the request.", code="internal_error",
+        ).to_response()  # fmt: skip
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:
         # OpenAI answers plain validation errors with 400, never 422.
@@ -49,3 +61,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected_error)

@@ -2,19 +2,21 @@
 
 ``"background": true`` on a completion request journals it (see
 :mod:`sluicegate.queue.jobs`); its result is the body a non-streamed request would have
-got.
+got.  The journal keeps only the validated fields that running it needs (:data:`JOB_FIELDS`):
+unknown fields, and known ones without effect on the answer (``user``, ``stream_options``,
+...), are not stored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
-from sluicegate.api.prepare import prepare, response_body
+from sluicegate.api.prepare import Kind, Prepared, prepare, response_body
 from sluicegate.api.state import ready_state
 from sluicegate.errors import APIError
 from sluicegate.queue.jobs import JobExecutor
@@ -24,9 +26,25 @@ from sluicegate.service.service import Service
 router = APIRouter()
 
 
-def job_payload(kind: Literal["chat", "completion"], body: dict[str, Any]) -> str:
-    """What the journal keeps of a background request."""
-    return orjson.dumps({"kind": kind, "body": body}).decode()
+#: The fields of a request that its job's answer depends on: all the journal keeps.
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos",
+    "max_tokens_per_second",
+}  # fmt: skip
+JOB_FIELDS: dict[Kind, dict[str, Any]] = {
+    "chat": {
+        **dict.fromkeys(_COMMON_FIELDS, True),
+        "max_completion_tokens": True,
+        "messages": {"__all__": {"role": True, "content": True}},
+    },
+    "completion": {**dict.fromkeys(_COMMON_FIELDS, True), "prompt": True},
+}
+
+
+def job_payload(prepared: Prepared) -> str:
+    """What the journal keeps of a validated background request (:data:`JOB_FIELDS`)."""
+    body = prepared.req.model_dump(include=JOB_FIELDS[prepared.kind], exclude_none=True)
+    return orjson.dumps({"kind": prepared.kind, "body": body}).decode()
 
 
 def job_executor(service: Service) -> JobExecutor:
@@ -38,9 +56,10 @@ def job_executor(service: Service) -> JobExecutor:
             raise APIError(400, f"tenant {record.tenant!r} no longer exists")
         payload = orjson.loads(record.body_json)
         prepared = prepare(service, payload["kind"], dict(payload["body"]))
+        # Its rate limits were charged when it was submitted.
         generation = await service.submit(
             tenant, "batch", prepared.request_id, prepared.prompt_ids, prepared.sampling,
-            prepared.req.max_tokens_per_second,
+            prepared.req.max_tokens_per_second, rate_limits_charged=True,
         )  # fmt: skip
         output = await service.collect(generation, None)
         return orjson.dumps(response_body(service, prepared, generation, output)).decode()

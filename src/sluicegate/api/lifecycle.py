@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from sluicegate.api.jobs import job_executor
 from sluicegate.api.state import AppState, Ready
 from sluicegate.config import Settings
 from sluicegate.engine.output import FlushPolicy
-from sluicegate.queue.jobs import JobRunner, open_journal
+from sluicegate.queue.jobs import JobLimits, JobRunner, open_journal
 from sluicegate.queue.journal_location import claim_journal
 from sluicegate.service.service import Service
 from sluicegate.store import Store, StoreConfig, StoreFailureMode, StoreUnavailable, open_store
@@ -28,13 +30,30 @@ from sluicegate.stream.sessions import SessionRegistry
 logger = logging.getLogger("sluicegate")
 
 
+#: How often a shared store is pinged, so that readiness and fail_closed admission
+#: follow an outage even when no request touches the store.
+STORE_CHECK_INTERVAL_SECONDS = 1.0
+
+
 async def start(state: AppState) -> None:
     """Connect the store, then load the engine in the background."""
     store = await connect_store(state)
-    task = asyncio.create_task(_load(state, store), name="sluicegate-load")
+    _background(state, _load(state, store), "sluicegate-load")
+    if store.url != "memory":
+        _background(state, _watch_store(state, store), "sluicegate-store-check")
+    state.store = store
+
+
+def _background(state: AppState, work: Coroutine[Any, Any, None], name: str) -> None:
+    task = asyncio.create_task(work, name=name)
     state.tasks.add(task)
     task.add_done_callback(state.tasks.discard)
-    state.store = store
+
+
+async def _watch_store(state: AppState, store: Store) -> None:
+    while True:
+        state.metrics.store_available.set(1 if await store.ping() else 0)
+        await asyncio.sleep(STORE_CHECK_INTERVAL_SECONDS)
 
 
 async def stop(state: AppState) -> None:
@@ -50,15 +69,26 @@ async def stop(state: AppState) -> None:
         await ready.service.close()
     if state.store is not None:
         await state.store.close()
+    state.body_workers.close()
 
 
 async def _load(state: AppState, store: Store) -> None:
     settings = state.settings
     try:
-        service = await Service.load(settings, state.metrics, bucket_factory=store.bucket)
+        service = await Service.load(
+            settings, state.metrics, bucket_factory=store.bucket,
+            require_store=store.require_available,
+        )  # fmt: skip
     except Exception as exc:
-        state.load_error = str(exc)
-        logger.exception("engine failed to load")
+        # One line, and the process exits: a server that can never be ready must not
+        # stay up answering 503 (clients and load balancers would retry it for ever).
+        what = settings.engine if settings.model is None else f"{settings.engine}, {settings.model}"
+        state.load_error = f"the engine failed to load ({what}): {exc}"
+        logger.debug("engine load failure", exc_info=True)
+        if state.on_fatal is not None:
+            state.on_fatal(state.load_error)
+        else:
+            logger.error("%s", state.load_error)
         return
     state.metrics.kv_cache_bytes.set(service.core.engine.kv_cache_bytes)
     flow = FlowController(flow_config(settings), service)
@@ -70,9 +100,15 @@ async def _load(state: AppState, store: Store) -> None:
     )  # fmt: skip
     sessions.start()
     location = claim_journal(settings.journal_path, settings.cache_dir)
-    jobs = JobRunner(
-        open_journal(location.path), settings.max_background_jobs_in_memory, job_executor(service)
+    limits = JobLimits(
+        max_job_bytes=settings.max_job_bytes,
+        max_unfinished_jobs_per_tenant=settings.max_unfinished_jobs_per_tenant,
+        retention_seconds=settings.job_retention_seconds,
     )
+    jobs = JobRunner(
+        open_journal(location.path), settings.max_background_jobs_in_memory,
+        job_executor(service), limits,
+    )  # fmt: skip
     await jobs.start()
     state.ready = Ready(service, store, flow, sessions, jobs, location)
 
@@ -174,5 +210,4 @@ def check_store_reachable(settings: Settings) -> None:
     try:
         asyncio.run(probe())
     except StoreUnavailable as error:
-        logger.error("%s", error)
         raise SystemExit(f"sluicegate: {error}") from None

@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-import orjson
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
 from sluicegate.api.access import not_found, owner_admits, presented_resume_token
+from sluicegate.api.body import parse_json, read_body
 from sluicegate.api.jobs import job_payload, job_view
-from sluicegate.api.prepare import prepare, response_body, stream_format
+from sluicegate.api.prepare import Kind, Prepared, prepare, response_body, stream_format
 from sluicegate.api.state import app_state, ready_state
 from sluicegate.api.stats import json_response
-from sluicegate.errors import APIError
+from sluicegate.errors import APIError, invalid_param
+from sluicegate.service.service import Service
 
 router = APIRouter()
-
-
-async def read_json(request: HTTPRequest, max_bytes: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"Request body is {declared} bytes; the limit is {max_bytes} bytes.")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > max_bytes:
-            raise APIError(413, f"Request body exceeds the limit of {max_bytes} bytes.")
-    if not body:
-        raise APIError(400, "The request body is empty; send a JSON object.")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}.") from None
 
 
 @router.get("/v1/models")
@@ -61,25 +43,35 @@ async def list_models(request: HTTPRequest) -> Response:
     )
 
 
-async def handle(request: HTTPRequest, kind: Literal["chat", "completion"]) -> Response:
-    ready = ready_state(request)
+async def handle(request: HTTPRequest, kind: Kind) -> Response:
+    state = app_state(request)
+    ready = state.require_ready()
     service = ready.service
     tenant = service.authenticate(request.headers.get("authorization"))
-    body = await read_json(request, service.settings.max_request_body_bytes)
-    background = isinstance(body, dict) and body.pop("background", False)
-    prepared = prepare(service, kind, body)
+    # The tenant's request limit is charged before the body is read: parsing and
+    # tokenising cannot be used to get round it.
+    await service.charge_request(tenant)
+    raw = await read_body(request, service.settings.max_request_body_bytes)
+    background, prepared = await state.body_workers.run(
+        len(raw), lambda: parse_and_prepare(service, kind, raw)
+    )
     if background:
         if prepared.req.stream:
             raise APIError(
                 400, "A background job cannot stream; drop 'stream' or 'background'.",
                 param="background",
             )  # fmt: skip
-        record = await ready.jobs.submit(tenant.name, job_payload(kind, body))
+        record = await ready.jobs.submit(
+            tenant.name, job_payload(prepared),
+            charge=lambda: service.charge_tokens(
+                tenant, len(prepared.prompt_ids), prepared.sampling.max_tokens
+            ),
+        )  # fmt: skip
         return json_response(job_view(record), status_code=202)
     req = prepared.req
     generation = await service.submit(
         tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
-        req.max_tokens_per_second,
+        req.max_tokens_per_second, request_charged=True,
     )  # fmt: skip
     if req.stream:
         # A resumable stream: logged event by event, it survives its connection.
@@ -91,6 +83,18 @@ async def handle(request: HTTPRequest, kind: Literal["chat", "completion"]) -> R
     return json_response(
         response_body(service, prepared, generation, output), headers=generation.headers
     )
+
+
+def parse_and_prepare(service: Service, kind: Kind, raw: bytes) -> tuple[bool, Prepared]:
+    """``(background, prepared)`` from a raw body; may run on a worker thread."""
+    body = parse_json(raw)
+    background = False
+    if isinstance(body, dict):
+        flag = body.pop("background", False)
+        if not isinstance(flag, bool):
+            raise invalid_param("background", f"background must be true or false; got {flag!r}")
+        background = flag
+    return background, prepare(service, kind, body)
 
 
 @router.post("/v1/chat/completions")

@@ -47,6 +47,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         chat: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
         check_chat(chat)
         check_model(service, chat.model)
+        check_top_k(service, chat)
         try:
             prompt_ids = tokenizer.encode_chat(chat_messages(chat))
         except ChatTemplateError as exc:
@@ -63,6 +64,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
     comp: CompletionRequest = parse_body(CompletionRequest, body)
     check_completion(comp)
     check_model(service, comp.model)
+    check_top_k(service, comp)
     prompt = completion_prompt(comp)
     if isinstance(prompt, str):
         prompt_ids = tokenizer.encode(prompt)
@@ -104,6 +106,17 @@ def check_pace(service: Service, max_tokens_per_second: float | None) -> None:
             "max_tokens_per_second",
             f"max_tokens_per_second must be at least {floor:g} (this server's "
             f"pace_floor_tokens_per_second); got {max_tokens_per_second:g}",
+        )
+
+
+def check_top_k(service: Service, req: CommonParams) -> None:
+    """``top_k`` above the vocabulary would mean "no limit" in a roundabout way: say so."""
+    vocab_size = service.tokenizer.vocab_size
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise invalid_param(
+            "top_k",
+            f"top_k must be at most the vocabulary size ({vocab_size}), or -1 or 0 for no "
+            f"limit; got {req.top_k}",
         )
 
 

@@ -1,7 +1,9 @@
 """OpenAI request bodies, and their translation into what the scheduler needs.
 
 Unknown fields are ignored (clients send many); known fields we do not support are
-rejected with a 400 that names them, rather than silently ignored.
+rejected with a 400 that names them, rather than silently ignored.  Types are strict, as
+in OpenAI's API: ``true`` is not an integer, ``"0.5"`` is not a number, and no number may
+be NaN or infinite (every model here is ``strict`` and refuses ``inf``/``nan``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 
 
+#: Every request model: unknown fields ignored, strict types, finite numbers only.
+REQUEST_MODEL_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_MODEL_CONFIG
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -29,7 +35,7 @@ class StreamOptions(BaseModel):
 
 
 class CommonParams(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_MODEL_CONFIG
 
     #: Optional, as in vLLM: a request that names no model gets the served one.
     model: str | None = None
@@ -53,14 +59,14 @@ class CommonParams(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_MODEL_CONFIG
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_MODEL_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

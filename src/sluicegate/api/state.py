@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import HTTPConnection
 
 from sluicegate.admission.tenants import AdminKey
+from sluicegate.api.body import BodyWorkers
 from sluicegate.config import Settings
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
@@ -20,6 +22,7 @@ from sluicegate.queue.jobs import JobRunner
 from sluicegate.queue.journal_location import JournalLocation
 from sluicegate.service.service import Service
 from sluicegate.store.base import Store
+from sluicegate.store.errors import StoreUnavailable
 from sluicegate.stream.flow import FlowController
 from sluicegate.stream.sessions import SessionRegistry
 
@@ -53,6 +56,11 @@ class AppState:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Preemptions already counted into the Prometheus counter, by reason.
     preemptions_seen: dict[str, int] = field(default_factory=dict)
+    #: Parse and tokenise large request bodies off the event loop.
+    body_workers: BodyWorkers = field(default_factory=BodyWorkers)
+    #: Called with a one-line reason when the server cannot go on (the engine failed to
+    #: load): the server exits non-zero rather than answer 503 for ever.
+    on_fatal: Callable[[str], None] | None = None
     #: Guards ``/v1/stats`` and ``/metrics`` when ``admin_api_key`` is set.
     admin_key: AdminKey = field(init=False)
 
@@ -68,6 +76,18 @@ class AppState:
         raise not_ready(self)
 
 
+def store_down(state: AppState) -> bool:
+    """The shared store is down and the failure mode refuses work without it."""
+    store = state.store
+    if store is None:
+        return False
+    try:
+        store.require_available()
+    except StoreUnavailable:
+        return True
+    return False
+
+
 def not_ready(state: AppState) -> APIError:
     """Why the server cannot take a request now: loading, failed to load, or draining."""
     if state.draining:
@@ -76,7 +96,12 @@ def not_ready(state: AppState) -> APIError:
             headers={"retry-after": "1"},
         )  # fmt: skip
     if state.load_error is not None:
-        return APIError(503, f"The engine failed to load: {state.load_error}", code="load_failed")
+        return APIError(503, f"The server cannot serve: {state.load_error}", code="load_failed")
+    if state.ready is not None and store_down(state):
+        return APIError(
+            503, "The shared store is unreachable and store_failure_mode is fail_closed.",
+            code="store_unavailable", headers={"retry-after": "1"},
+        )  # fmt: skip
     return APIError(
         503, "The model is still loading; retry shortly.", code="not_ready",
         headers={"retry-after": "2"},

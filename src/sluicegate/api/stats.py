@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from sluicegate.api.access import StatsViewer, require_admin, stats_viewer, visible_streams
-from sluicegate.api.state import AppState, Ready, app_state, not_ready
+from sluicegate.api.state import AppState, Ready, app_state, not_ready, store_down
 from sluicegate.types import PriorityClass
 
 router = APIRouter()
@@ -34,7 +34,7 @@ async def health() -> Response:
 @router.get("/ready")
 async def ready(request: HTTPRequest) -> Response:
     state = app_state(request)
-    if state.ready is None or state.draining:
+    if state.ready is None or state.draining or store_down(state):
         raise not_ready(state)
     return json_response({"status": "ready", "model": state.ready.service.model_name})
 

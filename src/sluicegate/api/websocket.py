@@ -11,7 +11,10 @@ Protocol (JSON text frames):
 * server → client: ``chat.completion.chunk`` objects exactly as in SSE, then
   ``{"type": "done", "finish_reason": ..., "usage": {...}}`` and a normal close (1000).
   Errors: ``{"type": "error", "error": {...OpenAI error...}}`` then close 1008 (auth),
-  1013 (try again later: rate limits, full queue), or 1003 (bad request).
+  1013 (try again later: rate limits, full queue), or 1003 (bad request).  A message the
+  server cannot take, first or later (not JSON, binary, an unknown ``type``, credits that
+  are not a positive integer), is a bad request: error frame, close 1003, and the
+  generation is cancelled.
 
 The server sends at most the credited tokens.  A sequence whose buffered tokens already
 use up its credit is paused exactly like a full socket buffer: it costs the batch
@@ -22,14 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from sluicegate.api.prepare import prepare
-from sluicegate.api.state import Ready, ready_state
+from sluicegate.api.state import Ready, app_state, ready_state
 from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
 from sluicegate.service.generation import Generation
@@ -65,45 +68,72 @@ async def _send_error(websocket: WebSocket, error: APIError) -> None:
     await websocket.close(_close_code(error), error.message[:120])
 
 
+async def _receive_message(websocket: WebSocket) -> tuple[dict[str, Any], int]:
+    """The next message as a JSON object, and its size; a bad one raises a 400 (1003).
+    Raises ``WebSocketDisconnect`` when the client has gone."""
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    if text is None:
+        raise APIError(400, "Messages must be JSON text frames, not binary.")
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"The message is not valid JSON: {exc}.") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "Each message must be a JSON object with a 'type'.", param="type")
+    return data, len(text)
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @router.websocket("/v1/ws")
 async def chat_websocket(websocket: WebSocket) -> None:
     await websocket.accept()
     try:
-        first = orjson.loads(await websocket.receive_text())
-    except (orjson.JSONDecodeError, WebSocketDisconnect):
-        with contextlib.suppress(Exception):
-            await _send_error(websocket, APIError(400, "The first message must be JSON."))
-        return
-    try:
+        first, size = await _receive_message(websocket)
         ready = ready_state(websocket)
-        generation, flow = await _start(ready, websocket, first)
+        generation, flow = await _start(ready, websocket, first, size)
+    except WebSocketDisconnect:
+        return
     except APIError as error:
-        await _send_error(websocket, error)
+        with contextlib.suppress(Exception):
+            await _send_error(websocket, error)
         return
     await _serve(ready, websocket, generation, flow)
 
 
-async def _start(ready: Ready, websocket: WebSocket, first: Any) -> tuple[Generation, StreamFlow]:
-    if not isinstance(first, dict) or first.get("type", "request") != "request":
-        raise APIError(400, 'The first message must be {"type": "request", "body": {...}}.')
+async def _start(
+    ready: Ready, websocket: WebSocket, first: dict[str, Any], size: int
+) -> tuple[Generation, StreamFlow]:
+    if first.get("type", "request") != "request":
+        raise APIError(
+            400, 'The first message must be {"type": "request", "body": {...}}.', param="type"
+        )
     service = ready.service
     header = websocket.headers.get("authorization")
     if header is None and isinstance(first.get("api_key"), str):
         header = f"Bearer {first['api_key']}"
     tenant = service.authenticate(header)
+    await service.charge_request(tenant)
     body = first.get("body")
     if not isinstance(body, dict):
         raise APIError(400, "The request message needs a 'body' object.", param="body")
     credits = first.get("credits")
-    if credits is not None and (not isinstance(credits, int) or credits < 0):
+    if credits is not None and (not _is_count(credits) or credits < 0):
         raise APIError(400, f"credits must be a non-negative integer; got {credits!r}",
                        param="credits")  # fmt: skip
     body = {**body, "stream": True}
-    prepared = prepare(service, "chat", body)
+    prepared = await app_state(websocket).body_workers.run(
+        size, lambda: prepare(service, "chat", body)
+    )
     req = prepared.req
     generation = await service.submit(
         tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
-        req.max_tokens_per_second,
+        req.max_tokens_per_second, request_charged=True,
     )  # fmt: skip
     return generation, StreamFlow(generation.stream, generation.request, credit_tokens=credits)
 
@@ -116,24 +146,39 @@ async def _serve(
     controller = ready.flow
     controller.register(flow)
     credit_changed = asyncio.Event()
+    bad_message: list[APIError] = []
     writer = asyncio.current_task()
     assert writer is not None
 
     async def read_client() -> None:
         try:
             while True:
-                message = orjson.loads(await websocket.receive_text())
-                kind = message.get("type") if isinstance(message, dict) else None
+                message, _ = await _receive_message(websocket)
+                kind = message.get("type")
                 if kind == "credit":
                     tokens = message.get("tokens")
-                    if isinstance(tokens, int) and tokens > 0 and flow.credit_tokens is not None:
+                    if not _is_count(tokens) or tokens < 1:
+                        raise APIError(
+                            400, f"credit tokens must be a positive integer; got {tokens!r}",
+                            param="tokens",
+                        )  # fmt: skip
+                    if flow.credit_tokens is not None:
                         flow.credit_tokens += tokens
                         controller.check(flow)
                         credit_changed.set()
                 elif kind == "cancel":
                     service.cancel(generation)
                     return
-        except (WebSocketDisconnect, orjson.JSONDecodeError, RuntimeError):
+                else:
+                    raise APIError(
+                        400, f"Unknown message type {kind!r}: send 'credit' or 'cancel'.",
+                        param="type",
+                    )  # fmt: skip
+        except APIError as error:
+            bad_message.append(error)
+            service.cancel(generation)
+            writer.cancel()
+        except (WebSocketDisconnect, RuntimeError):
             service.cancel(generation)
             writer.cancel()
 
@@ -186,6 +231,9 @@ async def _serve(
                 return
     except asyncio.CancelledError:
         writer.uncancel()
+        if bad_message:
+            with contextlib.suppress(Exception):
+                await _send_error(websocket, bad_message[0])
     except (WebSocketDisconnect, RuntimeError):
         pass
     finally:

@@ -254,6 +254,62 @@ def compare_command(
     typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
 
 
+@bench_app.command("soak")
+def soak_command(
+    target: Annotated[
+        str, typer.Option("--target", help="Base URL of a running server (with /metrics).")
+    ],
+    scenario: Annotated[
+        str, typer.Option("--scenario", help="The mixed traffic to run (default: soak).")
+    ] = "soak",
+    out: OutOption = Path("bench-soak"),
+    duration_seconds: DurationOption = None,
+    seed: SeedOption = None,
+    api_key: ApiKeyOption = None,
+    model: ModelOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Mixed traffic for a long time (10 minutes by default): did memory stay flat?
+
+    Exits 1 when the server's resident memory grew beyond the tolerance.
+    """
+    from sluicegate.bench.compare import headline_line, write_outputs
+    from sluicegate.bench.runner import BenchError, Runner
+    from sluicegate.bench.schedule import build_schedule
+    from sluicegate.bench.scrape import scrape_live_work
+    from sluicegate.bench.soak import memory_section, memory_trend
+
+    console = _console()
+    loaded = _scenario(scenario)
+    runner = Runner(
+        _target(target), loaded, api_key=api_key, model=model, console=console,
+        show_progress=progress,
+    )  # fmt: skip
+    try:
+        schedule = build_schedule(loaded, seed=seed, duration_seconds=duration_seconds)
+        console.print(
+            f"soak: {len(schedule.requests)} requests over {schedule.arrival_window_seconds:.0f}s "
+            f"at {runner.target.base_url} (seed {schedule.seed})"
+        )
+        result = runner.run(schedule, "soak", settle_seconds=3.0)
+    except (BenchError, ValueError) as exc:
+        _fail(str(exc))
+    trend = memory_trend(result.series)
+    live_after = scrape_live_work(runner.target.base_url)
+    outputs = write_outputs(out, [result])
+    with outputs.summary_md.open("a") as summary:
+        summary.write(memory_section(trend, live_after))
+    soak_json = out / "soak.json"
+    soak_json.write_text(
+        json.dumps({"memory": trend.to_json() if trend else None, "after": live_after}, indent=2)
+    )
+    typer.echo(headline_line("soak", result.summary()["all"]))
+    typer.echo(trend.describe() if trend else "too few memory samples to judge")
+    typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {soak_json}")
+    if trend is not None and not trend.flat:
+        raise typer.Exit(1)
+
+
 @bench_app.command("scenarios")
 def scenarios_command() -> None:
     """List the built-in scenarios."""

@@ -92,6 +92,24 @@ def scrape_once(client: httpx.Client, base_url: str) -> MetricsSnapshot | None:
         return None
 
 
+#: Gauges of live work, all 0 on an idle server.
+LIVE_WORK_METRICS = (
+    "sluicegate_requests_running",
+    "sluicegate_requests_waiting",
+    "sluicegate_streams_paused",
+    "sluicegate_kv_cache_usage_ratio",
+)
+
+
+def scrape_live_work(base_url: str) -> dict[str, float]:
+    """The live-work gauges now (empty when the server has no usable ``/metrics``)."""
+    with httpx.Client() as client:
+        snapshot = scrape_once(client, base_url)
+    if snapshot is None:
+        return {}
+    return {name: snapshot.total(name) for name in LIVE_WORK_METRICS}
+
+
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """``after - before`` for every counter seen in either."""
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted({*before, *after})}

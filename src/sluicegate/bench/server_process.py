@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -129,11 +129,13 @@ def start_server_with_args(
     port: int | None = None,
     ready_timeout_seconds: float = 180.0,
     env: Mapping[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> ServerProcess:
     """Start ``sluicegate serve`` with ``args`` (``--host``/``--port`` are added), its output
     to ``log_path``, and wait for ``/ready``; raise with its log if it fails.
 
-    ``env`` adds to (or overrides) this process's environment.
+    ``env`` adds to (or overrides) this process's environment; ``preexec_fn`` runs in the
+    child before the server (to lower a resource limit, say).
     """
     port = port or free_port(host)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,8 +144,9 @@ def start_server_with_args(
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            preexec_fn=preexec_fn,
+        )  # fmt: skip
     server = ServerProcess(f"http://{host}:{port}", process, log_path)
     what = f"the server `sluicegate serve {' '.join(args)}`"
     deadline = time.monotonic() + ready_timeout_seconds

@@ -16,6 +16,10 @@ import jinja2.sandbox
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
+#: Texts at least this long are encoded with ``encode_batch``, which releases the GIL
+#: (``encode`` holds it: a megabyte would stall every other thread for a second).
+_LONG_TEXT_CHARS = 16 * 1024
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -81,7 +85,12 @@ class TextTokenizer:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``.  A long text is encoded without holding the GIL, so a
+        worker thread encoding it leaves the event loop free."""
+        if len(text) >= _LONG_TEXT_CHARS:
+            ids: list[int] = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos_token_id is not None and (not ids or ids[0] != self.add_bos_token_id):
             ids.insert(0, self.add_bos_token_id)
         return ids

@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from sluicegate.errors import APIError
@@ -26,6 +27,15 @@ logger = logging.getLogger(__name__)
 
 #: Runs one job to its result (JSON text); raises :class:`APIError` when it cannot.
 JobExecutor = Callable[[JobRecord], Awaitable[str]]
+
+
+@dataclass(slots=True, frozen=True)
+class JobLimits:
+    """What the journal holds at most (see the module docstring)."""
+
+    max_job_bytes: int = 256 * 1024
+    max_unfinished_jobs_per_tenant: int = 1000
+    retention_seconds: float = 86400.0
 
 
 def open_journal(path: Path) -> JobJournal:
@@ -39,13 +49,23 @@ def open_journal(path: Path) -> JobJournal:
 class JobRunner:
     """Claims journaled jobs while there is room and runs them with ``execute``."""
 
-    def __init__(self, journal: JobJournal, max_in_flight: int, execute: JobExecutor) -> None:
+    def __init__(
+        self,
+        journal: JobJournal,
+        max_in_flight: int,
+        execute: JobExecutor,
+        limits: JobLimits | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.journal = journal
         self.max_in_flight = max_in_flight
+        self.limits = limits or JobLimits()
         self._execute = execute
+        self._clock = clock
         self._in_flight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._purged_at = -float("inf")
 
     async def start(self) -> None:
         requeued = await asyncio.to_thread(self.journal.requeue_running)
@@ -62,8 +82,34 @@ class JobRunner:
                 await task
         await asyncio.to_thread(self.journal.close)
 
-    async def submit(self, tenant_name: str, payload_json: str) -> JobRecord:
-        """Journal a job (durably) and wake the runner."""
+    async def submit(
+        self,
+        tenant_name: str,
+        payload_json: str,
+        charge: Callable[[], Awaitable[None]] | None = None,
+    ) -> JobRecord:
+        """Journal a job (durably) and wake the runner; 413/429 past the limits.
+
+        ``charge`` (the tenant's rate limits) is awaited once the job is known to fit,
+        just before it is journaled; what it raises refuses the job."""
+        limits = self.limits
+        size = len(payload_json.encode())
+        if size > limits.max_job_bytes:
+            raise APIError(
+                413, f"This background job is {size} bytes once validated; the limit is "
+                f"{limits.max_job_bytes} bytes (max_job_bytes). Shorten the prompt.",
+                code="job_too_large",
+            )  # fmt: skip
+        unfinished = await asyncio.to_thread(self.journal.count_unfinished, tenant_name)
+        if unfinished >= limits.max_unfinished_jobs_per_tenant:
+            raise APIError(
+                429, f"Tenant {tenant_name!r} already has {unfinished} background jobs queued "
+                f"or running, its limit (max_unfinished_jobs_per_tenant). Retry when some "
+                "have finished.",
+                code="too_many_jobs", headers={"retry-after": "10"},
+            )  # fmt: skip
+        if charge is not None:
+            await charge()
         job_id = f"job-{uuid.uuid4().hex}"
         record = await asyncio.to_thread(self.journal.submit, job_id, tenant_name, payload_json)
         self._wake.set()
@@ -73,11 +119,27 @@ class JobRunner:
         """The tenant's job; another tenant's job id is indistinguishable from an unknown one."""
         record = await asyncio.to_thread(self.journal.get, job_id)
         if record is None or record.tenant != tenant_name:
-            raise APIError(404, f"No job with id '{job_id}'.", param="job_id", code="not_found")
+            raise APIError(
+                404, f"No job with id '{job_id}' (finished jobs are kept "
+                f"{self.limits.retention_seconds:g}s).", param="job_id", code="not_found",
+            )  # fmt: skip
         return record
 
+    async def purge(self) -> int:
+        """Delete the jobs that finished more than ``retention_seconds`` ago; how many."""
+        self._purged_at = self._clock()
+        before = self._purged_at - self.limits.retention_seconds
+        purged = await asyncio.to_thread(self.journal.purge_finished, before)
+        if purged:
+            logger.info("purged %d finished background jobs", purged)
+        return purged
+
     async def _loop(self) -> None:
+        # Purge about ten times per retention period, at most once a minute.
+        purge_interval = min(60.0, self.limits.retention_seconds / 10)
         while True:
+            if self._clock() - self._purged_at >= purge_interval:
+                await self.purge()
             while len(self._in_flight) < self.max_in_flight:
                 record = await asyncio.to_thread(self.journal.claim_next)
                 if record is None:

@@ -47,6 +47,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     updated_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, state);
 """
 
 _COLUMNS = "job_id, tenant, state, body_json, result_json, error, attempts, created_at, updated_at"
@@ -117,6 +118,9 @@ class JobJournal:
             isolation_level=None,
             check_same_thread=False,
         )
+        # Pages freed by purge_finished go back to the file system (only takes effect on
+        # a new file: an existing one keeps its mode and reuses its free pages).
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: each commit fsyncs the WAL, so an acknowledged state change survives power
         # loss (NORMAL would only survive a process crash).
@@ -216,13 +220,26 @@ class JobJournal:
                 ).fetchone()
         return int(row[0])
 
+    def count_unfinished(self, tenant: str) -> int:
+        """The tenant's jobs queued or running."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state IN ('queued', 'running')",
+                (tenant,),
+            ).fetchone()
+        return int(row[0])
+
     def purge_finished(self, finished_before: float) -> int:
-        """Delete done and failed jobs last updated before ``finished_before`` (wall time)."""
+        """Delete done and failed jobs last updated before ``finished_before`` (wall time)
+        and give the space back."""
         with self._lock:
             cursor = self._db.execute(
                 "DELETE FROM jobs WHERE state IN ('done', 'failed') AND updated_at < ?",
                 (finished_before,),
             )
+            if cursor.rowcount:
+                # executescript steps it to the end (execute would free one page).
+                self._db.executescript("PRAGMA incremental_vacuum;")
         return cursor.rowcount
 
     def _finish(

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass
 
 from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshold
-from sluicegate.admission.controller import AdmissionConfig, AdmissionController, BucketFactory
+from sluicegate.admission.controller import AdmissionConfig, AdmissionController
+from sluicegate.admission.limits import BucketFactory
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor
 from sluicegate.admission.tenants import TenantRegistry

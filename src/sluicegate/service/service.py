@@ -15,11 +15,12 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from sluicegate.admission.controller import Admitted, BucketFactory
+from sluicegate.admission.controller import Admitted
 from sluicegate.admission.decision import Rejection, RejectReason
+from sluicegate.admission.limits import BucketFactory
 from sluicegate.admission.tenants import AuthError, Tenant
 from sluicegate.config import Settings
 from sluicegate.engine.calibrate import warm_up
@@ -52,8 +53,12 @@ class Service:
         loaded: LoadedEngine,
         loop: asyncio.AbstractEventLoop,
         bucket_factory: BucketFactory | None = None,
+        require_store: Callable[[], None] | None = None,
     ) -> None:
+        """``require_store`` raises :class:`StoreUnavailable` when requests must be refused
+        because the shared store is down (``store_failure_mode`` fail_closed)."""
         self.settings = settings
+        self._require_store = require_store
         self.metrics = metrics
         self.tokenizer: TextTokenizer = loaded.tokenizer
         self.model_name = loaded.model_name
@@ -100,11 +105,17 @@ class Service:
 
     @classmethod
     async def load(
-        cls, settings: Settings, metrics: Metrics, bucket_factory: BucketFactory | None = None
+        cls,
+        settings: Settings,
+        metrics: Metrics,
+        bucket_factory: BucketFactory | None = None,
+        require_store: Callable[[], None] | None = None,
     ) -> Service:
         """Load the engine off the event loop (so ``/health`` answers meanwhile), then start."""
         loaded = await asyncio.to_thread(build_engine, settings)
-        service = cls(settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory)
+        service = cls(
+            settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory, require_store
+        )
         config = service.scheduler.config
         started = time.monotonic()
         observations = await asyncio.to_thread(
@@ -151,13 +162,17 @@ class Service:
         output_token_ids: Sequence[int] = (),
         resumed: bool = False,
         resume_token_sha256: str | None = None,
+        request_charged: bool = False,
+        rate_limits_charged: bool = False,
     ) -> Generation:
         """Admit and queue a request; it reaches the engine when the dispatcher has room.
 
         A ``resumed`` stream continues on this replica after ``output_token_ids`` (delivered
         elsewhere): it re-prefills them, and its tenant's rate limits are not charged again;
         it keeps its resume token (``resume_token_sha256``).  A new request gets a new one.
-        Raises the :class:`APIError` that refuses it.
+        ``request_charged``: :meth:`charge_request` took its request as it arrived;
+        ``rate_limits_charged``: a background job, whose buckets were charged at
+        submission.  Raises the :class:`APIError` that refuses it.
         """
         request = Request(
             request_id=request_id,
@@ -175,7 +190,10 @@ class Service:
             request.min_token_interval_seconds = 1.0 / pace
         priority_class = PriorityClass(priority) if priority else tenant.priority_class
         request.priority = priority_class.rank
-        admitted = await self._admit(tenant, priority_class, request, rate_limited=not resumed)
+        admitted = await self._admit(
+            tenant, priority_class, request, rate_limited=not (resumed or rate_limits_charged),
+            request_charged=request_charged,
+        )  # fmt: skip
         ticket = Ticket(request, tenant, priority_class, admitted, time.monotonic())
         token = new_resume_token() if resume_token_sha256 is None else None
         digest = resume_token_digest(token) if token is not None else resume_token_sha256 or ""
@@ -218,28 +236,65 @@ class Service:
         self.generations[request_id] = generation
         return generation
 
+    async def charge_request(self, tenant: Tenant) -> None:
+        """Take the tenant's request as it arrives, before its body is read: a flood of
+        large or invalid bodies is limited like any other requests.  Raises the 429 (or
+        the store's 503) that refuses it."""
+        try:
+            self._check_store()
+            refusal = await self.admission.charge_request(tenant)
+        except StoreUnavailable as error:
+            raise self._store_refusal(error) from None
+        if refusal is not None:
+            self.dispatcher.count_rejection(refusal)
+            raise refusal.to_error()
+
+    async def charge_tokens(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
+        """Take a background job's tokens when it is submitted (it runs later uncharged)."""
+        try:
+            refusal = await self.admission.charge_tokens(tenant, prompt_tokens, max_tokens)
+        except StoreUnavailable as error:
+            raise self._store_refusal(error) from None
+        if refusal is not None:
+            self.dispatcher.count_rejection(refusal)
+            raise refusal.to_error()
+
     async def _admit(
-        self, tenant: Tenant, priority_class: PriorityClass, request: Request, *, rate_limited: bool
+        self,
+        tenant: Tenant,
+        priority_class: PriorityClass,
+        request: Request,
+        *,
+        rate_limited: bool,
+        request_charged: bool,
     ) -> Admitted:
         try:
+            self._check_store()
             admitted = await self.admission.admit_async(
                 tenant, priority_class, request.num_prompt_tokens, request.sampling.max_tokens,
-                rate_limited=rate_limited,
+                rate_limited=rate_limited, request_charged=request_charged,
             )  # fmt: skip
         except StoreUnavailable as error:
-            # store_failure_mode fail_closed: no shared limits, no admission.
-            self.metrics.rejections_total.labels(RejectReason.STORE_UNAVAILABLE.value).inc()
-            raise APIError(
-                503,
-                f"The rate-limit store is unreachable, so limits cannot be checked ({error}). "
-                "Retry shortly.",
-                code="store_unavailable",
-                headers={"retry-after": "1"},
-            ) from None
+            raise self._store_refusal(error) from None
         if isinstance(admitted, Rejection):
             self.dispatcher.count_rejection(admitted)
             raise admitted.to_error()
         return admitted
+
+    def _check_store(self) -> None:
+        if self._require_store is not None:
+            self._require_store()
+
+    def _store_refusal(self, error: StoreUnavailable) -> APIError:
+        """store_failure_mode fail_closed: no shared state, no admission."""
+        self.metrics.rejections_total.labels(RejectReason.STORE_UNAVAILABLE.value).inc()
+        return APIError(
+            503,
+            f"The shared store is unreachable, so limits and stream logs cannot be kept "
+            f"({error}); store_failure_mode is fail_closed. Retry shortly.",
+            code="store_unavailable",
+            headers={"retry-after": "1"},
+        )
 
     # ------------------------------------------------------------ the end of a life
     def cancel(self, generation: Generation, status: str = "cancelled") -> None:

@@ -27,13 +27,14 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 from typing import Protocol
 
-from sluicegate.store.errors import ReplayTrimmed
+from sluicegate.store.errors import ReplayTrimmed, StoreUnavailable
 from sluicegate.store.records import (
     DegradedCallback,
     DegradedOutcome,
     ReplayResult,
     StoreConfig,
     StoreCounters,
+    StoreFailureMode,
     StreamEvent,
     StreamMeta,
     StreamStatus,
@@ -103,6 +104,17 @@ class Store(abc.ABC):
     def available(self) -> bool:
         """Whether the last operation reached the backend (for readiness and a gauge)."""
         return True
+
+    async def ping(self) -> bool:
+        """Ask the backend whether it is up (updates :attr:`available`); never raises."""
+        return True
+
+    def require_available(self) -> None:
+        """Raise :class:`StoreUnavailable` if the backend is down and the failure mode is
+        fail_closed: then no request may start (its limits and its stream log need the
+        store), streamed or not."""
+        if self.config.store_failure_mode is StoreFailureMode.FAIL_CLOSED and not self.available:
+            raise StoreUnavailable(f"the store at {self.url} is unreachable", operation="admit")
 
     @abc.abstractmethod
     async def connect(self) -> None:

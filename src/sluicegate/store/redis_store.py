@@ -101,6 +101,16 @@ class RedisStore(Store):
     def available(self) -> bool:
         return self._connection.available
 
+    async def ping(self) -> bool:
+        async def ping(client: aioredis.Redis) -> None:
+            await client.ping()
+
+        try:
+            await self._connection.run("ping", ping, idempotent=True)
+        except StoreUnavailable:
+            return False
+        return True
+
     async def connect(self) -> None:
         await self._connection.connect()
         # Load the scripts now so that the first EVALSHA finds them (AsyncScript falls

@@ -1,0 +1,74 @@
+"""The reliability suite: real servers (sim engine) under hostile, broken or heavy use.
+
+Every case ends the same way: the client got a 4xx in OpenAI's error shape (or a 2xx),
+never a 5xx, never a hung connection, and the server is still healthy after (it answers
+``/health`` fast, and its log has no traceback).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, start_server
+
+MODEL = "sluicegate-sim"
+#: A fast sim engine with a short context, so that any request ends quickly.
+FAST_SIM = [
+    "--engine", "sim", "--sim-step-base-ms", "0.5", "--sim-step-per-token-ms", "0.005",
+    "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "256",
+]  # fmt: skip
+
+
+def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict[str, Any]:
+    """A 4xx (or exactly ``status``, a 503 say) whose body is ``{"error": {"message",
+    "type", "param", "code"}}`` with a non-empty message; returns the error object."""
+    if status is None:
+        assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    else:
+        assert response.status_code == status, (response.status_code, response.text[:300])
+    assert response.headers.get("content-type", "").startswith("application/json"), response.text
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    return dict(error)
+
+
+def assert_healthy(server: ServerProcess, *, within_seconds: float = 1.0) -> None:
+    """``/health`` answers within ``within_seconds``, a small completion works, and the
+    log has no traceback (nothing crashed, nothing answered 500)."""
+    started = time.monotonic()
+    health = httpx.get(server.base_url + "/health", timeout=within_seconds)
+    assert health.status_code == 200
+    assert time.monotonic() - started < within_seconds
+    body = {"model": MODEL, "prompt": "still there?", "max_tokens": 4}
+    completion = httpx.post(server.v1 + "/completions", json=body, timeout=10)
+    assert completion.status_code == 200, completion.text
+    assert_clean_log(server)
+
+
+def assert_clean_log(server: ServerProcess) -> None:
+    log = server.log()
+    assert "Traceback" not in log, log[log.find("Traceback") - 500 :][:3000]
+    assert "Exception in ASGI application" not in log
+
+
+@pytest.fixture(scope="package")
+def open_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One open-mode (no API keys) server for the fuzzing, hostile-input and storm tests."""
+    journal = tmp_path_factory.mktemp("open") / "jobs.sqlite3"
+    server = start_server([*FAST_SIM, "--journal-path", str(journal)], "reliability-open")
+    yield server
+    server.stop()
+
+
+def journal_args(tmp_path: Path) -> list[str]:
+    return ["--journal-path", str(tmp_path / "jobs.sqlite3")]

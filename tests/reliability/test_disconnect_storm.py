@@ -1,0 +1,90 @@
+"""A disconnect storm: streams dropped after a few events, non-streamed requests whose
+clients give up, WebSockets closed mid-answer, all at once.  Afterwards every counter of
+live work is back to its baseline: nothing running, waiting, paused or holding KV."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+
+from tests.conftest import ServerProcess
+from tests.reliability.conftest import MODEL, assert_healthy
+
+pytestmark = pytest.mark.slow
+
+LONG = {"model": MODEL, "max_tokens": 240, "ignore_eos": True}
+
+
+async def dropped_stream(client: httpx.AsyncClient, server: ServerProcess, i: int) -> None:
+    body = {**LONG, "prompt": f"storm {i}", "stream": True,
+            "stream_options": {"flush_interval_ms": 0}}  # fmt: skip
+    async with client.stream("POST", server.v1 + "/completions", json=body) as response:
+        seen = 0
+        async for line in response.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen > 1 + i % 4:
+                return  # the connection is dropped here
+
+
+async def abandoned_request(server: ServerProcess, i: int) -> None:
+    body = {**LONG, "prompt": f"abandoned {i}"}
+    async with httpx.AsyncClient(timeout=0.05 + 0.01 * (i % 5)) as client:
+        with contextlib.suppress(httpx.TimeoutException):
+            await client.post(server.v1 + "/completions", json=body)
+
+
+async def dropped_websocket(server: ServerProcess, i: int) -> None:
+    url = server.base_url.replace("http://", "ws://") + "/v1/ws"
+    # At least 8 tokens of credit: a whole character (the sim's tokens are bytes).
+    request = {"type": "request", "credits": 8 + i % 3,
+               "body": {**LONG, "messages": [{"role": "user", "content": f"ws {i}"}]}}  # fmt: skip
+    async with connect(url) as ws:
+        await ws.send(orjson.dumps(request).decode())
+        await asyncio.wait_for(ws.recv(), 10)  # one chunk, then the client goes
+
+
+async def storm(server: ServerProcess) -> None:
+    async with httpx.AsyncClient(timeout=20) as client:
+        await asyncio.gather(
+            *(dropped_stream(client, server, i) for i in range(60)),
+            *(abandoned_request(server, i) for i in range(30)),
+            *(dropped_websocket(server, i) for i in range(20)),
+        )
+
+
+def live_work(server: ServerProcess) -> dict[str, Any]:
+    stats = server.stats()
+    metrics = server.metrics()
+    return {
+        "live_requests": stats["live_requests"],
+        "requests_running": stats["requests_running"],
+        "requests_waiting": stats["requests_waiting"],
+        "requests_paused": stats["requests_paused"],
+        "streams_paused": stats["streams_paused"],
+        "kv_used_blocks": stats["kv_cache"]["used_blocks"],
+        "metric_requests_running": metrics.total("sluicegate_requests_running"),
+        "metric_requests_waiting": metrics.total("sluicegate_requests_waiting"),
+        "metric_streams_paused": metrics.total("sluicegate_streams_paused"),
+        "metric_kv_cache_usage_ratio": metrics.total("sluicegate_kv_cache_usage_ratio"),
+    }
+
+
+def test_counters_return_to_baseline_after_a_disconnect_storm(open_server: ServerProcess) -> None:
+    idle = dict.fromkeys(live_work(open_server), 0)
+    cancelled_before = open_server.metrics().total("sluicegate_cancellations_total")
+    asyncio.run(storm(open_server))
+    # Dropped streams are kept for --detached-grace-seconds (1 s), then cancelled.
+    deadline = time.monotonic() + 10
+    while (now := live_work(open_server)) != idle:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+    cancelled = open_server.metrics().total("sluicegate_cancellations_total") - cancelled_before
+    assert cancelled >= 60, cancelled  # most of the 110 left before their answer ended
+    assert_healthy(open_server)
