@@ -50,6 +50,18 @@ def test_kv_cache_memory_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings().kv_cache_memory_bytes == 2 * 2**30
 
 
+def test_ttft_objective_is_auto_or_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().ttft_slo_ms == "auto"
+    assert load_settings().ttft_objective_seconds is None
+    assert load_settings(ttft_slo_ms=800).ttft_objective_seconds == pytest.approx(0.8)
+    assert load_settings(ttft_slo_ms="250.5").ttft_objective_seconds == pytest.approx(0.2505)
+    monkeypatch.setenv("SLUICEGATE_TTFT_SLO_MS", "1200")
+    assert load_settings().ttft_objective_seconds == pytest.approx(1.2)
+    for bad in ("soon", "0", "-5", "nan", "inf"):
+        with pytest.raises(ValidationError, match="ttft_slo_ms must be"):
+            load_settings(ttft_slo_ms=bad)
+
+
 def test_kv_cache_memory_error_names_the_field_and_the_forms() -> None:
     with pytest.raises(ValidationError) as info:
         load_settings(kv_cache_memory="lots")

@@ -259,8 +259,11 @@ class Settings(BaseSettings):
         description="slo: admit and size the batch by the latency objectives below; static: "
         "fixed limits only (the baseline).",
     )
-    ttft_slo_ms: float = Field(
-        1000.0, gt=0.0, description="Interactive time-to-first-token objective (ms)."
+    ttft_slo_ms: str = Field(
+        "auto",
+        description="Interactive time-to-first-token objective: milliseconds, or auto: "
+        "twice the time to first token of a 256-token prompt on the idle engine, as the "
+        "warm-up measures it at start (at least 250 ms).",
     )
     tpot_slo_ms: float = Field(
         100.0, gt=0.0, description="Interactive time-per-output-token objective (ms)."
@@ -355,6 +358,27 @@ class Settings(BaseSettings):
                 raise ValueError(f"kv_cache_memory {exc}") from None
             return value.strip()
         return value
+
+    @field_validator("ttft_slo_ms", mode="before")
+    @classmethod
+    def _check_ttft_slo_ms(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)  # a YAML number: milliseconds
+        if isinstance(value, str) and value.strip() != "auto":
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"ttft_slo_ms must be a number of milliseconds or auto; got {value!r}"
+                ) from None
+            if not ms > 0.0 or ms == float("inf"):
+                raise ValueError(f"ttft_slo_ms must be a positive number of ms; got {value!r}")
+        return value.strip() if isinstance(value, str) else value
+
+    @property
+    def ttft_objective_seconds(self) -> float | None:
+        """The interactive TTFT objective, or None for auto (known after the warm-up)."""
+        return None if self.ttft_slo_ms == "auto" else float(self.ttft_slo_ms) / 1000.0
 
     @field_validator("store")
     @classmethod

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 from pathlib import Path
 from types import FrameType
 
@@ -84,12 +85,25 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+#: How long a thread waiting for the GIL waits before the holder is asked to let go.  The
+#: engine thread runs Python between its tensor operations; at Python's default (5 ms) a
+#: request the event loop could answer in a millisecond (a refusal, an SSE write) can wait
+#: several of those turns.
+SWITCH_INTERVAL_SECONDS = 0.001
+
+
+def tune_process() -> None:
+    """Process-wide settings for a server whose engine shares the interpreter."""
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+
+
 def run_server(settings: Settings) -> None:
     """Serve until stopped; raises ``SystemExit`` with one line when the server cannot
     start or its engine cannot load."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    tune_process()
     check_model_path(settings)
     open_file_limit = raise_open_file_limit()
     try:

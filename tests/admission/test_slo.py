@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from sluicegate.admission.slo import TTFTPredictor
+from sluicegate.admission.slo import AUTO_TTFT_FLOOR_SECONDS, TTFTPredictor, auto_ttft_seconds
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 from tests.fake_clock import FakeClock
@@ -69,6 +69,35 @@ def test_a_request_that_would_start_at_once_is_never_refused() -> None:
     assert prediction.ttft_seconds > 5 and not prediction.misses(1.0)
 
 
+def test_prompts_still_prefilling_delay_a_burst_that_finds_free_seats() -> None:
+    # 10 ms a step plus 1 ms a token, chunks of 64 tokens, nothing decoding beside the
+    # prompts (a seat limit of 1 in the estimate): a 64-token prompt takes 74 ms.
+    engine = ServiceEstimate(1, 0.05, 0, 20, 64, (0.01, 0.0, 0.001, 0.0))
+    p = TTFTPredictor(lambda: engine, FakeClock())
+    alone = p.predict([], [], 8, prompt_tokens=64, objective_seconds=0.2)
+    assert alone.ttft_seconds == pytest.approx(0.074) and not alone.misses(0.2)
+    # Three requests admitted a moment ago hold seats, their prompts not yet computed:
+    # the new one's first token comes after their 192 tokens and its own 64.
+    burst = [Request(f"b{i}", [1] * 64, SamplingParams(max_tokens=20, seed=1)) for i in range(3)]
+    crowded = p.predict(burst, [], 5, prompt_tokens=64, objective_seconds=0.2)
+    assert crowded.wait_seconds == 0.0
+    assert crowded.ttft_seconds == pytest.approx(4 * 0.074)
+    assert crowded.misses(0.2) and not crowded.misses(0.3)
+    # Once their prompts are computed, they no longer stand in its way.
+    for r in burst:
+        r.num_computed_tokens = r.num_prompt_tokens
+    assert p.predict(burst, [], 5, 64, 0.2).ttft_seconds == pytest.approx(0.074)
+
+
+def test_the_automatic_ttft_objective_is_twice_an_idle_256_token_prompt() -> None:
+    # 40 ms a step, 1 ms a token, chunks of 512: a 256-token prompt alone takes 296 ms,
+    # whatever the batch beside it would be.
+    engine = ServiceEstimate(16, 0.05, 128, 64, 512, (0.04, 0.0, 0.001, 0.0))
+    assert auto_ttft_seconds(engine) == pytest.approx(0.6)  # 592 ms, up to 10 ms
+    fast = ServiceEstimate(16, 0.001, 128, 64, 512, (0.001, 0.0, 0.00001, 0.0))
+    assert auto_ttft_seconds(fast) == AUTO_TTFT_FLOOR_SECONDS
+
+
 def test_refusals_hold_seats_in_order_and_new_arrivals_do_not_take_them() -> None:
     p, clock = predictor()
     holders = [request(produced=19)]  # one seat, free in 50 ms
@@ -89,6 +118,21 @@ def test_refusals_hold_seats_in_order_and_new_arrivals_do_not_take_them() -> Non
     # The refused client, back at its time, is not refused for its own seat.
     clock.advance(0.51)
     assert not p.predict([], [], 1, 10, objective).misses(objective)
+
+
+def test_a_returning_client_is_not_held_back_for_the_clients_refused_after_it() -> None:
+    p, clock = predictor()
+    objective = 0.4
+    retry_afters = [p.refuse([], [request() for _ in range(2)], 1, objective, 10) for _ in range(3)]
+    # The engine ran slower than booked: when the first comes back, one seat is free, and
+    # the two refused after it are due while it would hold that seat.  Before its time, a
+    # new arrival would push them past their objective; the first, back on time, is first
+    # in line among the promised, and takes it.
+    clock.advance(retry_afters[0] - 0.01)
+    assert p.predict([], [], 1, 10, objective).harms_promised
+    clock.advance(0.02)
+    back = p.predict([], [], 1, 10, objective)
+    assert not back.harms_promised and not back.misses(objective)
 
 
 def test_an_admission_uses_the_due_promise_and_old_promises_lapse() -> None:

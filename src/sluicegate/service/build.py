@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshold
 from sluicegate.admission.controller import AdmissionConfig, AdmissionController
 from sluicegate.admission.limits import BucketFactory
 from sluicegate.admission.retry_after import ServiceRateEstimator
-from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor
+from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor, auto_ttft_seconds
 from sluicegate.admission.tenants import TenantRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.factory import LoadedEngine
@@ -57,11 +57,14 @@ def pause_preempt_seconds(settings: Settings) -> float | None:
     return None if settings.admission == "slo" else 5.0
 
 
-def objectives(settings: Settings) -> dict[PriorityClass, Objectives]:
+def objectives(settings: Settings, scheduler: Scheduler) -> dict[PriorityClass, Objectives]:
+    """Each class's objectives; an automatic TTFT objective from the scheduler's cost model
+    as it stands (:func:`resolve_auto_objective` sets it again once the warm-up has run)."""
+    ttft = settings.ttft_objective_seconds
+    if ttft is None:
+        ttft = auto_ttft_seconds(scheduler.seats.estimate)
     return {
-        PriorityClass.INTERACTIVE: Objectives(
-            settings.ttft_slo_ms / 1000.0, settings.tpot_slo_ms / 1000.0
-        ),
+        PriorityClass.INTERACTIVE: Objectives(ttft, settings.tpot_slo_ms / 1000.0),
         PriorityClass.BATCH: Objectives(
             settings.batch_ttft_slo_ms / 1000.0, settings.batch_tpot_slo_ms / 1000.0
         ),
@@ -77,7 +80,20 @@ def build_slo(settings: Settings, scheduler: Scheduler) -> SLOAdmission | None:
         time.monotonic,
         max_retry_after_seconds=settings.max_retry_after_seconds,
     )
-    return SLOAdmission(predictor, objectives(settings))
+    return SLOAdmission(predictor, objectives(settings, scheduler))
+
+
+def resolve_auto_objective(
+    settings: Settings, scheduler: Scheduler, slo: SLOAdmission | None
+) -> float | None:
+    """After the warm-up: size an automatic TTFT objective from the calibrated cost model.
+    Returns it (None when the objective is configured or admission is static)."""
+    if slo is None or settings.ttft_objective_seconds is not None:
+        return None
+    seconds = auto_ttft_seconds(scheduler.seats.estimate)
+    interactive = slo.objectives[PriorityClass.INTERACTIVE]
+    slo.objectives[PriorityClass.INTERACTIVE] = replace(interactive, ttft_seconds=seconds)
+    return seconds
 
 
 def build_admission(settings: Settings, bucket_factory: BucketFactory | None) -> Admission:

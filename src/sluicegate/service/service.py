@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import secrets
 import time
@@ -33,7 +34,13 @@ from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.dispatcher import Dispatcher
 from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
-from sluicegate.service.build import build_admission, build_scheduler, build_slo, queue_config
+from sluicegate.service.build import (
+    build_admission,
+    build_scheduler,
+    build_slo,
+    queue_config,
+    resolve_auto_objective,
+)
 from sluicegate.service.generation import Generation, Life
 from sluicegate.service.ownership import Owner, new_resume_token, resume_token_digest
 from sluicegate.service.records import LatencyWindows, record_delivery, record_end
@@ -128,6 +135,17 @@ class Service:
             time.monotonic() - started, service.scheduler.cost.snapshot(),
             service.scheduler.seats.limit,
         )  # fmt: skip
+        auto_ttft = resolve_auto_objective(settings, service.scheduler, service.slo)
+        if auto_ttft is not None:
+            logger.info(
+                "interactive TTFT objective (auto): %.0f ms, twice a 256-token prompt's time "
+                "to first token on the idle engine; set ttft_slo_ms to choose it",
+                auto_ttft * 1e3,
+            )
+        # What lives as long as the process (the model, the tokenizer, the app) leaves the
+        # collector's generations: a collection then scans only what requests made, and
+        # does not pause the event loop for the whole heap.
+        gc.freeze()
         service.core.start()
         service.dispatcher.start()
         metrics.engine_up.labels(metrics.engine).set(1)
