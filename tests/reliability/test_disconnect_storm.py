@@ -76,9 +76,15 @@ def live_work(server: ServerProcess) -> dict[str, Any]:
     }
 
 
+def refused_by_objective(server: ServerProcess) -> float:
+    metric = 'sluicegate_rejections_total{reason="slo_unreachable"}'
+    return server.metrics().total(metric)
+
+
 def test_counters_return_to_baseline_after_a_disconnect_storm(open_server: ServerProcess) -> None:
     idle = dict.fromkeys(live_work(open_server), 0)
     cancelled_before = open_server.metrics().total("sluicegate_cancellations_total")
+    refused_before = refused_by_objective(open_server)
     asyncio.run(storm(open_server))
     # Dropped streams are kept for --detached-grace-seconds (1 s), then cancelled.
     deadline = time.monotonic() + 10
@@ -86,5 +92,8 @@ def test_counters_return_to_baseline_after_a_disconnect_storm(open_server: Serve
         assert time.monotonic() < deadline, now
         time.sleep(0.2)
     cancelled = open_server.metrics().total("sluicegate_cancellations_total") - cancelled_before
-    assert cancelled >= 60, cancelled  # most of the 110 left before their answer ended
+    refused = refused_by_objective(open_server) - refused_before
+    # Most of the 110 left before their answer ended; the rest were refused at once (the
+    # storm is far beyond what 16 sequences serve within the TTFT objective).
+    assert cancelled >= 30 and cancelled + refused >= 60, (cancelled, refused)
     assert_healthy(open_server)

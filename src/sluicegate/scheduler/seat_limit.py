@@ -3,7 +3,8 @@ objective, from the cost model, corrected by the step times actually measured.
 
 A sequence's time per output token is the engine's mean step time while it decodes.  A
 step with ``n`` decoding sequences costs ``cost(n, n + prefill, context)``, where the
-prefill share is the prompt tokens that new requests bring per decoded token (measured).
+prefill share is the prompt tokens that new requests bring per decoded token (the typical
+finished request's prompt over its answer).
 The model limit is the largest ``n`` whose predicted step stays under ``headroom ×
 objective``.  Then feedback, in the spirit of AIMD limiters (Netflix's
 concurrency-limits, Envoy's adaptive concurrency): when the measured mean decode step
@@ -90,11 +91,6 @@ class SeatLimiter:
         #: (time, seconds, decoding sequences) of recent steps with decodes.
         self._decode_steps: deque[tuple[float, float, int]] = deque()
         self._mean_context = 256.0
-        #: Prompt tokens prefilled and tokens decoded per step (EWMAs): their ratio is the
-        #: prefill share, weighted by tokens (a ratio of means, not a mean of ratios, which
-        #: steps with one decode and a long prompt chunk would dominate).
-        self._prefill_tokens = 1.0
-        self._decode_tokens = 1.0
         #: No cut before this time: the measured window must first see the last cut.
         self._hold_until = 0.0
         self._mean_prompt = 128.0
@@ -111,9 +107,6 @@ class SeatLimiter:
             self._mean_context = _ewma(
                 self._mean_context, shape.num_context_tokens / max(1, shape.num_seqs), 0.05
             )
-            prefill = shape.num_batched_tokens - num_decoding
-            self._prefill_tokens = _ewma(self._prefill_tokens, prefill, 0.01)
-            self._decode_tokens = _ewma(self._decode_tokens, num_decoding, 0.01)
         horizon = now - self.config.feedback_window_seconds
         while self._decode_steps and self._decode_steps[0][0] < horizon:
             self._decode_steps.popleft()
@@ -156,8 +149,12 @@ class SeatLimiter:
 
     @property
     def prefill_per_decode(self) -> float:
-        """Prompt tokens prefilled per token decoded, lately."""
-        return self._prefill_tokens / max(1e-9, self._decode_tokens)
+        """Prompt tokens prefilled per token decoded, in the steady state: while the seats
+        are full, a request starts as one ends, so every answer's tokens are decoded beside
+        one prompt (the typical finished request's prompt over its answer).  Not the
+        recent steps' own share, which a burst of arrivals inflates for a moment: the
+        objective is a request's mean over its life."""
+        return self._mean_prompt / max(1.0, self._mean_output)
 
     def measured_step_seconds(self) -> float | None:
         """Mean step time of recent steps with decodes, weighted by sequences decoding."""

@@ -125,9 +125,11 @@ class Service:
         )
         config = service.scheduler.config
         started = time.monotonic()
+        # The sim's steps follow its own law (a sleep), so one timed pass is enough; a
+        # real engine's vary with the machine's load, and the median of three counts.
         observations = await asyncio.to_thread(
             warm_up, loaded.engine, config.max_num_seqs, config.max_model_len,
-            config.max_num_batched_tokens,
+            config.max_num_batched_tokens, 1 if settings.engine == "sim" else 3,
         )  # fmt: skip
         service.scheduler.calibrate(observations)
         logger.info(
