@@ -149,9 +149,11 @@ def test_an_admission_uses_the_due_promise_and_old_promises_lapse() -> None:
     assert p.snapshot()["promised_seats"] == 0
 
 
-def test_retry_after_is_capped() -> None:
+def test_retry_after_is_capped_and_holds_no_seat_that_far() -> None:
     p, _ = predictor()
-    assert p.refuse([], [request() for _ in range(500)], 1, 1.0, 10) == pytest.approx(30.0)
+    for _ in range(3):
+        assert p.refuse([], [request() for _ in range(500)], 1, 1.0, 10) == pytest.approx(30.0)
+    assert p.snapshot()["promised_seats"] == 0  # not three clients booked at the cap
 
 
 def test_measured_waits_correct_every_predicted_time() -> None:

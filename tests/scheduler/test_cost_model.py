@@ -59,3 +59,25 @@ def test_the_fit_follows_the_engine_when_it_slows_down() -> None:
     for shape in shapes(rng, 300):  # another process now shares the cores: 2x slower
         model.observe(shape, 2 * law(shape))
     assert model.predict(probe) == pytest.approx(2 * before, rel=0.1)
+
+
+def test_long_prefill_steps_do_not_drag_the_decode_predictions() -> None:
+    """Prefill attention grows with the square of a chunk, which the linear law lacks; a
+    burst of such steps must not pull the decode steps' fit (they size the seats).  An
+    absolute-error fit predicted 22 ms for the 36 ms decode step here."""
+    model = StepCostModel()
+    rng = random.Random(1)
+
+    def decode(n: int) -> StepShape:
+        return StepShape(n, n, n * 200)
+
+    model.calibrate([(decode(n), 0.02 + 0.002 * n) for n in (1, 4, 8, 16, 32)])
+    for i in range(512):
+        n = 1 + i % 16
+        model.observe(decode(n), 0.02 + 0.002 * n)
+        if i % 2:  # a burst: every other step a prompt chunk of 50 to 500 tokens
+            chunk = rng.randint(50, 500)
+            seconds = 0.02 + 0.002 * n + 0.0005 * chunk + 3e-6 * chunk * chunk
+            model.observe(StepShape(n + 1, n + chunk, n * 200 + chunk), seconds)
+    assert model.predict(decode(8)) == pytest.approx(0.036, rel=0.1)
+    assert model.predict(decode(16)) == pytest.approx(0.052, rel=0.1)

@@ -219,7 +219,10 @@ class TTFTPredictor:
         last = max(self._promises, default=now)
         spacing = self.mean_service_seconds() / max(1, self._estimate().seat_limit)
         come_back = max(slot - budget / 2.0, last + spacing, now + 0.05)
-        come_back = min(come_back, now + self.max_retry_after_seconds)
+        if come_back > now + self.max_retry_after_seconds:
+            # Too far to hold a seat for: told the longest wait, with no seat held (clients
+            # refused now would otherwise all be booked at the cap, a herd).
+            return self.max_retry_after_seconds
         heapq.heappush(self._promises, come_back)
         return come_back - now
 

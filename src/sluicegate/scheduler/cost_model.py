@@ -2,9 +2,10 @@
 
 ``seconds = fixed + per_seq · sequences + per_token · batched tokens + per_context ·
 context tokens`` (the context tokens are what attention reads: each sequence's position
-after the step).  Fitted by least squares with non-negative coefficients over the most
-recent steps, so it follows the engine as the machine's load changes; seeded at start-up
-by a few warm-up steps of varied shapes, so it predicts before any request has run.
+after the step).  Fitted by least squares of the relative error, with non-negative
+coefficients, over the most recent steps, so it follows the engine as the machine's load
+changes; seeded at start-up by a few warm-up steps of varied shapes, so it predicts
+before any request has run.
 
 Written on the engine thread (:meth:`StepCostModel.observe`), read anywhere: the fitted
 coefficients are one immutable tuple, replaced whole.
@@ -98,7 +99,11 @@ class StepCostModel:
             return
         x = np.asarray([r[0] for r in rows], dtype=np.float64)
         y = np.asarray([r[1] for r in rows], dtype=np.float64)
-        theta = _nonnegative_least_squares(x, y)
+        # Relative error, not absolute: a burst of long prefill steps (hundreds of ms)
+        # would otherwise outweigh the decode steps (tens of ms) that the seat limit and
+        # every TPOT prediction are made of, and drag their fit wherever it suits them.
+        weight = 1.0 / np.maximum(y, 1e-4)
+        theta = _nonnegative_least_squares(x * weight[:, None], y * weight)
         self.coefficients = (float(theta[0]), float(theta[1]), float(theta[2]), float(theta[3]))
 
 
