@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
-from sluicegate.admission.slo import AUTO_TTFT_FLOOR_SECONDS, TTFTPredictor, auto_ttft_seconds
+from sluicegate.admission.slo import (
+    AUTO_TTFT_FLOOR_SECONDS,
+    Objectives,
+    SLOAdmission,
+    TTFTPredictor,
+    auto_ttft_seconds,
+)
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.seat_limit import ServiceEstimate
+from sluicegate.types import PriorityClass
 from tests.fake_clock import FakeClock
 
 #: 4 seats, 50 ms a step, typical answers of 20 tokens, prefill free: 1 s a request.
@@ -164,3 +172,21 @@ def test_measured_waits_correct_every_predicted_time() -> None:
     assert p.service_seconds(request()) == pytest.approx(2.0, rel=0.05)
     p.observe_wait(predicted_seconds=0.0, measured_seconds=0.3)  # started at once: no signal
     assert p.correction == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_client_back_at_its_time_is_refused_only_past_the_late_tolerance() -> None:
+    p, clock = predictor()
+    slo = SLOAdmission(p, {PriorityClass.INTERACTIVE: Objectives(0.4, 0.1)})
+    holders = [request(produced=10)]  # the only seat frees in 0.5 s
+    retry_after = p.refuse(holders, [], 0, 0.4, 10)
+    clock.advance(retry_after + 0.01)
+    # It is back, and its seat frees 0.1 s later than booked: 0.6 s from now, past the
+    # 0.4 s objective but within 1.5x of it.  A stranger would be refused; it is not.
+    late_seat = [request(produced=8)]
+    back = p.predict(late_seat, [], 0, 10, 0.4)
+    assert back.claims_promise and back.ttft_seconds == pytest.approx(0.6)
+    assert not slo.refuses(PriorityClass.INTERACTIVE, back)
+    stranger = replace(back, claims_promise=False)
+    assert slo.refuses(PriorityClass.INTERACTIVE, stranger)
+    # Past 1.5x, it is refused again.
+    assert slo.refuses(PriorityClass.INTERACTIVE, replace(back, ttft_seconds=0.7))

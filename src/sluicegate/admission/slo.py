@@ -59,6 +59,8 @@ class Prediction:
     harms_promised: bool = False
     #: Its TTFT on an engine with nothing else to prefill: its own prompt alone.
     alone_seconds: float = 0.0
+    #: It is taken to be a refused client back at its time (a promise is due).
+    claims_promise: bool = False
 
     def misses(self, objective_seconds: float) -> bool:
         """Would admitting it now miss an objective?  (Its own is never missed when
@@ -171,7 +173,7 @@ class TTFTPredictor:
                     harms = True
                     break
                 heapq.heappush(seats, begins + self.mean_service_seconds())
-        return Prediction(wait, ttft, harms, alone_seconds=prefill)
+        return Prediction(wait, ttft, harms, alone_seconds=prefill, claims_promise=claims)
 
     def waits(
         self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
@@ -321,5 +323,15 @@ class SLOAdmission:
     #: Classes refused when they would miss their TTFT objective (batch work waits instead).
     enforced: frozenset[PriorityClass] = frozenset({PriorityClass.INTERACTIVE})
     #: A queued request is refused once its predicted TTFT passes this multiple of its
-    #: objective (predictions err; a request close to its objective is still served).
+    #: objective (predictions err; a request close to its objective is still served), and
+    #: so is a refused client back at its time (its seat was booked on a prediction too).
     late_tolerance: float = 1.5
+
+    def refuses(self, priority_class: PriorityClass, prediction: Prediction) -> bool:
+        """Is a new arrival of this class with this prediction refused?"""
+        if priority_class not in self.enforced:
+            return False
+        objective = self.objectives[priority_class].ttft_seconds
+        if prediction.claims_promise:
+            objective *= self.late_tolerance
+        return prediction.misses(objective)

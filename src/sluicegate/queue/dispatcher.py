@@ -155,7 +155,7 @@ class Dispatcher:
         prompt = ticket.request.num_prompt_tokens
         objective = slo.objectives[pc].ttft_seconds
         prediction = predictor.predict(holders, ahead, free, prompt, objective)
-        if pc in slo.enforced and prediction.misses(objective):
+        if slo.refuses(pc, prediction):
             retry_after = predictor.refuse(holders, ahead, free, objective, prompt)
             return slo_rejection(prediction.ttft_seconds, objective, retry_after)
         predictor.admitted()
