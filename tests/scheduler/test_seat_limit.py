@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 
 from sluicegate.scheduler.cost_model import StepCostModel, StepShape
@@ -106,3 +109,32 @@ def test_the_service_estimate_gives_a_start_rate_and_prefill_time() -> None:
     # 16 seats, each busy for ~40 steps of ~50 ms (+ a prefill): ~8 starts a second.
     assert 6.0 < estimate.start_rate < 8.5
     assert estimate.prefill_seconds(2000) > estimate.prefill_seconds(100) > 0
+
+
+def test_the_event_loop_reads_a_snapshot_while_the_engine_thread_writes() -> None:
+    """``/v1/stats`` reads the limiter on the event loop while the engine thread records
+    steps: the read must never iterate what the writer is changing (it did, and a stats
+    request failed with "deque mutated during iteration")."""
+    seats, clock = limiter(objective=0.050)
+    done = threading.Event()
+
+    def engine_thread() -> None:
+        for i in range(20_000):
+            clock.advance(0.001)  # steps leave the 3 s window as new ones come in
+            seats.on_step(StepShape(8, 8, 800), 8, step_seconds(8) + (i % 3) * 0.001)
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        writer = threading.Thread(target=engine_thread)
+        writer.start()
+        reads = 0
+        while not done.is_set():
+            measured = seats.snapshot()["measured_step_seconds"]
+            assert measured is None or 0.0 < measured < 1.0
+            reads += 1
+        writer.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert reads > 10

@@ -80,7 +80,8 @@ def refresh_state_metrics(state: AppState) -> None:
         )
     metrics.kv_cache_usage_ratio.set(sched.kv_cache.usage_ratio)
     metrics.engine_up.labels(metrics.engine).set(1 if core.engine_up else 0)
-    for reason, count in sched.preemptions_by_reason.items():
+    # A copy first: the engine thread adds a reason the first time it preempts for it.
+    for reason, count in dict(sched.preemptions_by_reason).items():
         seen = state.preemptions_seen.get(reason, 0)
         if count > seen:
             metrics.preemptions_total.labels(reason).inc(count - seen)

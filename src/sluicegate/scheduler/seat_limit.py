@@ -14,8 +14,9 @@ model's target and the limit is reached, the factor grows back slowly.  Without 
 the limit is the static ceiling.
 
 Also the service estimate that admission predicts with: the start rate the engine
-sustains at this limit, and how long a prompt takes to prefill.  Single-threaded (the
-engine thread); the estimate is one immutable object, replaced whole.
+sustains at this limit, and how long a prompt takes to prefill.  Written on the engine
+thread; the event loop reads only single numbers and the estimate, one immutable object
+replaced whole (never a collection the engine thread is changing).
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ class SeatLimiter:
         #: Feedback factor on the model limit, in [0.25, 1.5].
         self.correction = 1.0
         self._next_update = 0.0
-        #: (time, seconds, decoding sequences) of recent steps with decodes.
+        #: (time, seconds, decoding sequences) of recent steps with decodes, and their
+        #: running sums, so that the event loop reads the mean without iterating a deque
+        #: the engine thread is changing.
         self._decode_steps: deque[tuple[float, float, int]] = deque()
+        self._weighted_seconds = 0.0
+        self._decoding = 0
         self._mean_context = 256.0
         #: No cut before this time: the measured window must first see the last cut.
         self._hold_until = 0.0
@@ -104,12 +109,18 @@ class SeatLimiter:
         now = self._clock()
         if num_decoding:
             self._decode_steps.append((now, seconds, num_decoding))
+            self._weighted_seconds += seconds * num_decoding
+            self._decoding += num_decoding
             self._mean_context = _ewma(
                 self._mean_context, shape.num_context_tokens / max(1, shape.num_seqs), 0.05
             )
         horizon = now - self.config.feedback_window_seconds
         while self._decode_steps and self._decode_steps[0][0] < horizon:
-            self._decode_steps.popleft()
+            _, old_seconds, old_decoding = self._decode_steps.popleft()
+            self._weighted_seconds -= old_seconds * old_decoding
+            self._decoding -= old_decoding
+        if not self._decode_steps:
+            self._weighted_seconds = 0.0  # no drift left behind by the subtractions
 
     def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self._mean_prompt = _ewma(self._mean_prompt, num_prompt_tokens, 0.05)
@@ -158,10 +169,10 @@ class SeatLimiter:
 
     def measured_step_seconds(self) -> float | None:
         """Mean step time of recent steps with decodes, weighted by sequences decoding."""
-        if not self._decode_steps:
+        decoding = self._decoding
+        if decoding <= 0:
             return None
-        total = sum(seconds * n for _, seconds, n in self._decode_steps)
-        return total / sum(n for _, _, n in self._decode_steps)
+        return max(0.0, self._weighted_seconds) / decoding
 
     def predicted_step_seconds(self, num_seqs: int) -> float:
         """Mean step time with ``num_seqs`` decoding and new prompts prefilled alongside."""
