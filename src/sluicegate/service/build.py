@@ -9,7 +9,13 @@ from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshol
 from sluicegate.admission.controller import AdmissionConfig, AdmissionController
 from sluicegate.admission.limits import BucketFactory
 from sluicegate.admission.retry_after import ServiceRateEstimator
-from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor, auto_ttft_seconds
+from sluicegate.admission.slo import (
+    AUTO_TTFT_FLOOR_SECONDS,
+    Objectives,
+    SLOAdmission,
+    TTFTPredictor,
+    auto_ttft_seconds,
+)
 from sluicegate.admission.tenants import TenantRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.factory import LoadedEngine
@@ -57,12 +63,11 @@ def pause_preempt_seconds(settings: Settings) -> float | None:
     return None if settings.admission == "slo" else 5.0
 
 
-def objectives(settings: Settings, scheduler: Scheduler) -> dict[PriorityClass, Objectives]:
-    """Each class's objectives; an automatic TTFT objective from the scheduler's cost model
-    as it stands (:func:`resolve_auto_objective` sets it again once the warm-up has run)."""
-    ttft = settings.ttft_objective_seconds
-    if ttft is None:
-        ttft = auto_ttft_seconds(scheduler.seats.estimate)
+def objectives(settings: Settings) -> dict[PriorityClass, Objectives]:
+    """Each class's objectives.  An automatic TTFT objective starts at its floor: the cost
+    model knows nothing before the warm-up, after which :func:`resolve_auto_objective`
+    sizes it."""
+    ttft = settings.ttft_objective_seconds or AUTO_TTFT_FLOOR_SECONDS
     return {
         PriorityClass.INTERACTIVE: Objectives(ttft, settings.tpot_slo_ms / 1000.0),
         PriorityClass.BATCH: Objectives(
@@ -80,7 +85,7 @@ def build_slo(settings: Settings, scheduler: Scheduler) -> SLOAdmission | None:
         time.monotonic,
         max_retry_after_seconds=settings.max_retry_after_seconds,
     )
-    return SLOAdmission(predictor, objectives(settings, scheduler))
+    return SLOAdmission(predictor, objectives(settings))
 
 
 def resolve_auto_objective(
