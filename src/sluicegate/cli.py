@@ -53,6 +53,8 @@ def _cli_type(name: str, annotation: Any) -> Any | None:
         return enum.Enum(f"{name}_choice", {c: c for c in choices}, type=str)
     if annotation in (bool, int, float, str):
         return annotation
+    if origin is list and args == [str]:
+        return list[str]  # a repeatable flag (--upstream URL --upstream URL)
     return None
 
 
@@ -62,6 +64,7 @@ def _serve(**kwargs: Any) -> None:
 
     config = kwargs.pop("config", None)
     flags = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in kwargs.items()}
+    flags = {k: v for k, v in flags.items() if v != []}  # a repeatable flag not given
     try:
         settings = load_settings(config, **flags)
     except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -20,7 +20,7 @@ from pydantic_settings import (
 
 from sluicegate.admission.tenants import TenantConfig, validate_tenants
 
-EngineKind = Literal["torch", "sim"]
+EngineKind = Literal["torch", "sim", "upstream"]
 
 #: Units of a memory size, in bytes: decimal (kB, MB, GB, TB) and binary (KiB, MiB, ...).
 _MEMORY_UNITS = {
@@ -57,6 +57,39 @@ def format_memory_size(num_bytes: int) -> str:
             break
         size, unit = size / 1024, larger
     return f"{size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+
+
+class UpstreamConfig(BaseModel):
+    """One OpenAI-compatible backend of ``--engine upstream`` (see docs/upstream.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000 (its API under /v1).")
+    name: str | None = Field(
+        None, description="Label in metrics and /v1/stats (default: host:port)."
+    )
+    api_key: SecretStr | None = Field(None, description="Bearer key the upstream wants.")
+    weight: float = Field(1.0, gt=0.0, description="Share of the load relative to the others.")
+    max_concurrent: int = Field(
+        16, ge=1, description="Requests in flight at most (the adaptive limit stays under it)."
+    )
+    models: dict[str, str] = Field(
+        default_factory=dict,
+        description="Served model name -> the upstream's model name; empty: serve the "
+        "upstream's own model names.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        url = value.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")) or url[-3:] == "://":
+            raise ValueError(f"an upstream url must be http(s)://HOST[:PORT][/PATH]; got {value!r}")
+        return url.removesuffix("/v1")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url.split("://", 1)[1].split("/", 1)[0]
 
 
 class Settings(BaseSettings):
@@ -103,7 +136,9 @@ class Settings(BaseSettings):
 
     # --- engine ---
     engine: EngineKind = Field(
-        "torch", description="Engine: torch (the embedded model) or sim (simulated)."
+        "torch",
+        description="Engine: torch (the embedded model), sim (simulated) or upstream (a "
+        "pool of OpenAI-compatible servers, --upstream).",
     )
     model: str | None = Field(
         None,
@@ -134,6 +169,52 @@ class Settings(BaseSettings):
     sim_step_base_ms: float = Field(5.0, ge=0.0, description="Sim step time: fixed part (ms).")
     sim_step_per_token_ms: float = Field(
         0.1, ge=0.0, description="Sim step time: per batched token (ms)."
+    )
+
+    # --- upstream engine (docs/upstream.md) ---
+    upstream: list[str] = Field(
+        default_factory=list,
+        description="URL of an OpenAI-compatible server to front (repeatable; --engine upstream).",
+    )
+    upstreams: list[UpstreamConfig] = Field(
+        default_factory=list,
+        description="Upstreams with their options (config file): url, name, api_key, "
+        "weight, max_concurrent, models.",
+    )
+    upstream_max_concurrent: int = Field(
+        16, ge=1, description="max_concurrent of an upstream given by --upstream."
+    )
+    upstream_health_interval_seconds: float = Field(
+        2.0, gt=0.0, description="How often each upstream's health and load are checked."
+    )
+    upstream_connect_timeout_seconds: float = Field(
+        2.0, gt=0.0, description="Connecting to an upstream takes at most this long."
+    )
+    upstream_first_token_timeout_seconds: float = Field(
+        60.0,
+        gt=0.0,
+        description="An upstream that sends no token this long after a request is taken "
+        "to hang: the request moves to another upstream.",
+    )
+    upstream_idle_timeout_seconds: float = Field(
+        30.0,
+        gt=0.0,
+        description="An upstream stream that goes silent this long mid-answer (while its "
+        "reader keeps up) is taken to be dead: the answer continues elsewhere.",
+    )
+    upstream_eject_failures: int = Field(
+        3, ge=1, description="Consecutive failures that eject an upstream until it is healthy."
+    )
+    upstream_prefix_affinity: bool = Field(
+        True,
+        description="Send requests that share their first message (system prompt) to the "
+        "same upstream, for its prefix cache, unless it is much busier than the others.",
+    )
+    upstream_tokenizer: str = Field(
+        "auto",
+        description="Tokenizer that counts an upstream's tokens for limits and admission: a "
+        "GGUF file or a Hugging Face directory (the upstream model's, ideally), bytes, or "
+        "auto: SmolLM2's when installed, else bytes.",
     )
 
     # --- scheduler ---
@@ -380,6 +461,11 @@ class Settings(BaseSettings):
         """The interactive TTFT objective, or None for auto (known after the warm-up)."""
         return None if self.ttft_slo_ms == "auto" else float(self.ttft_slo_ms) / 1000.0
 
+    @field_validator("upstream")
+    @classmethod
+    def _check_upstream_urls(cls, value: list[str]) -> list[str]:
+        return [UpstreamConfig.model_validate({"url": url}).url for url in value]
+
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
@@ -413,12 +499,29 @@ class Settings(BaseSettings):
                     f"tenants[{index}] ({tenant.name}): max_tokens_per_second {pace:g} is "
                     f"below pace_floor_tokens_per_second ({floor:g})"
                 )
+        if self.engine == "upstream" and not self.upstream_configs:
+            raise ValueError(
+                "engine upstream needs at least one upstream: --upstream URL, or upstreams: "
+                "in the config file"
+            )
+        labels = [u.label for u in self.upstream_configs]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"upstream names must be unique; got {labels}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
             )
         return self
+
+    @property
+    def upstream_configs(self) -> list[UpstreamConfig]:
+        """Every upstream: the config file's, then each ``--upstream`` URL."""
+        flags = [
+            UpstreamConfig(url=url, max_concurrent=self.upstream_max_concurrent)
+            for url in self.upstream
+        ]
+        return [*self.upstreams, *flags]
 
     @property
     def kv_cache_memory_bytes(self) -> int | None:

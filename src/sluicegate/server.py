@@ -103,6 +103,8 @@ def run_server(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # One line per upstream call and health check would drown the log (debug shows them).
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     tune_process()
     check_model_path(settings)
     open_file_limit = raise_open_file_limit()

@@ -60,6 +60,7 @@ def job_executor(service: Service) -> JobExecutor:
         generation = await service.submit(
             tenant, "batch", prepared.request_id, prepared.prompt_ids, prepared.sampling,
             prepared.req.max_tokens_per_second, rate_limits_charged=True,
+            upstream_call=prepared.upstream_call,
         )  # fmt: skip
         output = await service.collect(generation, None)
         return orjson.dumps(response_body(service, prepared, generation, output)).decode()

@@ -90,7 +90,7 @@ async def _load(state: AppState, store: Store) -> None:
         else:
             logger.error("%s", state.load_error)
         return
-    state.metrics.kv_cache_bytes.set(service.core.engine.kv_cache_bytes)
+    state.metrics.kv_cache_bytes.set(service.kv_cache_bytes)
     flow = FlowController(flow_config(settings), service)
     flow.start()
     sessions = SessionRegistry(

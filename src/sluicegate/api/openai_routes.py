@@ -20,8 +20,8 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: HTTPRequest) -> Response:
-    """The served model.  With tenants configured it needs a tenant's key (or the admin
-    key), like every other route of the API."""
+    """The served models (upstream mode: what the upstreams serve).  With tenants
+    configured it needs a tenant's key (or the admin key), like every other route."""
     state = app_state(request)
     service = ready_state(request).service
     header = request.headers.get("authorization")
@@ -32,12 +32,13 @@ async def list_models(request: HTTPRequest) -> Response:
             "object": "list",
             "data": [
                 {
-                    "id": service.model_name,
+                    "id": name,
                     "object": "model",
                     "created": int(app_state(request).started_at),
                     "owned_by": "sluicegate",
                     "max_model_len": service.max_model_len,
                 }
+                for name in service.model_names
             ],
         }
     )
@@ -71,7 +72,7 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
     req = prepared.req
     generation = await service.submit(
         tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
-        req.max_tokens_per_second, request_charged=True,
+        req.max_tokens_per_second, request_charged=True, upstream_call=prepared.upstream_call,
     )  # fmt: skip
     if req.stream:
         # A resumable stream: logged event by event, it survives its connection.

@@ -20,6 +20,7 @@ from sluicegate.api.schemas import (
 )
 from sluicegate.engine.output import RequestOutput
 from sluicegate.engine.tokenizer import ChatTemplateError
+from sluicegate.engine.upstream.wire import UpstreamCall, forwarded_body
 from sluicegate.errors import APIError, invalid_param
 from sluicegate.scheduler.request import SamplingParams
 from sluicegate.service.generation import Generation
@@ -38,6 +39,10 @@ class Prepared:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
+    #: The model it names (or the default one).
+    model: str
+    #: Upstream mode: what the upstream is sent.
+    upstream_call: UpstreamCall | None = None
 
 
 def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
@@ -46,7 +51,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
     if kind == "chat":
         chat: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
         check_chat(chat)
-        check_model(service, chat.model)
+        model = check_model(service, chat.model)
         check_top_k(service, chat)
         try:
             prompt_ids = tokenizer.encode_chat(chat_messages(chat))
@@ -60,10 +65,13 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         max_tokens = resolve_max_tokens(service, requested, len(prompt_ids))
         check_pace(service, chat.max_tokens_per_second)
         sampling = build_sampling(service, chat, max_tokens)
-        return Prepared(kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling)
+        return Prepared(
+            kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling, model,
+            upstream_call(service, kind, body, model, sampling),
+        )  # fmt: skip
     comp: CompletionRequest = parse_body(CompletionRequest, body)
     check_completion(comp)
-    check_model(service, comp.model)
+    model = check_model(service, comp.model)
     check_top_k(service, comp)
     prompt = completion_prompt(comp)
     if isinstance(prompt, str):
@@ -82,19 +90,39 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
     max_tokens = resolve_max_tokens(service, comp.max_tokens, len(prompt_ids))
     check_pace(service, comp.max_tokens_per_second)
     sampling = build_sampling(service, comp, max_tokens)
-    return Prepared(kind, comp, new_request_id("cmpl"), prompt_ids, sampling)
+    return Prepared(
+        kind, comp, new_request_id("cmpl"), prompt_ids, sampling, model,
+        upstream_call(service, kind, body, model, sampling),
+    )  # fmt: skip
 
 
-def check_model(service: Service, model: str | None) -> None:
-    """The model asked for is the one served (a request that names none gets it)."""
-    if model is not None and model != service.model_name:
+def check_model(service: Service, model: str | None) -> str:
+    """The model asked for is one served (a request that names none gets the first)."""
+    names = service.model_names
+    if model is None:
+        model = service.model_name
+    if model not in names:
+        served = ", ".join(f"'{n}'" for n in names) or "no model (no upstream is reachable)"
         raise APIError(
             404,
-            f"The model '{model}' does not exist; this server serves '{service.model_name}' "
+            f"The model '{model}' does not exist; this server serves {served} "
             "(see GET /v1/models).",
             param="model",
             code="model_not_found",
         )
+    return model
+
+
+def upstream_call(
+    service: Service, kind: Kind, body: dict[str, Any], model: str, sampling: SamplingParams
+) -> UpstreamCall | None:
+    """Upstream mode: the client's body as the upstream gets it (the seed always set, so
+    that an engine that honours seeds continues a moved answer as it began)."""
+    if service.pool is None:
+        return None
+    forwarded = forwarded_body(body)
+    forwarded["seed"] = sampling.seed
+    return UpstreamCall(kind, forwarded, model, sampling.max_tokens)
 
 
 def check_pace(service: Service, max_tokens_per_second: float | None) -> None:
@@ -186,7 +214,7 @@ def response_body(
         "id": prepared.request_id,
         "object": obj,
         "created": generation.created,
-        "model": service.model_name,
+        "model": prepared.model,
         "choices": [choice],
         "usage": usage(output),
     }
@@ -199,7 +227,7 @@ def stream_format(service: Service, prepared: Prepared, generation: Generation) 
     return StreamFormat(
         kind=prepared.kind,
         created=generation.created,
-        model=service.model_name,
+        model=prepared.model,
         include_usage=options is not None and options.include_usage,
         continuous_usage=options is not None and options.continuous_usage_stats,
         flush_interval_seconds=(
@@ -210,4 +238,5 @@ def stream_format(service: Service, prepared: Prepared, generation: Generation) 
         flush_max_tokens=None if options is None else options.flush_max_tokens,
         priority=generation.priority_label,
         max_tokens_per_second=req.max_tokens_per_second,
+        upstream_call=None if prepared.upstream_call is None else prepared.upstream_call.to_json(),
     )

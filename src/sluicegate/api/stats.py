@@ -12,6 +12,8 @@ from starlette.responses import Response
 
 from sluicegate.api.access import StatsViewer, require_admin, stats_viewer, visible_streams
 from sluicegate.api.state import AppState, Ready, app_state, not_ready, store_down
+from sluicegate.engine.upstream.core import UpstreamCore
+from sluicegate.service.service import Service
 from sluicegate.types import PriorityClass
 
 router = APIRouter()
@@ -71,7 +73,7 @@ def refresh_state_metrics(state: AppState) -> None:
     core = service.core.stats()
     sched = core.scheduler
     metrics.requests_running.set(sched.num_running)
-    metrics.concurrency_limit.set(service.scheduler.capacity.seat_limit)
+    metrics.concurrency_limit.set(service.capacity.seat_limit)
     metrics.streams_paused.set(sched.num_paused)
     queued = service.dispatcher.queued_by_class()
     for pc in PriorityClass:
@@ -109,7 +111,7 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
             "total_blocks": kv.num_blocks,
             "free_slots": kv.num_free_slots,
             "total_slots": kv.num_slots,
-            "bytes": service.core.engine.kv_cache_bytes,
+            "bytes": service.kv_cache_bytes,
         },
         "requests_paused": sched.num_paused,
         "requests_throttled": sched.num_throttled,
@@ -140,8 +142,7 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
             },
             **(service.slo.predictor.snapshot() if service.slo else {}),
         },
-        "seats": service.scheduler.seats.snapshot(),
-        "cost_model": service.scheduler.cost.snapshot(),
+        **engine_sections(service),
         "engine_steps_total": core.num_steps,
         "batch_size": service.last_batch_size if sched.num_running else 0,
         "live_requests": len(service.generations),
@@ -150,4 +151,23 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
         "tpot_seconds": latency.tpot.percentiles(0.5, 0.95, 0.99),
         "queue_wait_seconds": latency.queue_wait.percentiles(0.5, 0.95, 0.99),
         "event_loop_tasks": len(asyncio.all_tasks()),
+    }
+
+
+def engine_sections(service: Service) -> dict[str, object]:
+    """The embedded engine's seat limiter and cost model, or the upstreams' state."""
+    if service.scheduler is not None:
+        return {
+            "seats": service.scheduler.seats.snapshot(),
+            "cost_model": service.scheduler.cost.snapshot(),
+        }
+    assert service.pool is not None
+    estimate = service.core.estimate() if isinstance(service.core, UpstreamCore) else None
+    return {
+        "seats": {
+            "seat_limit": service.capacity.seat_limit,
+            "healthy_upstreams": service.pool.num_healthy,
+            "predicted_step_seconds": estimate.step_seconds if estimate else None,
+        },
+        "upstreams": service.pool.snapshot(),
     }

@@ -133,7 +133,7 @@ async def _start(
     req = prepared.req
     generation = await service.submit(
         tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
-        req.max_tokens_per_second, request_charged=True,
+        req.max_tokens_per_second, request_charged=True, upstream_call=prepared.upstream_call,
     )  # fmt: skip
     return generation, StreamFlow(generation.stream, generation.request, credit_tokens=credits)
 

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
 
 
@@ -34,6 +35,9 @@ class RequestOutput:
     #: :class:`~sluicegate.engine.detokenizer.TextAssembler`): the text of every delta so far is
     #: exactly the text of every committed token so far.
     committed_token_ids: list[int] = field(default_factory=list)
+    #: With an ``error``: what its client is told, when not an engine failure (an
+    #: upstream's own refusal of the request, or no upstream able to serve it).
+    failure: APIError | None = None
 
     @property
     def finished(self) -> bool:
@@ -177,5 +181,6 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         num_output_tokens=last.num_output_tokens,
         finish_reason=last.finish_reason,
         error=last.error,
+        failure=last.failure,
         committed_token_ids=[t for o in outputs for t in o.committed_token_ids],
     )

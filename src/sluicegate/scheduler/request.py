@@ -88,6 +88,8 @@ class Request:
     #: scheduled, and its dispatch seat lent out like a paused sequence's.  Set by the
     #: scheduler only (the engine thread); others may read it.
     throttled: bool = False
+    #: What an upstream engine sends (upstream mode only; the scheduler never reads it).
+    upstream_call: object | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

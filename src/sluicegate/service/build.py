@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshold
@@ -21,6 +22,7 @@ from sluicegate.config import Settings
 from sluicegate.engine.factory import LoadedEngine
 from sluicegate.queue.fair_queue import FairQueueConfig
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.types import PriorityClass
 
 
@@ -76,12 +78,13 @@ def objectives(settings: Settings) -> dict[PriorityClass, Objectives]:
     }
 
 
-def build_slo(settings: Settings, scheduler: Scheduler) -> SLOAdmission | None:
-    """Admission by objective (None under static admission)."""
+def build_slo(settings: Settings, estimate: Callable[[], ServiceEstimate]) -> SLOAdmission | None:
+    """Admission by objective (None under static admission), predicting with what
+    ``estimate`` says the engine sustains now."""
     if settings.admission != "slo":
         return None
     predictor = TTFTPredictor(
-        lambda: scheduler.seats.estimate,
+        estimate,
         time.monotonic,
         max_retry_after_seconds=settings.max_retry_after_seconds,
     )
@@ -89,13 +92,13 @@ def build_slo(settings: Settings, scheduler: Scheduler) -> SLOAdmission | None:
 
 
 def resolve_auto_objective(
-    settings: Settings, scheduler: Scheduler, slo: SLOAdmission | None
+    settings: Settings, estimate: ServiceEstimate, slo: SLOAdmission | None
 ) -> float | None:
     """After the warm-up: size an automatic TTFT objective from the calibrated cost model.
     Returns it (None when the objective is configured or admission is static)."""
     if slo is None or settings.ttft_objective_seconds is not None:
         return None
-    seconds = auto_ttft_seconds(scheduler.seats.estimate)
+    seconds = auto_ttft_seconds(estimate)
     interactive = slo.objectives[PriorityClass.INTERACTIVE]
     slo.objectives[PriorityClass.INTERACTIVE] = replace(interactive, ttft_seconds=seconds)
     return seconds

@@ -29,10 +29,13 @@ from sluicegate.engine.core import CoreHooks, EngineCore, StepStats
 from sluicegate.engine.factory import LoadedEngine, build_engine
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.engine.upstream.core import UpstreamCore
+from sluicegate.engine.upstream.pool import UpstreamPool
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.dispatcher import Dispatcher
 from sluicegate.queue.ticket import Ticket
+from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 from sluicegate.service.build import (
     build_admission,
@@ -68,21 +71,41 @@ class Service:
         self._require_store = require_store
         self.metrics = metrics
         self.tokenizer: TextTokenizer = loaded.tokenizer
-        self.model_name = loaded.model_name
+        self._model_name = loaded.model_name
         #: Sampling of a request that sets none (the model's recommended sampling).
         self.sampling_defaults = loaded.sampling_defaults
-        self.scheduler = build_scheduler(settings, loaded)
-        self.max_model_len = self.scheduler.config.max_model_len
+        hooks = CoreHooks(
+            on_step=self._on_step,
+            on_abort=metrics.cancel_latency_seconds.observe,
+            on_resume=metrics.stream_pause_seconds.observe,
+        )
+        self.core: EngineCore | UpstreamCore
+        if isinstance(loaded.engine, UpstreamPool):
+            # Upstream mode: no scheduler here; the pool's places are the seats.
+            self.pool: UpstreamPool | None = loaded.engine
+            self.scheduler = None
+            self.capacity = DispatchCapacity(loaded.max_num_seqs, 1 << 62, 1)
+            self.max_model_len = loaded.max_model_len
+            self.core = UpstreamCore(self.pool, loaded.tokenizer, self.capacity, settings, hooks)
+            estimate = self.core.estimate
+            self.pool.on_change = self._pool_changed
+        else:
+            self.pool = None
+            self.scheduler = build_scheduler(settings, loaded)
+            self.capacity = self.scheduler.capacity
+            self.max_model_len = self.scheduler.config.max_model_len
+            scheduler = self.scheduler
+            estimate = lambda: scheduler.seats.estimate  # noqa: E731
         admission = build_admission(settings, bucket_factory)
         self.tenants = admission.tenants
         self.admission = admission.controller
         self.estimator = admission.estimator
         self.breaker = admission.breaker
-        self.slo = build_slo(settings, self.scheduler)
+        self.slo = build_slo(settings, estimate)
         self.dispatcher = Dispatcher(
             queue_config(settings),
             {t.name: t.weight for t in self.tenants.tenants},
-            self.scheduler.capacity,
+            self.capacity,
             self.estimator,
             metrics,
             max_queue_wait_seconds=settings.max_queue_wait_seconds,
@@ -92,23 +115,16 @@ class Service:
             slo=self.slo,
         )
         self._loop = loop
-        self.core = EngineCore(
-            loaded.engine,
-            loaded.tokenizer,
-            self.scheduler,
-            loop,
-            CoreHooks(
-                on_step=self._on_step,
-                on_abort=metrics.cancel_latency_seconds.observe,
-                on_resume=metrics.stream_pause_seconds.observe,
-            ),
-        )
-        self.scheduler.capacity.on_change = self._capacity_changed
+        if self.pool is None:
+            assert self.scheduler is not None and not isinstance(loaded.engine, UpstreamPool)
+            self.core = EngineCore(loaded.engine, loaded.tokenizer, self.scheduler, loop, hooks)
+        self.capacity.on_change = self._capacity_changed
         #: Live requests by id; an entry leaves when its request ends.
         self.generations: dict[str, Generation] = {}
         self.latency = LatencyWindows()
         #: Sequences in the latest engine step (written by the engine thread).
         self.last_batch_size = 0
+        self._calibration: asyncio.Task[None] | None = None
 
     @classmethod
     async def load(
@@ -123,6 +139,10 @@ class Service:
         service = cls(
             settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory, require_store
         )
+        if isinstance(service.core, UpstreamCore):
+            await service._start_upstreams(service.core)
+            return service
+        assert service.scheduler is not None and not isinstance(loaded.engine, UpstreamPool)
         config = service.scheduler.config
         started = time.monotonic()
         # The sim's steps follow its own law (a sleep), so one timed pass is enough; a
@@ -137,13 +157,9 @@ class Service:
             time.monotonic() - started, service.scheduler.cost.snapshot(),
             service.scheduler.seats.limit,
         )  # fmt: skip
-        auto_ttft = resolve_auto_objective(settings, service.scheduler, service.slo)
-        if auto_ttft is not None:
-            logger.info(
-                "interactive TTFT objective (auto): %.0f ms, twice a 256-token prompt's time "
-                "to first token on the idle engine; set ttft_slo_ms to choose it",
-                auto_ttft * 1e3,
-            )
+        service._log_auto_objective(
+            resolve_auto_objective(settings, service.scheduler.seats.estimate, service.slo)
+        )
         # What lives as long as the process (the model, the tokenizer, the app) leaves the
         # collector's generations: a collection then scans only what requests made, and
         # does not pause the event loop for the whole heap.
@@ -158,9 +174,65 @@ class Service:
         )  # fmt: skip
         return service
 
+    async def _start_upstreams(self, core: UpstreamCore) -> None:
+        """Upstream mode: check every upstream, measure their TTFT, then serve."""
+        await core.pool.start()
+        self._pool_changed()
+        self._calibration = asyncio.create_task(self._calibrate_upstreams(core))
+        if core.pool.num_healthy:
+            await self._calibration
+        self.dispatcher.start()
+        self.metrics.engine_up.labels(self.metrics.engine).set(1)
+        logger.info(
+            "engine upstream ready: %d of %d upstreams healthy (%s), serving %s",
+            core.pool.num_healthy, len(core.pool.upstreams),
+            ", ".join(u.name for u in core.pool.upstreams), self.model_names or "no model yet",
+        )  # fmt: skip
+
+    async def _calibrate_upstreams(self, core: UpstreamCore) -> None:
+        """Once an upstream is healthy (at once, usually): measure, then size an automatic
+        TTFT objective (until then it stands at its floor)."""
+        await core.pool.any_healthy.wait()
+        await core.calibrate(UPSTREAM_PROBE_TEXT)
+        self._log_auto_objective(resolve_auto_objective(self.settings, core.estimate(), self.slo))
+
+    def _log_auto_objective(self, seconds: float | None) -> None:
+        if seconds is not None:
+            logger.info(
+                "interactive TTFT objective (auto): %.0f ms, twice a 256-token prompt's time "
+                "to first token on the idle engine; set ttft_slo_ms to choose it",
+                seconds * 1e3,
+            )
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every model served: the engine's, or what the upstreams serve (their own
+        names, or those their ``models`` mapping gives)."""
+        if self.pool is not None:
+            return self.pool.served_models()
+        return [self._model_name]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the embedded engine's KV cache (0 upstream: the upstreams keep it)."""
+        return self.core.engine.kv_cache_bytes if isinstance(self.core, EngineCore) else 0
+
+    @property
+    def model_name(self) -> str:
+        """The model of a request that names none (the first an upstream serves)."""
+        if self.pool is not None:
+            names = self.pool.served_models()
+            return names[0] if names else ""
+        return self._model_name
+
     async def close(self) -> None:
+        if self._calibration is not None:
+            self._calibration.cancel()
         await self.dispatcher.stop()
-        await asyncio.to_thread(self.core.shutdown)
+        if isinstance(self.core, UpstreamCore):
+            await self.core.close()
+        else:
+            await asyncio.to_thread(self.core.shutdown)
 
     # ------------------------------------------------------------ admission
     def authenticate(self, authorization: str | None) -> Tenant:
@@ -184,6 +256,7 @@ class Service:
         resume_token_sha256: str | None = None,
         request_charged: bool = False,
         rate_limits_charged: bool = False,
+        upstream_call: object | None = None,
     ) -> Generation:
         """Admit and queue a request; it reaches the engine when the dispatcher has room.
 
@@ -199,6 +272,7 @@ class Service:
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             all_token_ids=[*prompt_ids, *output_token_ids],
+            upstream_call=upstream_call,
         )
         pace = max_tokens_per_second or tenant.max_tokens_per_second
         if tenant.max_tokens_per_second and max_tokens_per_second:
@@ -391,6 +465,8 @@ class Service:
         ticket = generation.ticket
         if ticket is not None and ticket.rejection is not None:
             return ticket.rejection.to_error()
+        if output.failure is not None:
+            return output.failure
         return APIError(
             500,
             f"The engine failed while generating: {output.error or 'unknown error'}. "
@@ -455,7 +531,7 @@ class Service:
     def _submit(self, ticket: Ticket) -> None:
         generation = self.generations.get(ticket.request_id)
         if generation is None:  # cannot happen: an ending request leaves the queue first
-            self.scheduler.capacity.release(ticket.request_id)
+            self.capacity.release(ticket.request_id)
             return
         self.core.add_request(ticket.request, generation.stream)
 
@@ -479,9 +555,21 @@ class Service:
         with contextlib.suppress(RuntimeError):  # the loop is closing
             self._loop.call_soon_threadsafe(self.dispatcher.record_step, step.step_seconds)
 
+    def _pool_changed(self) -> None:
+        """Upstream mode: a limit changed or an upstream came or went (the event loop)."""
+        if self.pool is not None:
+            self.capacity.set_seat_limit(max(1, self.pool.total_limit))
+        self.dispatcher.wake()
+
     def _capacity_changed(self) -> None:  # the engine thread
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.dispatcher.wake)
+
+
+#: The long prompt an upstream's TTFT is measured with at start (about 256 tokens).
+UPSTREAM_PROBE_TEXT = " ".join(
+    ["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 16
+)
 
 
 def new_request_id(prefix: str) -> str:

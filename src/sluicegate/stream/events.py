@@ -32,6 +32,9 @@ class StreamFormat:
     flush_max_tokens: int | None = None
     priority: str = "interactive"
     max_tokens_per_second: float | None = None
+    #: Upstream mode: what the upstream is sent (a replica that takes the stream over
+    #: continues it from this).
+    upstream_call: dict[str, Any] | None = None
 
     def chunk(
         self, stream_id: str, text: str, finish: str | None, use: dict[str, Any] | None
@@ -92,6 +95,7 @@ class StreamFormat:
             "flush_max_tokens": self.flush_max_tokens,
             "priority": self.priority,
             "max_tokens_per_second": self.max_tokens_per_second,
+            "upstream_call": self.upstream_call,
         }
 
     @classmethod
@@ -107,6 +111,7 @@ class StreamFormat:
             flush_max_tokens=_optional_int(data.get("flush_max_tokens")),
             priority=str(data.get("priority") or "interactive"),
             max_tokens_per_second=_optional_float(data.get("max_tokens_per_second")),
+            upstream_call=call if isinstance(call := data.get("upstream_call"), dict) else None,
         )
 
 

@@ -1,0 +1,411 @@
+"""The pool of upstreams: each one's limit, load, health and measured latency, and the
+choice of where a request goes.
+
+**Limits.** Each upstream takes at most its limit of requests at once, so that requests
+wait in Sluicegate's fair queue (bounded, fair, able to say when to come back), not inside
+the engines.  The limit starts at the configured ``max_concurrent`` and adapts: it is cut
+multiplicatively when the upstream pushes back (429/503), when its own metrics show a
+waiting line (vLLM's ``num_requests_waiting``, TGI's queue size, llama.cpp's deferred
+requests, another Sluicegate's waiting requests), or when its measured time per output
+token passes the objective; it grows back by one while the upstream is full and keeps up.
+
+**Routing.** Least outstanding tokens (prompt + ``max_tokens`` of every request it
+holds, over its weight), among the healthy upstreams with a free place.  With prefix
+affinity, requests that share their first message (the system prompt) go to the
+upstream a rendezvous hash picks for it, for its prefix cache, unless that one holds
+clearly more work than the least loaded.
+
+**Health.** Every ``upstream_health_interval_seconds`` each upstream's ``/v1/models`` is
+read (it also gives the models it serves) and its ``/metrics`` if it has them.
+``upstream_eject_failures`` consecutive failures (of checks or of requests) eject it: it
+gets no requests until a check succeeds again.  Owned by the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluicegate.config import Settings, UpstreamConfig
+
+logger = logging.getLogger(__name__)
+
+#: Gauges by which engines report requests waiting inside them (summed when present).
+WAITING_GAUGES = (
+    "vllm:num_requests_waiting",  # vLLM
+    "sglang:num_queue_reqs",  # SGLang
+    "tgi_queue_size",  # TGI
+    "llamacpp:requests_deferred",  # llama.cpp's llama-server (--metrics)
+    "sluicegate_requests_waiting",  # another Sluicegate
+)
+#: Gauges of its KV cache use, as a ratio (vLLM, SGLang) when present.
+KV_GAUGES = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", "sglang:token_usage")
+
+
+@dataclass(slots=True)
+class Latency:
+    """Exponentially weighted TTFT and TPOT of one upstream's answers."""
+
+    ttft_seconds: float | None = None
+    tpot_seconds: float | None = None
+    #: Seconds of TTFT per prompt token beyond the first (a least-squares slope, kept as
+    #: running sums of recent answers).
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    def observe(self, prompt_tokens: int, ttft: float | None, tpot: float | None) -> None:
+        if ttft is not None:
+            self.ttft_seconds = _ewma(self.ttft_seconds, ttft, 0.2)
+            decay = 0.98
+            self._n = self._n * decay + 1.0
+            self._sx = self._sx * decay + prompt_tokens
+            self._sy = self._sy * decay + ttft
+            self._sxx = self._sxx * decay + prompt_tokens * prompt_tokens
+            self._sxy = self._sxy * decay + prompt_tokens * ttft
+        if tpot is not None:
+            self.tpot_seconds = _ewma(self.tpot_seconds, tpot, 0.2)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(seconds, seconds per prompt token) of its TTFT, fitted on recent answers (a
+        flat line at the mean when their prompts were all alike); None before any."""
+        if self._n < 1.0 or self.ttft_seconds is None:
+            return None
+        mean_x, mean_y = self._sx / self._n, self._sy / self._n
+        var = self._sxx / self._n - mean_x * mean_x
+        if var < 1.0:
+            return self.ttft_seconds, 0.0
+        slope = max(0.0, (self._sxy / self._n - mean_x * mean_y) / var)
+        return max(0.0, mean_y - slope * mean_x), slope
+
+
+@dataclass(slots=True)
+class Upstream:
+    """One backend: its client, limit, load and health."""
+
+    config: UpstreamConfig
+    client: httpx.AsyncClient
+    limit: int
+    healthy: bool = False
+    consecutive_failures: int = 0
+    #: Request id -> tokens (prompt + max_tokens) it holds.
+    outstanding: dict[str, int] = field(default_factory=dict)
+    outstanding_tokens: int = 0
+    #: Its own model names (from /v1/models).
+    models: list[str] = field(default_factory=list)
+    waiting_inside: float = 0.0
+    kv_usage: float | None = None
+    latency: Latency = field(default_factory=Latency)
+    requests_total: int = 0
+    failures_total: int = 0
+    aborts_total: int = 0
+    failovers_total: int = 0
+    pushbacks_total: int = 0
+    _last_grow: float = 0.0
+    _last_cut: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.config.label
+
+    @property
+    def has_room(self) -> bool:
+        return self.healthy and len(self.outstanding) < self.limit
+
+    def upstream_model(self, served: str) -> str:
+        """The upstream's name for a served model."""
+        return self.config.models.get(served, served)
+
+    def serves(self, served: str) -> bool:
+        if self.config.models:
+            return served in self.config.models
+        return served in self.models
+
+    def served_models(self) -> list[str]:
+        return list(self.config.models) if self.config.models else list(self.models)
+
+    def cut(self, reason: str, now: float, to: int | None = None) -> None:
+        """Take the limit down (at most once a second, so one burst of pushback is one cut)."""
+        if now - self._last_cut < 1.0:
+            return
+        self._last_cut = now
+        before = self.limit
+        target = math.floor(self.limit * 0.75) if to is None else to
+        self.limit = max(1, min(self.limit - 1, target))
+        if self.limit != before:
+            logger.info("upstream %s: limit %d -> %d (%s)", self.name, before, self.limit, reason)
+
+    def grow(self, now: float) -> None:
+        """One more place, while it is full and keeping up (at most every 2 s)."""
+        if self.limit >= self.config.max_concurrent or now - self._last_grow < 2.0:
+            return
+        if now - self._last_cut < 5.0 or len(self.outstanding) < self.limit:
+            return
+        self._last_grow = now
+        self.limit += 1
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "url": self.config.url,
+            "healthy": self.healthy,
+            "limit": self.limit,
+            "max_concurrent": self.config.max_concurrent,
+            "outstanding_requests": len(self.outstanding),
+            "outstanding_tokens": self.outstanding_tokens,
+            "waiting_inside": self.waiting_inside,
+            "kv_usage": self.kv_usage,
+            "ttft_seconds": _round(self.latency.ttft_seconds),
+            "tpot_seconds": _round(self.latency.tpot_seconds),
+            "models": self.served_models(),
+            "requests_total": self.requests_total,
+            "failures_total": self.failures_total,
+            "aborts_total": self.aborts_total,
+            "failovers_total": self.failovers_total,
+            "pushbacks_total": self.pushbacks_total,
+        }
+
+
+class UpstreamPool:
+    """Every upstream, the routing choice and the health loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        tpot_objective_seconds: float | None = None,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self.tpot_objective_seconds = tpot_objective_seconds
+        timeout = httpx.Timeout(
+            connect=settings.upstream_connect_timeout_seconds,
+            read=None, write=10.0, pool=settings.upstream_connect_timeout_seconds,
+        )  # fmt: skip
+        self.upstreams = [
+            Upstream(
+                config,
+                httpx.AsyncClient(
+                    base_url=config.url,
+                    timeout=timeout,
+                    headers=_auth(config),
+                    limits=httpx.Limits(
+                        max_connections=config.max_concurrent + 4,
+                        max_keepalive_connections=config.max_concurrent + 4,
+                    ),
+                ),
+                limit=config.max_concurrent,
+            )
+            for config in settings.upstream_configs
+        ]
+        #: Called when room may have appeared (a limit grew, an upstream came back).
+        self.on_change: Callable[[], None] | None = None
+        #: Set once some upstream has passed a health check.
+        self.any_healthy = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        """Check every upstream once (so the model list is known), then keep checking."""
+        await asyncio.gather(*(self.check(u) for u in self.upstreams))
+        self._task = asyncio.create_task(self._health_loop(), name="sluicegate-upstream-health")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(u.client.aclose() for u in self.upstreams))
+
+    # --- what the pool serves ---
+
+    def served_models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for upstream in self.upstreams:
+            for model in upstream.served_models():
+                seen.setdefault(model)
+        return list(seen)
+
+    @property
+    def total_limit(self) -> int:
+        return sum(u.limit for u in self.upstreams if u.healthy)
+
+    @property
+    def num_healthy(self) -> int:
+        return sum(1 for u in self.upstreams if u.healthy)
+
+    def by_name(self, name: str) -> Upstream | None:
+        return next((u for u in self.upstreams if u.name == name), None)
+
+    # --- routing ---
+
+    def choose(
+        self, model: str, tokens: int, affinity_key: str | None, exclude: set[str]
+    ) -> Upstream | None:
+        """The upstream for a request of ``tokens`` (None: none healthy with room)."""
+        eligible = [
+            u for u in self.upstreams
+            if u.has_room and u.serves(model) and u.name not in exclude
+        ]  # fmt: skip
+        if not eligible:
+            return None
+        least = min(eligible, key=_load)
+        if affinity_key is None or not self.settings.upstream_prefix_affinity:
+            return least
+        preferred = max(eligible, key=lambda u: _rendezvous(affinity_key, u))
+        # Affinity yields when the preferred one holds clearly more than the least loaded:
+        # more than one typical request's tokens over it, and 1.5 times its load.
+        slack = max(tokens, 1)
+        if _load(preferred) <= 1.5 * _load(least) + slack / preferred.config.weight:
+            return preferred
+        return least
+
+    def hold(self, upstream: Upstream, request_id: str, tokens: int) -> None:
+        upstream.outstanding[request_id] = tokens
+        upstream.outstanding_tokens += tokens
+        upstream.requests_total += 1
+
+    def release(self, upstream: Upstream, request_id: str) -> None:
+        tokens = upstream.outstanding.pop(request_id, None)
+        if tokens is not None:
+            upstream.outstanding_tokens -= tokens
+        self._changed()
+
+    # --- outcomes ---
+
+    def succeeded(self, upstream: Upstream) -> None:
+        upstream.consecutive_failures = 0
+        if self.tpot_objective_seconds is not None:
+            tpot = upstream.latency.tpot_seconds
+            if tpot is not None and tpot > self.tpot_objective_seconds:
+                upstream.cut(f"TPOT {tpot * 1e3:.0f} ms over the objective", self._clock())
+                return
+        before = upstream.limit
+        upstream.grow(self._clock())
+        if upstream.limit > before:
+            self._changed()
+
+    def failed(self, upstream: Upstream, reason: str) -> None:
+        upstream.failures_total += 1
+        upstream.consecutive_failures += 1
+        if (
+            upstream.healthy
+            and upstream.consecutive_failures >= self.settings.upstream_eject_failures
+        ):
+            upstream.healthy = False
+            logger.warning("upstream %s ejected: %s", upstream.name, reason)
+
+    def pushed_back(self, upstream: Upstream, status: int) -> None:
+        """It answered 429 or 503: it is fuller than its limit says."""
+        upstream.pushbacks_total += 1
+        upstream.cut(f"it answered {status}", self._clock(), to=len(upstream.outstanding) - 1)
+
+    # --- health ---
+
+    async def check(self, upstream: Upstream) -> None:
+        """Read its model list (health) and its metrics (load), when it has them."""
+        try:
+            response = await upstream.client.get(
+                "/v1/models", timeout=self.settings.upstream_connect_timeout_seconds
+            )
+            response.raise_for_status()
+            data = response.json().get("data", [])
+            upstream.models = [m["id"] for m in data if isinstance(m, dict) and "id" in m]
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
+            self.failed(upstream, f"health check: {exc!r}")
+            return
+        came_back = not upstream.healthy
+        upstream.healthy = True
+        self.any_healthy.set()
+        upstream.consecutive_failures = 0
+        if came_back:
+            logger.info("upstream %s healthy: models %s", upstream.name, upstream.models)
+            self._changed()
+        await self._read_load(upstream)
+
+    async def _read_load(self, upstream: Upstream) -> None:
+        try:
+            response = await upstream.client.get(
+                "/metrics", timeout=self.settings.upstream_connect_timeout_seconds
+            )
+        except httpx.HTTPError:
+            return
+        if response.status_code != 200:
+            return
+        waiting, kv = _load_signals(response.text)
+        if waiting is None:
+            return
+        upstream.waiting_inside = waiting
+        upstream.kv_usage = kv
+        # Requests wait inside it: it holds more than it runs well.  Queue here instead.
+        if waiting >= 1 and upstream.outstanding:
+            upstream.cut(
+                f"{waiting:g} requests waiting inside it", self._clock(),
+                to=len(upstream.outstanding) - math.ceil(waiting),
+            )  # fmt: skip
+
+    async def _health_loop(self) -> None:
+        interval = self.settings.upstream_health_interval_seconds
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(self.check(u) for u in self.upstreams))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        return {u.name: u.snapshot() for u in self.upstreams}
+
+
+def _load(upstream: Upstream) -> float:
+    return upstream.outstanding_tokens / upstream.config.weight
+
+
+def _rendezvous(key: str, upstream: Upstream) -> float:
+    """Weighted rendezvous hashing: each key prefers one upstream, stably."""
+    digest = hashlib.blake2b(f"{key}|{upstream.name}".encode(), digest_size=8).digest()
+    unit = (int.from_bytes(digest, "big") + 1) / 2.0**64
+    return -upstream.config.weight / math.log(unit)
+
+
+def _load_signals(text: str) -> tuple[float | None, float | None]:
+    """Requests waiting inside an engine, and its KV use, from its Prometheus text."""
+    waiting: float | None = None
+    kv: float | None = None
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError):
+        return None, None
+    for family in families:
+        for sample in family.samples:
+            if sample.name in WAITING_GAUGES:
+                waiting = (waiting or 0.0) + float(sample.value)
+            elif sample.name in KV_GAUGES:
+                kv = max(kv or 0.0, float(sample.value))
+    return waiting, kv
+
+
+def _auth(config: UpstreamConfig) -> dict[str, str]:
+    if config.api_key is None:
+        return {}
+    return {"authorization": f"Bearer {config.api_key.get_secret_value()}"}
+
+
+def _ewma(current: float | None, value: float, alpha: float) -> float:
+    return value if current is None else current + alpha * (value - current)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

@@ -1,0 +1,155 @@
+"""What goes to an upstream and what comes back: request bodies (first calls and
+continuations) and the server-sent events of its streamed answer.
+
+Every call is streamed, whatever the client asked for: only a streamed answer can be
+paused (by not reading it), cancelled at once (by closing it) and continued elsewhere
+after a failure.  The client's body is passed through, less Sluicegate's own fields, with
+the model name mapped and ``max_tokens`` resolved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+Kind = Literal["chat", "completion"]
+
+#: Body fields that are Sluicegate's own (or that it sets itself): never forwarded.
+_OWN_FIELDS = frozenset(
+    {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+     "max_tokens_per_second", "priority", "n"}
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class UpstreamCall:
+    """A request as the upstream is sent it."""
+
+    kind: Kind
+    #: The client's body, less Sluicegate's fields (see :func:`forwarded_body`).
+    body: dict[str, Any]
+    #: The served model name the client asked for (mapped per upstream).
+    model: str
+    max_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "body": self.body, "model": self.model,
+                "max_tokens": self.max_tokens}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> UpstreamCall:
+        kind: Kind = "chat" if data.get("kind") == "chat" else "completion"
+        return cls(kind, dict(data["body"]), str(data["model"]), int(data["max_tokens"]))
+
+
+def forwarded_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's body as the upstream gets it: Sluicegate's own fields left out."""
+    return {k: v for k, v in body.items() if k not in _OWN_FIELDS}
+
+
+def request_body(
+    call: UpstreamCall, upstream_model: str, partial_text: str, tokens_left: int
+) -> dict[str, Any]:
+    """The body of one call.  ``partial_text``: what the client already has (a
+    continuation after a pause or a failure), ``tokens_left``: its ``max_tokens``.
+
+    A chat continuation appends the partial answer as an assistant message and asks the
+    upstream to continue it (vLLM and SGLang: ``continue_final_message``; llama.cpp takes
+    a final assistant message as a prefill).  A completion continues from prompt + text.
+    """
+    body = dict(call.body)
+    body.update(
+        model=upstream_model,
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=max(1, tokens_left),
+    )
+    if not partial_text:
+        return body
+    if call.kind == "chat":
+        body["messages"] = [*body["messages"], {"role": "assistant", "content": partial_text}]
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    else:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            body["prompt"] = prompt + partial_text
+        # A prompt of token ids cannot be extended by text: the continuation restarts it
+        # (the client still sees no text twice; see docs/upstream.md).
+    return body
+
+
+@dataclass(slots=True)
+class Delta:
+    """One event of an upstream's stream."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    #: ``usage`` when the event carries it (the last one, with ``include_usage``).
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    done: bool = False
+    error: dict[str, Any] | None = field(default=None)
+
+
+def parse_event(data: bytes) -> Delta | None:
+    """The payload of one ``data:`` line (None for one that says nothing)."""
+    data = data.strip()
+    if data == b"[DONE]":
+        return Delta(done=True)
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(event, dict):
+        return None
+    if isinstance(event.get("error"), dict):
+        return Delta(error=event["error"])
+    delta = Delta()
+    usage = event.get("usage")
+    if isinstance(usage, dict):
+        delta.prompt_tokens = _count(usage.get("prompt_tokens"))
+        delta.completion_tokens = _count(usage.get("completion_tokens"))
+    choices = event.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        choice = choices[0]
+        inner = choice.get("delta")
+        if isinstance(inner, dict):
+            content = inner.get("content")
+            delta.text = content if isinstance(content, str) else ""
+        elif isinstance(choice.get("text"), str):
+            delta.text = choice["text"]
+        reason = choice.get("finish_reason")
+        delta.finish_reason = reason if isinstance(reason, str) else None
+    return delta
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def error_message(status: int, content: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of an upstream's error answer, whatever its shape."""
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        text = content.decode(errors="replace").strip()[:300]
+        return (text or f"the upstream answered {status}", None, None)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        message = error.get("message")
+        param, code = error.get("param"), error.get("code")
+        return (
+            str(message) if message else f"the upstream answered {status}",
+            param if isinstance(param, str) else None,
+            code if isinstance(code, str) else None,
+        )
+    if isinstance(error, str):  # TGI, some llama.cpp builds
+        return error, None, None
+    if isinstance(body, dict) and isinstance(body.get("detail"), str):
+        return body["detail"], None, None
+    return f"the upstream answered {status}", None, None

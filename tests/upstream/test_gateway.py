@@ -1,0 +1,127 @@
+"""The gateway in front of real upstreams: answers pass through unchanged, models come
+from the upstreams, a disconnect aborts the upstream's request (seen on its own
+counters), and each upstream gets no more than its limit while the rest wait at the
+gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.upstream.conftest import start_gateway, start_upstream, upstream_cancelled
+
+MODEL = "sluicegate-sim"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0)
+
+
+def streamed_text(server: ServerProcess, **kwargs: object) -> tuple[str, str | None]:
+    text, finish = [], None
+    for chunk in client(server).chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def test_answers_pass_through_unchanged(gateway: ServerProcess, upstream_a: ServerProcess) -> None:
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "seed": 7}
+    direct = streamed_text(upstream_a, **kwargs)
+    through = streamed_text(gateway, **kwargs)
+    assert through == direct and direct[0] and direct[1] == "length"
+    # Not streamed, and completions: the same text as direct access.
+    chat = client(gateway).chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert chat.choices[0].message.content == direct[0]
+    assert chat.model == MODEL and chat.choices[0].finish_reason == "length"
+    comp = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "seed": 3}
+    direct_text = client(upstream_a).completions.create(**comp).choices[0].text  # type: ignore[call-overload]
+    assert client(gateway).completions.create(**comp).choices[0].text == direct_text  # type: ignore[call-overload]
+
+
+def test_models_come_from_the_upstreams(gateway: ServerProcess) -> None:
+    models = [m.id for m in client(gateway).models.list()]
+    assert models == [MODEL]
+    response = httpx.post(
+        gateway.v1 + "/chat/completions", json={"model": "gpt-17", "messages": MESSAGES}
+    )
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_upstreams_own_validation_reaches_the_client(gateway: ServerProcess) -> None:
+    # The upstream's context is 2,048 tokens; the gateway sets no limit of its own.
+    body = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 8}
+    response = httpx.post(gateway.v1 + "/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "upstream" in error["message"]
+
+
+def test_a_disconnect_aborts_the_upstream_request(
+    gateway: ServerProcess, upstream_a: ServerProcess
+) -> None:
+    before = upstream_cancelled(upstream_a)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", gateway.v1 + "/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(6), strict=False) if line) > 0
+    # The client left; after the detach grace (1 s) the gateway closes the upstream's
+    # stream, and the upstream itself counts the cancellation.
+    deadline = time.monotonic() + 10
+    while upstream_cancelled(upstream_a) <= before:
+        assert time.monotonic() < deadline, "the upstream never saw the abort"
+        time.sleep(0.1)
+    assert upstream_a.stats()["requests_running"] == 0
+
+
+def test_an_upstream_gets_no_more_than_its_limit(tmp_path_factory: pytest.TempPathFactory) -> None:
+    upstream = start_upstream("limited")
+    config = tmp_path_factory.mktemp("limit") / "gateway.yaml"
+    config.write_text(
+        f"upstreams:\n  - url: {upstream.base_url}\n    name: small\n    max_concurrent: 2\n"
+    )
+    gateway = start_gateway([], "limited", "--config", str(config), "--upstream-tokenizer", "bytes")
+    try:
+        peak = 0
+        stop = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, upstream.stats()["requests_running"])
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+
+        async def one(i: int) -> str:
+            body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 60,
+                    "ignore_eos": True, "priority": "batch"}  # fmt: skip
+            async with httpx.AsyncClient(timeout=60) as http:
+                response = await http.post(gateway.v1 + "/completions", json=body)
+            assert response.status_code == 200, response.text
+            return str(response.json()["choices"][0]["finish_reason"])
+
+        async def all_of_them() -> list[str]:
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+        finishes = asyncio.run(all_of_them())
+        stop.set()
+        watcher.join()
+        assert finishes == ["length"] * 8
+        assert 1 <= peak <= 2, peak
+        stats = gateway.stats()
+        assert stats["upstreams"]["small"]["limit"] <= 2
+        assert stats["upstreams"]["small"]["requests_total"] >= 8
+    finally:
+        gateway.stop()
+        upstream.stop()
