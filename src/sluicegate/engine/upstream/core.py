@@ -388,7 +388,15 @@ class UpstreamCore:
         last_time = started
         tokens = 0
         try:
-            async with upstream.client.stream("POST", path, json=body) as response:
+            # Until its headers, the first-token timeout (an upstream that hangs before
+            # answering at all); the body's reads are timed below.
+            timeout = httpx.Timeout(
+                self.settings.upstream_first_token_timeout_seconds,
+                connect=self.settings.upstream_connect_timeout_seconds,
+            )
+            async with upstream.client.stream(
+                "POST", path, json=body, timeout=timeout
+            ) as response:
                 if response.status_code != 200:
                     return await self._refused(live, upstream, response)
                 lines = response.aiter_lines()
