@@ -172,8 +172,8 @@ class HangingUpstream:
                     return
                 if head.startswith(b"GET /v1/models"):
                     payload = orjson.dumps({"object": "list", "data": [{"id": MODEL}]})
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                 b"content-length: %d\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
+                    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    conn.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
                 elif head.startswith(b"GET"):
                     conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
                 else:

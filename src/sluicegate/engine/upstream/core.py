@@ -390,12 +390,12 @@ class UpstreamCore:
         try:
             # Until its headers, the first-token timeout (an upstream that hangs before
             # answering at all); the body's reads are timed below.
-            timeout = httpx.Timeout(
+            until_headers = httpx.Timeout(
                 self.settings.upstream_first_token_timeout_seconds,
                 connect=self.settings.upstream_connect_timeout_seconds,
             )
             async with upstream.client.stream(
-                "POST", path, json=body, timeout=timeout
+                "POST", path, json=body, timeout=until_headers
             ) as response:
                 if response.status_code != 200:
                     return await self._refused(live, upstream, response)
