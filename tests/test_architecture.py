@@ -26,9 +26,10 @@ LAYERS = [
     ("queue",),
     ("engine",),
     ("config",),
+    ("upstream_settings",),
     ("admission",),
     ("scheduler", "store", "metrics"),
-    ("errors", "types"),
+    ("errors", "types", "sizes"),
 ]
 MAX_MODULE_LINES = 500
 

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from sluicegate.cli import _serve_signature
-from sluicegate.config import format_memory_size, load_settings, parse_memory_size
+from sluicegate.config import load_settings
+from sluicegate.sizes import format_memory_size, parse_memory_size
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,11 @@ Precedence, highest first: CLI flags, environment, config file, defaults.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -19,77 +18,10 @@ from pydantic_settings import (
 )
 
 from sluicegate.admission.tenants import TenantConfig, validate_tenants
+from sluicegate.sizes import parse_memory_size
+from sluicegate.upstream_settings import UpstreamConfig
 
 EngineKind = Literal["torch", "sim", "upstream"]
-
-#: Units of a memory size, in bytes: decimal (kB, MB, GB, TB) and binary (KiB, MiB, ...).
-_MEMORY_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-_MEMORY_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
-MEMORY_SIZE_FORMS = "a size like 512MiB, 2GiB, 1.5GB or 800000000 (bytes), or auto"
-
-
-def parse_memory_size(text: str) -> int | None:
-    """Bytes of a size like ``512MiB``, ``2GiB``, ``1.5GB`` or ``800000000``; None for
-    ``auto``.  Units are case-insensitive; raises ValueError for anything else."""
-    spec = text.strip().lower()
-    if spec == "auto":
-        return None
-    match = _MEMORY_SIZE.fullmatch(spec)
-    unit = _MEMORY_UNITS.get(match.group(2)) if match else None
-    if match is None or unit is None:
-        raise ValueError(f"must be {MEMORY_SIZE_FORMS}; got {text!r}")
-    number = match.group(1)
-    size = int(float(number) * unit) if "." in number else int(number) * unit
-    if size < 1:
-        raise ValueError(f"must be at least 1 byte ({MEMORY_SIZE_FORMS}); got {text!r}")
-    return size
-
-
-def format_memory_size(num_bytes: int) -> str:
-    """``num_bytes`` for people, to two decimals: ``1.41 GiB``, ``22.5 MiB``, ``512 B``."""
-    size, unit = float(num_bytes), "B"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024:
-            break
-        size, unit = size / 1024, larger
-    return f"{size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
-
-
-class UpstreamConfig(BaseModel):
-    """One OpenAI-compatible backend of ``--engine upstream`` (see docs/upstream.md)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = Field(description="Base URL, e.g. http://10.0.0.5:8000 (its API under /v1).")
-    name: str | None = Field(
-        None, description="Label in metrics and /v1/stats (default: host:port)."
-    )
-    api_key: SecretStr | None = Field(None, description="Bearer key the upstream wants.")
-    weight: float = Field(1.0, gt=0.0, description="Share of the load relative to the others.")
-    max_concurrent: int = Field(
-        16, ge=1, description="Requests in flight at most (the adaptive limit stays under it)."
-    )
-    models: dict[str, str] = Field(
-        default_factory=dict,
-        description="Served model name -> the upstream's model name; empty: serve the "
-        "upstream's own model names.",
-    )
-
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, value: str) -> str:
-        url = value.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")) or url[-3:] == "://":
-            raise ValueError(f"an upstream url must be http(s)://HOST[:PORT][/PATH]; got {value!r}")
-        return url.removesuffix("/v1")
-
-    @property
-    def label(self) -> str:
-        return self.name or self.url.split("://", 1)[1].split("/", 1)[0]
 
 
 class Settings(BaseSettings):

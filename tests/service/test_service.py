@@ -17,6 +17,7 @@ from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.ticket import TicketState
 from sluicegate.scheduler.request import FinishReason, SamplingParams
+from sluicegate.service.collect import collect
 from sluicegate.service.generation import Generation, Life
 from sluicegate.service.service import Service
 
@@ -69,7 +70,7 @@ async def test_a_request_completes_once_and_lets_go_of_everything(
 ) -> None:
     service = make_service()
     generation = await submit(service, "a", 20)
-    output = await service.collect(generation, None)
+    output = await collect(service, generation, None)
     assert output.finish_reason == FinishReason.LENGTH and output.num_output_tokens == 20
     assert generation.life is Life.COMPLETED
     assert generation.ticket is not None and generation.ticket.state is TicketState.CLOSED
@@ -120,7 +121,7 @@ async def test_a_stopped_request_is_told_to_retry_elsewhere(
     service.stop(running, "drained")
     for generation in (running, queued):
         with pytest.raises(APIError) as info:
-            await service.collect(generation, None)
+            await collect(service, generation, None)
         assert info.value.status_code == 503 and info.value.code == "server_draining"
         assert generation.life is Life.STOPPED
     assert counter(service, "requests_total", "drained") == 2
@@ -134,7 +135,7 @@ async def test_a_request_refused_after_queueing_gets_the_reason(
     running = await submit(service, "running", 2000)
     late = await submit(service, "late", 5)
     with pytest.raises(APIError) as info:
-        await service.collect(late, None)
+        await collect(service, late, None)
     assert info.value.status_code == 503 and "retry-after" in info.value.headers
     assert counter(service, "rejections_total", "queue_timeout") == 1
     assert late.life is Life.COMPLETED and counter(service, "requests_total", "refused") == 1

@@ -122,6 +122,9 @@ def test_an_upstream_gets_no_more_than_its_limit(tmp_path_factory: pytest.TempPa
         stats = gateway.stats()
         assert stats["upstreams"]["small"]["limit"] <= 2
         assert stats["upstreams"]["small"]["requests_total"] >= 8
+        metrics = gateway.metrics()
+        assert metrics.total('sluicegate_upstream_requests_total{upstream="small"}') >= 8
+        assert metrics.total('sluicegate_upstream_healthy{upstream="small"}') == 1
     finally:
         gateway.stop()
         upstream.stop()

@@ -21,6 +21,7 @@ from sluicegate.api.state import ready_state
 from sluicegate.errors import APIError
 from sluicegate.queue.jobs import JobExecutor
 from sluicegate.queue.journal import JobRecord, JobState
+from sluicegate.service.collect import collect
 from sluicegate.service.service import Service
 
 router = APIRouter()
@@ -62,7 +63,7 @@ def job_executor(service: Service) -> JobExecutor:
             prepared.req.max_tokens_per_second, rate_limits_charged=True,
             upstream_call=prepared.upstream_call,
         )  # fmt: skip
-        output = await service.collect(generation, None)
+        output = await collect(service, generation, None)
         return orjson.dumps(response_body(service, prepared, generation, output)).decode()
 
     return execute

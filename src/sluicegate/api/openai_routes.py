@@ -13,6 +13,7 @@ from sluicegate.api.prepare import Kind, Prepared, prepare, response_body, strea
 from sluicegate.api.state import app_state, ready_state
 from sluicegate.api.stats import json_response
 from sluicegate.errors import APIError, invalid_param
+from sluicegate.service.collect import collect
 from sluicegate.service.service import Service
 
 router = APIRouter()
@@ -80,7 +81,7 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
             generation, tenant, stream_format(service, prepared, generation)
         )
         return session.response(0, generation.headers)
-    output = await service.collect(generation, _disconnected(request))
+    output = await collect(service, generation, _disconnected(request))
     return json_response(
         response_body(service, prepared, generation, output), headers=generation.headers
     )

@@ -23,8 +23,8 @@ from sluicegate.engine.tokenizer import ChatTemplateError
 from sluicegate.engine.upstream.wire import UpstreamCall, forwarded_body
 from sluicegate.errors import APIError, invalid_param
 from sluicegate.scheduler.request import SamplingParams
-from sluicegate.service.generation import Generation
-from sluicegate.service.service import Service, finish_reason_text, new_request_id
+from sluicegate.service.generation import Generation, finish_reason_text, new_request_id
+from sluicegate.service.service import Service
 from sluicegate.stream.events import StreamFormat, usage
 
 Kind = Literal["chat", "completion"]

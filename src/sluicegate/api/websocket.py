@@ -35,8 +35,7 @@ from sluicegate.api.prepare import prepare
 from sluicegate.api.state import Ready, app_state, ready_state
 from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
-from sluicegate.service.generation import Generation
-from sluicegate.service.service import finish_reason_text
+from sluicegate.service.generation import Generation, finish_reason_text
 from sluicegate.stream.events import usage
 from sluicegate.stream.flow import StreamFlow
 

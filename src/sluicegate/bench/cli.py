@@ -254,6 +254,56 @@ def compare_command(
     typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
 
 
+@bench_app.command("upstream")
+def upstream_command(
+    upstream_config: Annotated[
+        Path,
+        typer.Argument(
+            exists=True,
+            dir_okay=False,
+            help="Config of the engine server to front (e.g. the sim engine standing in "
+            "for a GPU engine).",
+        ),
+    ],
+    scenario: ScenarioOption,
+    gateway: Annotated[
+        Path | None,
+        typer.Option(
+            "--gateway",
+            exists=True,
+            dir_okay=False,
+            help="Settings of the gateway (default: the defaults).",
+        ),
+    ] = None,
+    out: OutOption = Path("bench-upstream"),
+    duration_seconds: DurationOption = None,
+    capacity_rps: CapacityOption = None,
+    seed: SeedOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Drive the same seeded load at an engine directly, then through Sluicegate
+    (--engine upstream) in front of it (docs/upstream.md)."""
+    from sluicegate.bench.runner import BenchError
+    from sluicegate.bench.upstream import ratio_lines, run_upstream_compare
+
+    loaded = _scenario(scenario)
+    try:
+        results, _, outputs = run_upstream_compare(
+            loaded, upstream_config, out, gateway_config=gateway,
+            duration_seconds=duration_seconds, capacity_rps=capacity_rps, seed=seed,
+            console=_console(), show_progress=progress,
+        )  # fmt: skip
+    except (BenchError, RuntimeError, ValueError) as exc:
+        _fail(str(exc))
+    from sluicegate.bench.compare import headline_line
+
+    for result in results:
+        typer.echo(headline_line(result.label, result.summary()["all"]))
+    for line in ratio_lines(results):
+        typer.echo(line)
+    typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
+
+
 @bench_app.command("soak")
 def soak_command(
     target: Annotated[

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluicegate.bench.records import SeriesPoint
-from sluicegate.config import format_memory_size
+from sluicegate.sizes import format_memory_size
 
 WARMUP_FRACTION = 0.2
 WINDOW_FRACTION = 0.1

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluicegate.config import format_memory_size
+from sluicegate.sizes import format_memory_size
 
 MEMINFO_PATH = Path("/proc/meminfo")
 #: ``auto`` takes at most this share of the machine's memory (MemTotal) ...

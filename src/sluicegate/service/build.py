@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,10 +21,14 @@ from sluicegate.admission.slo import (
 from sluicegate.admission.tenants import TenantRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.factory import LoadedEngine
+from sluicegate.errors import APIError
 from sluicegate.queue.fair_queue import FairQueueConfig
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from sluicegate.scheduler.seat_limit import ServiceEstimate
+from sluicegate.store.errors import StoreUnavailable
 from sluicegate.types import PriorityClass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -147,3 +152,24 @@ def queue_config(settings: Settings) -> FairQueueConfig:
 
 def _threshold(enter_seconds: float) -> Threshold:
     return Threshold(enter_seconds, enter_seconds / 2)
+
+
+def log_auto_objective(seconds: float | None) -> None:
+    """Say what an automatic TTFT objective came to (None: it is configured)."""
+    if seconds is not None:
+        logger.info(
+            "interactive TTFT objective (auto): %.0f ms, twice a 256-token prompt's time "
+            "to first token on the idle engine; set ttft_slo_ms to choose it",
+            seconds * 1e3,
+        )
+
+
+def store_refusal(error: StoreUnavailable) -> APIError:
+    """The 503 of a request refused because the shared store is down (fail_closed)."""
+    return APIError(
+        503,
+        f"The shared store is unreachable, so limits and stream logs cannot be kept "
+        f"({error}); store_failure_mode is fail_closed. Retry shortly.",
+        code="store_unavailable",
+        headers={"retry-after": "1"},
+    )

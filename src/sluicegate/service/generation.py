@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass, field
 
 from sluicegate.engine.output import RequestStream
 from sluicegate.queue.ticket import Ticket
-from sluicegate.scheduler.request import Request
+from sluicegate.scheduler.request import FinishReason, Request
 from sluicegate.service.ownership import RESUME_TOKEN_HEADER, Owner
 
 
@@ -126,3 +127,19 @@ class Generation:
         self.last_write_time = now
         self.num_tokens_written += num_tokens
         return ttft, gaps
+
+
+def new_request_id(prefix: str) -> str:
+    """An unguessable id (128 random bits).  Still not a credential: resuming or cancelling
+    also needs the owner's API key, or in open mode the resume token
+    (:mod:`sluicegate.service.ownership`)."""
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def finish_reason_text(reason: FinishReason | None) -> str | None:
+    """A finish reason as OpenAI names it."""
+    if reason is None:
+        return None
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return reason.value
+    return "stop" if reason == FinishReason.ABORT else "error"

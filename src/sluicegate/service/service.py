@@ -1,11 +1,10 @@
 """The service: a request's way from the front door to the engine, and its end.
 
 One :class:`Service` exists once the engine has loaded, with every stage it joins:
-admission (who may enter), the dispatcher and its fair queue (where admitted work
-waits), and the engine core (the thread that runs the scheduler and the engine).  It
-turns a validated request into a :class:`Generation`, moves that generation's
-:class:`Life` to its end exactly once, and records what the end leaves behind.
-It is also what flow control asks to pause, resume or evict a sequence.
+admission, the dispatcher and its fair queue, and the engine core (the thread that runs
+the scheduler and the engine, or upstream mode's relay to a pool of servers).  It turns
+a validated request into a :class:`Generation`, moves its :class:`Life` to its end
+exactly once, records what the end leaves behind, and pauses, resumes or evicts it.
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ import asyncio
 import contextlib
 import gc
 import logging
-import secrets
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from sluicegate.admission.controller import Admitted
 from sluicegate.admission.decision import Rejection, RejectReason
@@ -30,7 +27,7 @@ from sluicegate.engine.factory import LoadedEngine, build_engine
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.upstream.core import UpstreamCore
-from sluicegate.engine.upstream.pool import UpstreamPool
+from sluicegate.engine.upstream.pool import PoolCollector, UpstreamPool
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.dispatcher import Dispatcher
@@ -41,12 +38,15 @@ from sluicegate.service.build import (
     build_admission,
     build_scheduler,
     build_slo,
+    log_auto_objective,
     queue_config,
     resolve_auto_objective,
+    store_refusal,
 )
 from sluicegate.service.generation import Generation, Life
 from sluicegate.service.ownership import Owner, new_resume_token, resume_token_digest
 from sluicegate.service.records import LatencyWindows, record_delivery, record_end
+from sluicegate.service.upstream_start import start_pool
 from sluicegate.store.errors import StoreUnavailable
 from sluicegate.types import PriorityClass
 
@@ -89,6 +89,7 @@ class Service:
             self.core = UpstreamCore(self.pool, loaded.tokenizer, self.capacity, settings, hooks)
             estimate = self.core.estimate
             self.pool.on_change = self._pool_changed
+            metrics.registry.register(PoolCollector(self.pool))
         else:
             self.pool = None
             self.scheduler = build_scheduler(settings, loaded)
@@ -140,7 +141,17 @@ class Service:
             settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory, require_store
         )
         if isinstance(service.core, UpstreamCore):
-            await service._start_upstreams(service.core)
+            pool = service.core.pool
+            service._calibration = await start_pool(
+                service.core, settings, service.slo, service._pool_changed
+            )
+            service.dispatcher.start()
+            metrics.engine_up.labels(metrics.engine).set(1)
+            logger.info(
+                "engine upstream ready: %d of %d upstreams healthy (%s), serving %s",
+                pool.num_healthy, len(pool.upstreams), ", ".join(u.name for u in pool.upstreams),
+                service.model_names or "no model yet",
+            )  # fmt: skip
             return service
         assert service.scheduler is not None and not isinstance(loaded.engine, UpstreamPool)
         config = service.scheduler.config
@@ -157,7 +168,7 @@ class Service:
             time.monotonic() - started, service.scheduler.cost.snapshot(),
             service.scheduler.seats.limit,
         )  # fmt: skip
-        service._log_auto_objective(
+        log_auto_objective(
             resolve_auto_objective(settings, service.scheduler.seats.estimate, service.slo)
         )
         # What lives as long as the process (the model, the tokenizer, the app) leaves the
@@ -174,40 +185,9 @@ class Service:
         )  # fmt: skip
         return service
 
-    async def _start_upstreams(self, core: UpstreamCore) -> None:
-        """Upstream mode: check every upstream, measure their TTFT, then serve."""
-        await core.pool.start()
-        self._pool_changed()
-        self._calibration = asyncio.create_task(self._calibrate_upstreams(core))
-        if core.pool.num_healthy:
-            await self._calibration
-        self.dispatcher.start()
-        self.metrics.engine_up.labels(self.metrics.engine).set(1)
-        logger.info(
-            "engine upstream ready: %d of %d upstreams healthy (%s), serving %s",
-            core.pool.num_healthy, len(core.pool.upstreams),
-            ", ".join(u.name for u in core.pool.upstreams), self.model_names or "no model yet",
-        )  # fmt: skip
-
-    async def _calibrate_upstreams(self, core: UpstreamCore) -> None:
-        """Once an upstream is healthy (at once, usually): measure, then size an automatic
-        TTFT objective (until then it stands at its floor)."""
-        await core.pool.any_healthy.wait()
-        await core.calibrate(UPSTREAM_PROBE_TEXT)
-        self._log_auto_objective(resolve_auto_objective(self.settings, core.estimate(), self.slo))
-
-    def _log_auto_objective(self, seconds: float | None) -> None:
-        if seconds is not None:
-            logger.info(
-                "interactive TTFT objective (auto): %.0f ms, twice a 256-token prompt's time "
-                "to first token on the idle engine; set ttft_slo_ms to choose it",
-                seconds * 1e3,
-            )
-
     @property
     def model_names(self) -> list[str]:
-        """Every model served: the engine's, or what the upstreams serve (their own
-        names, or those their ``models`` mapping gives)."""
+        """Every model served: the engine's, or what the upstreams serve."""
         if self.pool is not None:
             return self.pool.served_models()
         return [self._model_name]
@@ -220,10 +200,8 @@ class Service:
     @property
     def model_name(self) -> str:
         """The model of a request that names none (the first an upstream serves)."""
-        if self.pool is not None:
-            names = self.pool.served_models()
-            return names[0] if names else ""
-        return self._model_name
+        names = self.model_names
+        return names[0] if names else ""
 
     async def close(self) -> None:
         if self._calibration is not None:
@@ -382,13 +360,7 @@ class Service:
     def _store_refusal(self, error: StoreUnavailable) -> APIError:
         """store_failure_mode fail_closed: no shared state, no admission."""
         self.metrics.rejections_total.labels(RejectReason.STORE_UNAVAILABLE.value).inc()
-        return APIError(
-            503,
-            f"The shared store is unreachable, so limits and stream logs cannot be kept "
-            f"({error}); store_failure_mode is fail_closed. Retry shortly.",
-            code="store_unavailable",
-            headers={"retry-after": "1"},
-        )
+        return store_refusal(error)
 
     # ------------------------------------------------------------ the end of a life
     def cancel(self, generation: Generation, status: str = "cancelled") -> None:
@@ -474,46 +446,6 @@ class Service:
             code="engine_error",
         )
 
-    async def collect(
-        self, generation: Generation, disconnected: Coroutine[Any, Any, None] | None
-    ) -> RequestOutput:
-        """Wait for the whole answer; abort at once if ``disconnected`` completes first."""
-        watcher = asyncio.ensure_future(disconnected) if disconnected is not None else None
-        text: list[str] = []
-        try:
-            while True:
-                getter = asyncio.ensure_future(generation.stream.get())
-                waiting: set[asyncio.Future[Any]] = {getter}
-                if watcher is not None:
-                    waiting.add(watcher)
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    self.cancel(generation)
-                    raise APIError(499, "Client closed the request.")
-                output = getter.result()
-                text.append(output.text)
-                if not output.finished:
-                    continue
-                if generation.life is Life.STOPPED:
-                    raise APIError(
-                        503, "The server is shutting down; retry the request on another replica.",
-                        code="server_draining", headers={"retry-after": "1"},
-                    )  # fmt: skip
-                if output.finish_reason == FinishReason.ERROR:
-                    self.complete(generation, "error")
-                    raise self.failure(generation, output)
-                self.delivered(generation, output.num_output_tokens)
-                self.complete(generation, finish_reason_text(output.finish_reason) or "")
-                output.text = "".join(text)
-                return output
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
-            self.cancel(generation)
-
     # ------------------------------------------------------------ flow control
     def pause(self, request_id: str) -> None:
         """A slow reader: ask the scheduler to pause its sequence."""
@@ -564,25 +496,3 @@ class Service:
     def _capacity_changed(self) -> None:  # the engine thread
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.dispatcher.wake)
-
-
-#: The long prompt an upstream's TTFT is measured with at start (about 256 tokens).
-UPSTREAM_PROBE_TEXT = " ".join(
-    ["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 16
-)
-
-
-def new_request_id(prefix: str) -> str:
-    """An unguessable id (128 random bits).  Still not a credential: resuming or cancelling
-    also needs the owner's API key, or in open mode the resume token
-    (:mod:`sluicegate.service.ownership`)."""
-    return f"{prefix}-{secrets.token_hex(16)}"
-
-
-def finish_reason_text(reason: FinishReason | None) -> str | None:
-    """A finish reason as OpenAI names it."""
-    if reason is None:
-        return None
-    if reason in (FinishReason.STOP, FinishReason.LENGTH):
-        return reason.value
-    return "stop" if reason == FinishReason.ABORT else "error"

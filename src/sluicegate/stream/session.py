@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 from sluicegate.engine.output import FlushPolicy, RequestOutput
 from sluicegate.scheduler.request import FinishReason
-from sluicegate.service.generation import Generation, Life
-from sluicegate.service.service import Service, finish_reason_text
+from sluicegate.service.generation import Generation, Life, finish_reason_text
+from sluicegate.service.service import Service
 from sluicegate.store.base import Store
 from sluicegate.store.errors import LeaseLost, ReplayTrimmed, StoreError, StoreUnavailable
 from sluicegate.store.event_id import format_event_id

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.profiler import record_function
 
-from sluicegate.config import format_memory_size
 from sluicegate.engine.base import Engine, EngineLimits
 from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
@@ -30,6 +29,7 @@ from sluicegate.engine.torch.loader import (
 from sluicegate.engine.torch.model import ModelArgs, Transformer, kv_cache_bytes_per_slot
 from sluicegate.engine.torch.sampling import SamplingBatch, sample
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
+from sluicegate.sizes import format_memory_size
 
 _T = TypeVar("_T")
 

@@ -35,6 +35,7 @@ from sluicegate.config import Settings
 from sluicegate.engine.core import CoreHooks, EngineCoreStats
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.engine.upstream.estimate import pool_estimate
 from sluicegate.engine.upstream.pool import Upstream, UpstreamPool
 from sluicegate.engine.upstream.wire import Delta, UpstreamCall, error_message, parse_event
 from sluicegate.engine.upstream.wire import request_body as build_body
@@ -49,23 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: How often a paused request checks whether it should let go of its upstream.
 _PAUSE_CHECK_SECONDS = 0.25
-
-
-#: Before any answer is measured: a typical GPU engine's TTFT and TPOT.
-_PRIOR_TTFT_SECONDS = 0.3
-_PRIOR_TPOT_SECONDS = 0.03
-
-
-@dataclass(slots=True, frozen=True)
-class UpstreamEstimate(ServiceEstimate):
-    """The pool as admission sees it: places, and the measured TTFT (by prompt length)
-    and TPOT of its upstreams' answers."""
-
-    ttft_base_seconds: float = _PRIOR_TTFT_SECONDS
-    ttft_per_token_seconds: float = 0.0
-
-    def prefill_seconds(self, num_prompt_tokens: int) -> float:
-        return self.ttft_base_seconds + self.ttft_per_token_seconds * num_prompt_tokens
 
 
 class _Outcome(Enum):
@@ -153,52 +137,9 @@ class UpstreamCore:
 
     def estimate(self) -> ServiceEstimate:
         """What admission predicts with: the pool's places and measured latencies."""
-        healthy = [u for u in self.pool.upstreams if u.healthy] or self.pool.upstreams
-        fits = [u.latency.fit() for u in healthy]
-        known = [f for f in fits if f is not None]
-        base, slope = (
-            (sum(f[0] for f in known) / len(known), sum(f[1] for f in known) / len(known))
-            if known else (_PRIOR_TTFT_SECONDS, 0.0)
-        )  # fmt: skip
-        tpots = [u.latency.tpot_seconds for u in healthy if u.latency.tpot_seconds is not None]
-        return UpstreamEstimate(
-            seat_limit=max(1, self.capacity.seat_limit),
-            step_seconds=sum(tpots) / len(tpots) if tpots else _PRIOR_TPOT_SECONDS,
-            mean_prompt_tokens=self._mean_prompt,
-            mean_output_tokens=self._mean_output,
-            max_num_batched_tokens=1 << 30,
-            cost=(0.0, 0.0, 0.0, 0.0),
-            ttft_base_seconds=base,
-            ttft_per_token_seconds=slope,
+        return pool_estimate(
+            self.pool, self.capacity.seat_limit, self._mean_prompt, self._mean_output
         )
-
-    async def calibrate(self, probe_text: str) -> None:
-        """Measure each healthy upstream's TTFT with a short and a long prompt (one token
-        answers), so that admission predicts from the first request on."""
-        for upstream in [u for u in self.pool.upstreams if u.healthy]:
-            models = upstream.served_models()
-            if not models:
-                continue
-            for prompt in ("Hi", probe_text):
-                body = {"model": upstream.upstream_model(models[0]), "prompt": prompt,
-                        "max_tokens": 1, "stream": True}  # fmt: skip
-                started = time.monotonic()
-                try:
-                    async with upstream.client.stream(
-                        "POST",
-                        "/v1/completions",
-                        json=body,
-                        timeout=self.settings.upstream_first_token_timeout_seconds,
-                    ) as response:
-                        if response.status_code != 200:
-                            break
-                        async for line in response.aiter_lines():
-                            if line.startswith("data:"):
-                                break
-                except httpx.HTTPError:
-                    break
-                ttft = time.monotonic() - started
-                upstream.latency.observe(len(self.tokenizer.encode(prompt)), ttft, None)
 
     def add_request(self, request: Request, stream: RequestStream) -> None:
         call = request.upstream_call

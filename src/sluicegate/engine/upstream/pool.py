@@ -29,13 +29,15 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluicegate.config import Settings, UpstreamConfig
+from sluicegate.config import Settings
+from sluicegate.upstream_settings import UpstreamConfig
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +114,8 @@ class Upstream:
     aborts_total: int = 0
     failovers_total: int = 0
     pushbacks_total: int = 0
-    _last_grow: float = 0.0
-    _last_cut: float = 0.0
+    _last_grow: float = -math.inf
+    _last_cut: float = -math.inf
 
     @property
     def name(self) -> str:
@@ -409,3 +411,53 @@ def _ewma(current: float | None, value: float, alpha: float) -> float:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
+
+
+class PoolCollector:
+    """Each upstream's state as Prometheus metrics (label ``upstream``: the configured
+    names, a handful), read at scrape time."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        p = "sluicegate_upstream_"
+        gauges: dict[str, tuple[str, Callable[[Upstream], float]]] = {
+            "healthy": ("1 if it passes its health checks.", lambda u: 1.0 if u.healthy else 0.0),
+            "limit": ("Requests it may hold at once (adaptive).", lambda u: u.limit),
+            "outstanding_requests": ("Requests it holds.", lambda u: len(u.outstanding)),
+            "outstanding_tokens": (
+                "Prompt + max_tokens of the requests it holds.",
+                lambda u: u.outstanding_tokens,
+            ),
+            "waiting_inside": (
+                "Requests waiting inside it, from its own metrics.",
+                lambda u: u.waiting_inside,
+            ),
+            "ttft_seconds": (
+                "Its measured time to first token (moving average).",
+                lambda u: u.latency.ttft_seconds or 0.0,
+            ),
+            "tpot_seconds": (
+                "Its measured time per output token (moving average).",
+                lambda u: u.latency.tpot_seconds or 0.0,
+            ),
+        }
+        counters: dict[str, tuple[str, Callable[[Upstream], float]]] = {
+            "requests": ("Requests sent to it.", lambda u: u.requests_total),
+            "failures": ("Failed requests and health checks.", lambda u: u.failures_total),
+            "aborts": ("Requests let go for a paused reader.", lambda u: u.aborts_total),
+            "failovers": ("Answers moved away from it mid-stream.", lambda u: u.failovers_total),
+            "pushbacks": ("Times it answered 429 or 503.", lambda u: u.pushbacks_total),
+        }
+        upstreams = list(self.pool.upstreams)
+        for name, (doc, read) in gauges.items():
+            gauge = GaugeMetricFamily(p + name, doc, labels=["upstream"])
+            for upstream in upstreams:
+                gauge.add_metric([upstream.name], float(read(upstream)))
+            yield gauge
+        for name, (doc, read) in counters.items():
+            counter = CounterMetricFamily(p + name, doc, labels=["upstream"])
+            for upstream in upstreams:
+                counter.add_metric([upstream.name], float(read(upstream)))
+            yield counter

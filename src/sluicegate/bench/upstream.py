@@ -1,0 +1,125 @@
+"""Direct to an engine, then through Sluicegate in front of it: the same seeded load.
+
+``sluicegate bench upstream U.yaml --scenario overload`` starts the engine server from
+``U.yaml`` (any ``sluicegate serve`` config: the sim engine, say, standing in for a GPU
+engine), drives the scenario at it directly, then starts it afresh with a gateway
+(``--engine upstream``, the settings of ``--gateway G.yaml`` if given) in front of it and
+drives the same schedule through the gateway.  The two runs are in turn, never at once.
+The engine runs with admission ``static`` and no breaker unless ``U.yaml`` says
+otherwise: a plain engine, which queues what it cannot run, like vLLM or llama.cpp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from sluicegate.bench.capacity import CapacityResult, find_capacity
+from sluicegate.bench.client import Target
+from sluicegate.bench.compare import Outputs, headline_line, trial_line, write_outputs
+from sluicegate.bench.runner import Runner, RunResult
+from sluicegate.bench.scenario import Scenario
+from sluicegate.bench.schedule import Schedule, build_schedule
+from sluicegate.bench.server_process import ServerProcess, server_settings, start_server
+
+#: What makes a Sluicegate server behave like a plain engine (unless its config says).
+PLAIN_ENGINE = {"admission": "static", "breaker": False, "max_queue_wait_seconds": 600.0}
+
+
+def _write(path: Path, values: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+    return path
+
+
+def run_upstream_compare(
+    scenario: Scenario,
+    upstream_config: Path,
+    out_dir: Path,
+    *,
+    gateway_config: Path | None = None,
+    duration_seconds: float | None = None,
+    capacity_rps: float | None = None,
+    seed: int | None = None,
+    console: Console | None = None,
+    show_progress: bool = True,
+    ready_timeout_seconds: float = 180.0,
+) -> tuple[list[RunResult], CapacityResult | None, Outputs]:
+    console = console or Console(stderr=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine_values = {**PLAIN_ENGINE, **server_settings(upstream_config)}
+    engine_path = _write(out_dir / "engine.yaml", engine_values)
+    gateway_values = server_settings(gateway_config) if gateway_config else {}
+    results: list[RunResult] = []
+    capacity: CapacityResult | None = None
+    schedule: Schedule | None = None
+
+    def drive(label: str, server: ServerProcess) -> None:
+        nonlocal capacity, capacity_rps, schedule
+        runner = Runner(Target.parse(server.base_url), scenario, console=console,
+                        show_progress=show_progress)  # fmt: skip
+        if schedule is None:
+            if scenario.needs_capacity and capacity_rps is None:
+                console.print(f"  measuring capacity {label} (used for both runs)")
+                capacity = find_capacity(
+                    runner, on_trial=lambda t: console.print(trial_line(t), highlight=False)
+                )
+                capacity_rps = capacity.capacity_rps
+                console.print(f"  capacity: {capacity_rps:.2f} req/s {capacity.note}")
+            schedule = build_schedule(
+                scenario, seed=seed, capacity_rps=capacity_rps, duration_seconds=duration_seconds
+            )
+        console.print(f"  driving {label} with {len(schedule.requests)} requests")
+        result = runner.run(schedule, label, capacity_rps=capacity_rps)
+        results.append(result)
+        console.print("  " + headline_line(label, result.summary()["all"]), highlight=False)
+
+    console.print(f"[bold][1/2] direct[/bold]: the engine alone ({engine_values})")
+    with start_server(
+        engine_path, out_dir / "server-direct.log", ready_timeout_seconds=ready_timeout_seconds
+    ) as engine:
+        drive("direct", engine)
+    console.print("[bold][2/2] gateway[/bold]: Sluicegate in front of a fresh engine")
+    with start_server(
+        engine_path, out_dir / "server-upstream.log", ready_timeout_seconds=ready_timeout_seconds
+    ) as engine:
+        gateway_path = _write(
+            out_dir / "gateway.yaml",
+            {**gateway_values, "engine": "upstream", "upstream": [engine.base_url]},
+        )
+        with start_server(
+            gateway_path, out_dir / "server-gateway.log",
+            ready_timeout_seconds=ready_timeout_seconds,
+        ) as gateway:  # fmt: skip
+            drive("gateway", gateway)
+    return results, capacity, write_outputs(out_dir, results, capacity)
+
+
+def ratio_lines(results: Sequence[RunResult]) -> list[str]:
+    """Gateway against direct: TTFT, TPOT, throughput and goodput."""
+    by_label = {r.label: r.summary()["all"] for r in results}
+    direct, gateway = by_label.get("direct"), by_label.get("gateway")
+    if direct is None or gateway is None:
+        return []
+    lines = []
+    for name, d, g in (
+        ("TTFT p50", direct.ttft.p50 if direct.ttft else None,
+         gateway.ttft.p50 if gateway.ttft else None),
+        ("TTFT p99", direct.ttft.p99 if direct.ttft else None,
+         gateway.ttft.p99 if gateway.ttft else None),
+        ("TPOT p50", direct.tpot.p50 if direct.tpot else None,
+         gateway.tpot.p50 if gateway.tpot else None),
+    ):  # fmt: skip
+        if d is not None and g is not None:
+            lines.append(
+                f"{name}: direct {d * 1e3:.1f} ms, gateway {g * 1e3:.1f} ms "
+                f"(gateway - direct {(g - d) * 1e3:+.1f} ms, ratio {g / max(d, 1e-9):.2f})"
+            )
+    lines.append(
+        f"goodput: direct {direct.goodput_rps:.2f} req/s, gateway {gateway.goodput_rps:.2f} "
+        f"req/s (ratio {gateway.goodput_rps / max(direct.goodput_rps, 1e-9):.2f})"
+    )
+    return lines
