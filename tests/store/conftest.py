@@ -49,7 +49,10 @@ BACKENDS = ["memory", "redis"]
 #: Defaults for tests: fast failure detection and short tail waits.
 TEST_CONFIG = StoreConfig(
     replay_max_events=1000,
-    replay_ttl_seconds=30.0,
+    # Redis expires keys by the wall clock: a clock step on the machine (a VM's time sync)
+    # expires a short-lived stream early.  An hour outlasts any test; the expiry tests set
+    # their own TTL.
+    replay_ttl_seconds=3600.0,
     tail_block_seconds=0.1,
     operation_timeout_seconds=1.0,
     connect_timeout_seconds=0.5,

@@ -243,8 +243,9 @@ def test_a_hanging_upstream_is_left_for_another(
 def test_an_upstream_that_pushes_back_gets_less(
     good: ServerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    # One place and a queue of one, refusing the rest: it answers 429 under load.
-    busy = start_upstream("busy", "--max-num-seqs", "1", "--max-queued-requests", "1")
+    # It admits one request at a time and answers 429 to the rest (its metrics still say
+    # it runs 16 at once, so only its answers tell the gateway).
+    busy = start_upstream("busy", "--max-concurrent-requests", "1")
     config = tmp_path_factory.mktemp("busy") / "gateway.yaml"
     config.write_text(
         "upstreams:\n"

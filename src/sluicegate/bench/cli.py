@@ -304,6 +304,26 @@ def upstream_command(
     typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
 
 
+@bench_app.command("relay")
+def relay_command(
+    streams: Annotated[int, typer.Option("--streams", min=1, help="Streams at once.")] = 32,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Tokens of each stream.")
+    ] = 2000,
+    out: OutOption = Path("bench-relay"),
+) -> None:
+    """How fast the gateway relays: streams from a sim engine at full speed, directly and
+    through --engine upstream, in tokens per second and per CPU-second."""
+    from sluicegate.bench.upstream import relay_throughput
+
+    try:
+        results = relay_throughput(out, streams=streams, max_tokens=max_tokens, console=_console())
+    except (RuntimeError, ValueError) as exc:
+        _fail(str(exc))
+    for result in results:
+        typer.echo(result.line())
+
+
 @bench_app.command("soak")
 def soak_command(
     target: Annotated[

@@ -11,10 +11,14 @@ otherwise: a plain engine, which queues what it cannot run, like vLLM or llama.c
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 from rich.console import Console
 
@@ -123,3 +127,93 @@ def ratio_lines(results: Sequence[RunResult]) -> list[str]:
         f"req/s (ratio {gateway.goodput_rps / max(direct.goodput_rps, 1e-9):.2f})"
     )
     return lines
+
+
+@dataclass(slots=True)
+class RelayResult:
+    """Streams relayed at full speed: tokens per second, and per CPU-second of a server."""
+
+    label: str
+    streams: int
+    tokens: int
+    seconds: float
+    cpu_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def tokens_per_cpu_second(self) -> float:
+        return self.tokens / max(self.cpu_seconds, 1e-9)
+
+    def line(self) -> str:
+        return (
+            f"{self.label}: {self.streams} streams, {self.tokens} tokens in "
+            f"{self.seconds:.2f} s = {self.tokens_per_second:,.0f} tokens/s; "
+            f"{self.cpu_seconds:.2f} CPU-s of the measured server = "
+            f"{self.tokens_per_cpu_second:,.0f} tokens per CPU-second"
+        )
+
+
+async def _stream_all(base_url: str, streams: int, max_tokens: int) -> int:
+    """Open ``streams`` streamed completions at once, read them whole; the tokens."""
+    body = {"prompt": "relay", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        tail = b""
+        request = {**body, "prompt": f"relay {i}"}
+        async with client.stream("POST", base_url + "/v1/completions", json=request) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"stream {i} answered {r.status_code}: {await r.aread()!r}")
+            async for chunk in r.aiter_bytes():
+                tail = (tail + chunk)[-4096:]
+        usage = tail.rsplit(b'"usage":', 1)[-1]
+        return int(usage.split(b'"completion_tokens":', 1)[1].split(b",", 1)[0])
+
+    limits = httpx.Limits(max_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        counts = await asyncio.gather(*(one(client, i) for i in range(streams)))
+    return sum(counts)
+
+
+def _cpu_seconds(server: ServerProcess) -> float:
+    return server.metrics().total("process_cpu_seconds_total")
+
+
+def relay_throughput(
+    out_dir: Path, *, streams: int = 32, max_tokens: int = 2000, console: Console | None = None
+) -> list[RelayResult]:
+    """A sim engine as fast as it goes (0.1 ms steps), streamed from directly and then
+    through a gateway (default flush: chunks of 40 ms or 24 tokens): tokens per second,
+    and tokens per CPU-second of the engine (direct) and of the gateway (through)."""
+    console = console or Console(stderr=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine_path = _write(out_dir / "relay-engine.yaml", {
+        **PLAIN_ENGINE, "engine": "sim", "sim_step_base_ms": 0.1, "sim_step_per_token_ms": 0.0,
+        "max_num_seqs": streams, "max_num_batched_tokens": max(512, streams),
+        "max_model_len": max_tokens + 64,
+    })  # fmt: skip
+    results = []
+    with start_server(engine_path, out_dir / "server-relay-engine.log") as engine:
+        asyncio.run(_stream_all(engine.base_url, 4, 50))  # warm
+        cpu, started = _cpu_seconds(engine), time.monotonic()
+        tokens = asyncio.run(_stream_all(engine.base_url, streams, max_tokens))
+        seconds, used = time.monotonic() - started, _cpu_seconds(engine) - cpu
+        results.append(RelayResult("direct (engine's CPU)", streams, tokens, seconds, used))
+        console.print(results[-1].line())
+        gateway_path = _write(out_dir / "relay-gateway.yaml", {
+            "engine": "upstream", "upstream": [engine.base_url], "upstream_tokenizer": "bytes",
+            "upstream_max_concurrent": streams, "admission": "static",
+            "max_num_seqs": streams,
+        })  # fmt: skip
+        with start_server(gateway_path, out_dir / "server-relay-gateway.log") as gateway:
+            asyncio.run(_stream_all(gateway.base_url, 4, 50))  # warm
+            cpu, started = _cpu_seconds(gateway), time.monotonic()
+            tokens = asyncio.run(_stream_all(gateway.base_url, streams, max_tokens))
+            seconds, used = time.monotonic() - started, _cpu_seconds(gateway) - cpu
+            label = "through the gateway (gateway's CPU)"
+            results.append(RelayResult(label, streams, tokens, seconds, used))
+            console.print(results[-1].line())
+    return results

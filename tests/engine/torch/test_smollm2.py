@@ -251,21 +251,21 @@ def test_twelve_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngi
     "preemption" half-way, give the same tokens."""
     prompts = chat_prompts(engine)
     params = [
-        SamplingParams(max_tokens=16, seed=100 + i, temperature=0.8, top_p=0.95, ignore_eos=True)
+        SamplingParams(max_tokens=10, seed=100 + i, temperature=0.8, top_p=0.95, ignore_eos=True)
         for i in range(len(prompts))
     ]
     alone = [
-        generate(engine, [p], max_new_tokens=16, sampling=[s])[0]
+        generate(engine, [p], max_new_tokens=10, sampling=[s])[0]
         for p, s in zip(prompts, params, strict=True)
     ]
     # A 32-token budget per step, less than any prompt: every prompt is prefilled in chunks.
-    together = generate(engine, prompts, max_new_tokens=16, sampling=params,
+    together = generate(engine, prompts, max_new_tokens=10, sampling=params,
                         max_num_batched_tokens=32)  # fmt: skip
     assert together == alone
     resumed = []
     for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
         request = Request(f"resumed-{i}", list(p), s)
-        request.all_token_ids.extend(alone[i][:8])
+        request.all_token_ids.extend(alone[i][:5])
         resumed.append(request)
     # Re-prefilled in chunks (the same 32-token budget, less than any of them) in slots 1..
     # (slot 0, where each ran alone, is held).

@@ -452,6 +452,8 @@ class UpstreamCore:
         request = live.request
         ids = self.tokenizer.encode(delta.text)
         request.all_token_ids.extend(ids)
+        # Its prompt is processed (admission counts what is left of prompts still ahead).
+        request.num_computed_tokens = request.num_tokens
         live.text.append(delta.text)
         live.stream.put(
             RequestOutput(

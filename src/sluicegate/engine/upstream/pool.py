@@ -49,6 +49,8 @@ WAITING_GAUGES = (
     "llamacpp:requests_deferred",  # llama.cpp's llama-server (--metrics)
     "sluicegate_requests_waiting",  # another Sluicegate
 )
+#: Gauges of how many requests it runs at once, when it says (another Sluicegate).
+SEAT_GAUGES = ("sluicegate_concurrency_limit",)
 #: Gauges of its KV cache use, as a ratio (vLLM, SGLang) when present.
 KV_GAUGES = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", "sglang:token_usage")
 
@@ -114,6 +116,12 @@ class Upstream:
     aborts_total: int = 0
     failovers_total: int = 0
     pushbacks_total: int = 0
+    #: The most it held without a line inside it, as last seen (growth above it waits).
+    ceiling: int | None = None
+    #: How many it says it runs at once (another Sluicegate's concurrency limit): never
+    #: more than that.
+    reported_seats: int | None = None
+    _ceiling_time: float = -math.inf
     _last_grow: float = -math.inf
     _last_cut: float = -math.inf
 
@@ -149,10 +157,18 @@ class Upstream:
             logger.info("upstream %s: limit %d -> %d (%s)", self.name, before, self.limit, reason)
 
     def grow(self, now: float) -> None:
-        """One more place, while it is full and keeping up (at most every 2 s)."""
+        """One more place, while it is full and keeping up (at most every 2 s; above the
+        level at which a line last formed inside it, only after 30 s without a cut)."""
         if self.limit >= self.config.max_concurrent or now - self._last_grow < 2.0:
             return
+        if self.reported_seats is not None and self.limit >= self.reported_seats:
+            return
         if now - self._last_cut < 5.0 or len(self.outstanding) < self.limit:
+            return
+        probing = self.ceiling is not None and self.limit >= self.ceiling
+        if probing and now - max(self._last_cut, self._ceiling_time) < 30.0:
+            return
+        if self.waiting_inside >= 1:  # its own line is not empty: it is full already
             return
         self._last_grow = now
         self.limit += 1
@@ -345,17 +361,25 @@ class UpstreamPool:
             return
         if response.status_code != 200:
             return
-        waiting, kv = _load_signals(response.text)
+        waiting, kv, seats = _load_signals(response.text)
         if waiting is None:
             return
-        upstream.waiting_inside = waiting
+        before, upstream.waiting_inside = upstream.waiting_inside, waiting
         upstream.kv_usage = kv
-        # Requests wait inside it: it holds more than it runs well.  Queue here instead.
-        if waiting >= 1 and upstream.outstanding:
-            upstream.cut(
-                f"{waiting:g} requests waiting inside it", self._clock(),
-                to=len(upstream.outstanding) - math.ceil(waiting),
-            )  # fmt: skip
+        # A line inside it on two reads running: it holds more than it runs.  Queue here
+        # instead.  (Arrivals wait a step inside any engine: one or two waiting, or a fifth
+        # of what it holds, is not yet a line.)
+        lasting = min(before, waiting)
+        now = self._clock()
+        held = len(upstream.outstanding)
+        if held and lasting >= max(2.0, 0.2 * held):
+            runs = max(1, held - math.ceil(lasting))
+            upstream.ceiling, upstream._ceiling_time = runs, now
+            upstream.cut(f"{lasting:g} requests waiting inside it", now, to=runs)
+        if seats is not None:
+            # Another Sluicegate says how many it runs at once: no more than that.
+            upstream.reported_seats = max(1, int(seats))
+            upstream.limit = min(upstream.limit, upstream.reported_seats)
 
     async def _health_loop(self) -> None:
         interval = self.settings.upstream_health_interval_seconds
@@ -382,21 +406,25 @@ def _rendezvous(key: str, upstream: Upstream) -> float:
     return -upstream.config.weight / math.log(unit)
 
 
-def _load_signals(text: str) -> tuple[float | None, float | None]:
-    """Requests waiting inside an engine, and its KV use, from its Prometheus text."""
+def _load_signals(text: str) -> tuple[float | None, float | None, float | None]:
+    """Requests waiting inside an engine, its KV use, and how many it runs at once (when
+    it says so), from its Prometheus text."""
     waiting: float | None = None
     kv: float | None = None
+    seats: float | None = None
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError):
-        return None, None
+        return None, None, None
     for family in families:
         for sample in family.samples:
             if sample.name in WAITING_GAUGES:
                 waiting = (waiting or 0.0) + float(sample.value)
             elif sample.name in KV_GAUGES:
                 kv = max(kv or 0.0, float(sample.value))
-    return waiting, kv
+            elif sample.name in SEAT_GAUGES:
+                seats = float(sample.value)
+    return waiting, kv, seats
 
 
 def _auth(config: UpstreamConfig) -> dict[str, str]:
