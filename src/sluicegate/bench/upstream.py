@@ -178,6 +178,27 @@ async def _stream_all(base_url: str, streams: int, max_tokens: int) -> int:
     return sum(counts)
 
 
+async def _first_token_seconds(base_url: str, count: int) -> list[float]:
+    """``count`` streamed one-token answers in turn: the time to each first token."""
+    body = {"prompt": "ping", "max_tokens": 4, "stream": True}
+    times = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        for _ in range(count):
+            started = time.perf_counter()
+            async with client.stream("POST", base_url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.perf_counter() - started)
+                        break
+    return times
+
+
+def ttft_line(label: str, times: Sequence[float]) -> str:
+    ordered = sorted(times)
+    p50, p90 = ordered[len(ordered) // 2], ordered[int(0.9 * (len(ordered) - 1))]
+    return f"{label}: TTFT p50 {p50 * 1e3:.2f} ms, p90 {p90 * 1e3:.2f} ms ({len(ordered)} in turn)"
+
+
 def _cpu_seconds(server: ServerProcess) -> float:
     return server.metrics().total("process_cpu_seconds_total")
 
@@ -198,6 +219,7 @@ def relay_throughput(
     results = []
     with start_server(engine_path, out_dir / "server-relay-engine.log") as engine:
         asyncio.run(_stream_all(engine.base_url, 4, 50))  # warm
+        console.print(ttft_line("direct", asyncio.run(_first_token_seconds(engine.base_url, 200))))
         cpu, started = _cpu_seconds(engine), time.monotonic()
         tokens = asyncio.run(_stream_all(engine.base_url, streams, max_tokens))
         seconds, used = time.monotonic() - started, _cpu_seconds(engine) - cpu
@@ -210,6 +232,11 @@ def relay_throughput(
         })  # fmt: skip
         with start_server(gateway_path, out_dir / "server-relay-gateway.log") as gateway:
             asyncio.run(_stream_all(gateway.base_url, 4, 50))  # warm
+            through = asyncio.run(_first_token_seconds(gateway.base_url, 200))
+            console.print(ttft_line("through the gateway", through))
+            # The engine alone again, now that the gateway shares the machine too.
+            again = asyncio.run(_first_token_seconds(engine.base_url, 200))
+            console.print(ttft_line("direct, gateway running", again))
             cpu, started = _cpu_seconds(gateway), time.monotonic()
             tokens = asyncio.run(_stream_all(gateway.base_url, streams, max_tokens))
             seconds, used = time.monotonic() - started, _cpu_seconds(gateway) - cpu
