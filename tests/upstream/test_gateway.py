@@ -128,3 +128,46 @@ def test_an_upstream_gets_no_more_than_its_limit(tmp_path_factory: pytest.TempPa
     finally:
         gateway.stop()
         upstream.stop()
+
+
+def test_tenants_share_an_upstream_by_weight(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The gateway's fair queue in front of an upstream of two places: while both tenants
+    have work queued, the one of weight 2 gets two of every three places."""
+    upstream = start_upstream("fair")
+    config = tmp_path_factory.mktemp("fair") / "gateway.yaml"
+    config.write_text(
+        f"upstreams:\n  - {{url: {upstream.base_url}, max_concurrent: 2}}\n"
+        "tenants:\n"
+        "  - {name: heavy, api_key: kh, weight: 1}\n"
+        "  - {name: light, api_key: kl, weight: 2}\n"
+        "admission: static\nmax_queued_requests: 200\n"
+    )
+    gateway = start_gateway([], "fair", "--config", str(config), "--upstream-tokenizer", "bytes")
+    done: list[tuple[float, str]] = []
+
+    async def flood() -> None:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+
+            async def one(key: str, name: str) -> None:
+                body = {"model": MODEL, "prompt": "share", "max_tokens": 20, "ignore_eos": True}
+                r = await http.post(
+                    gateway.v1 + "/completions", json=body,
+                    headers={"authorization": f"Bearer {key}"},
+                )  # fmt: skip
+                assert r.status_code == 200, r.text
+                done.append((time.monotonic(), name))
+
+            # Both backlogged: heavy floods 10x as many requests as light.
+            tasks = [one("kh", "heavy") for _ in range(40)]
+            tasks += [one("kl", "light") for _ in range(10)]
+            await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(flood())
+        first = sorted(done)[2:17]
+        light = sum(1 for _, name in first if name == "light")
+        assert abs(light / len(first) - 2 / 3) <= 0.1, (light, len(first) - light)
+    finally:
+        gateway.stop()
+        upstream.stop()

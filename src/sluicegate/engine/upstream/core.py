@@ -266,6 +266,12 @@ class UpstreamCore:
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            others = [
+                u for u in self.pool.upstreams
+                if u.healthy and u.serves(live.call.model) and u.name not in live.excluded
+            ]  # fmt: skip
+            if not others and not live.text:
+                return None  # every upstream that could serve it failed it: say so now
             self._reclaim(live)
             self._room.clear()
             with contextlib.suppress(TimeoutError):
@@ -280,8 +286,6 @@ class UpstreamCore:
             )
             if upstream is not None:
                 return upstream
-            if not self.pool.num_healthy and not live.text:
-                return None
         return None
 
     def _reclaim(self, live: _Live) -> None:
