@@ -42,6 +42,10 @@ def test_answers_pass_through_unchanged(gateway: ServerProcess, upstream_a: Serv
     chat = client(gateway).chat.completions.create(**kwargs)  # type: ignore[call-overload]
     assert chat.choices[0].message.content == direct[0]
     assert chat.model == MODEL and chat.choices[0].finish_reason == "length"
+    # The usage is the upstream's own count (the gateway counts with another tokenizer).
+    direct_chat = client(upstream_a).chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert chat.usage == direct_chat.usage and chat.usage is not None
+    assert chat.usage.completion_tokens == 40
     comp = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "seed": 3}
     direct_text = client(upstream_a).completions.create(**comp).choices[0].text  # type: ignore[call-overload]
     assert client(gateway).completions.create(**comp).choices[0].text == direct_text  # type: ignore[call-overload]

@@ -38,6 +38,9 @@ class RequestOutput:
     #: With an ``error``: what its client is told, when not an engine failure (an
     #: upstream's own refusal of the request, or no upstream able to serve it).
     failure: APIError | None = None
+    #: (prompt, completion) tokens as the engine that answered counts them, when it is
+    #: not ours (an upstream's ``usage``): what the client's ``usage`` reports.
+    reported_usage: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -182,5 +185,6 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         finish_reason=last.finish_reason,
         error=last.error,
         failure=last.failure,
+        reported_usage=last.reported_usage,
         committed_token_ids=[t for o in outputs for t in o.committed_token_ids],
     )

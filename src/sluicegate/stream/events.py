@@ -142,11 +142,15 @@ def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
 
 
 def usage(output: RequestOutput) -> dict[str, int]:
-    """Token counts in OpenAI's ``usage`` shape."""
+    """Token counts in OpenAI's ``usage`` shape (an upstream's own, when it gave them)."""
+    prompt, completion = output.reported_usage or (
+        output.num_prompt_tokens,
+        output.num_output_tokens,
+    )
     return {
-        "prompt_tokens": output.num_prompt_tokens,
-        "completion_tokens": output.num_output_tokens,
-        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 

@@ -84,6 +84,9 @@ class _Live:
     #: Asked to let go of its upstream (paused, and its place is needed).
     preempted: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Calls made for it so far, and whether it began with text delivered elsewhere.
+    calls: int = 0
+    taken_over: bool = False
     next_token_time: float = 0.0
 
     @property
@@ -150,6 +153,7 @@ class UpstreamCore:
         if request.num_output_tokens:
             # Taken over from another replica: its client has this text already.
             live.text.append(self.tokenizer.decode(request.output_token_ids))
+            live.taken_over = True
         rid = request.request_id
         self._live[rid] = live
         self._tasks[rid] = asyncio.get_running_loop().create_task(
@@ -328,6 +332,8 @@ class UpstreamCore:
         path = "/v1/chat/completions" if call.kind == "chat" else "/v1/completions"
         body = build_body(call, upstream.upstream_model(call.model), live.partial_text, tokens_left)
         self.num_calls += 1
+        live.calls += 1
+        reported: tuple[int, int] | None = None
         started = time.monotonic()
         first_time: float | None = None
         last_time = started
@@ -384,6 +390,8 @@ class UpstreamCore:
                         await self._keep_pace(live, tokens)
                     if delta.finish_reason is not None:
                         finish = _finish_reason(delta.finish_reason)
+                    if delta.prompt_tokens is not None and delta.completion_tokens is not None:
+                        reported = (delta.prompt_tokens, delta.completion_tokens)
         except httpx.HTTPError as exc:
             self.pool.failed(upstream, repr(exc))
             live.excluded.add(upstream.name)
@@ -401,7 +409,9 @@ class UpstreamCore:
             (last_time - first_time) / (tokens - 1) if first_time and tokens > 1 else None,
         )
         self.pool.succeeded(upstream)
-        self._post(live, finish)
+        # The upstream's own usage, when the whole answer came from this one call.
+        whole = live.calls == 1 and not live.taken_over
+        self._post(live, finish, reported=reported if whole else None)
         return _Outcome.FINISHED
 
     async def _refused(self, live: _Live, upstream: Upstream, response: httpx.Response) -> _Outcome:
@@ -474,12 +484,14 @@ class UpstreamCore:
         *,
         error: str | None = None,
         failure: APIError | None = None,
+        reported: tuple[int, int] | None = None,
     ) -> None:
         request = live.request
         live.stream.put(
             RequestOutput(
                 request.request_id, "", 0, request.num_prompt_tokens, request.num_output_tokens,
                 finish, error=error or (failure.message if failure else None), failure=failure,
+                reported_usage=reported,
             )
         )  # fmt: skip
 
