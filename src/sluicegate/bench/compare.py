@@ -71,6 +71,15 @@ def trial_line(trial: Trial) -> str:
     )
 
 
+def measure_capacity(runner: Runner, console: Console) -> CapacityResult:
+    """The capacity search on ``runner``'s target, each trial and the result printed."""
+    capacity = find_capacity(
+        runner, on_trial=lambda t: console.print(trial_line(t), highlight=False)
+    )
+    console.print(f"  capacity: {capacity.capacity_rps:.2f} req/s {capacity.note}")
+    return capacity
+
+
 def headline_line(label: str, stats: GroupStats) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1000:.0f} ms"
@@ -118,11 +127,8 @@ def run_compare(
             )  # fmt: skip
             if scenario.needs_capacity and capacity_rps is None:
                 console.print(f"  measuring capacity on {label} (used for every configuration)")
-                capacity = find_capacity(
-                    runner, on_trial=lambda t: console.print(trial_line(t), highlight=False)
-                )
+                capacity = measure_capacity(runner, console)
                 capacity_rps = capacity.capacity_rps
-                console.print(f"  capacity: {capacity_rps:.2f} req/s {capacity.note}")
             schedule = build_schedule(
                 scenario, seed=seed, capacity_rps=capacity_rps, duration_seconds=duration_seconds
             )

@@ -22,9 +22,9 @@ import httpx
 import yaml
 from rich.console import Console
 
-from sluicegate.bench.capacity import CapacityResult, find_capacity
+from sluicegate.bench.capacity import CapacityResult
 from sluicegate.bench.client import Target
-from sluicegate.bench.compare import Outputs, headline_line, trial_line, write_outputs
+from sluicegate.bench.compare import Outputs, headline_line, measure_capacity, write_outputs
 from sluicegate.bench.runner import Runner, RunResult
 from sluicegate.bench.scenario import Scenario
 from sluicegate.bench.schedule import Schedule, build_schedule
@@ -68,11 +68,8 @@ def run_upstream_compare(
         if schedule is None:
             if scenario.needs_capacity and capacity_rps is None:
                 console.print(f"  measuring capacity {label} (used for both runs)")
-                capacity = find_capacity(
-                    runner, on_trial=lambda t: console.print(trial_line(t), highlight=False)
-                )
+                capacity = measure_capacity(runner, console)
                 capacity_rps = capacity.capacity_rps
-                console.print(f"  capacity: {capacity_rps:.2f} req/s {capacity.note}")
             schedule = build_schedule(
                 scenario, seed=seed, capacity_rps=capacity_rps, duration_seconds=duration_seconds
             )

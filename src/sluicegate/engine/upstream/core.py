@@ -126,18 +126,13 @@ class UpstreamCore:
         self.engine_up = True
         self.num_calls = 0
         self.preemptions = 0
-        self.kv_cache_bytes = 0
         #: A paused request lets go of its upstream after this long (None: only when a
         #: request needs its place).
         self.pause_preempt_seconds = settings.pause_preempt_seconds
-
         self._mean_prompt = 128.0
         self._mean_output = 64.0
 
     # ----------------------------------------------------- the service's interface
-    def start(self) -> None:
-        pass
-
     def estimate(self) -> ServiceEstimate:
         """What admission predicts with: the pool's places and measured latencies."""
         return pool_estimate(
