@@ -42,6 +42,29 @@ def version() -> None:
     typer.echo(__version__)
 
 
+@app.command("export-hf")
+def export_hf(
+    out: Annotated[Path, typer.Argument(help="Directory to write (created if missing).")],
+    model: Annotated[
+        Optional[str],  # noqa: UP045 (typer reads the annotation)
+        typer.Option(help="A .gguf file or Hugging Face directory [default: SmolLM2's GGUF]."),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Write the model as a Hugging Face directory, for engines that want one (vLLM,
+    TGI, transformers serve) to serve the same weights behind --engine upstream."""
+    from sluicegate.engine.torch.export import export_hf_directory
+
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"dtype must be float32 or bfloat16; got {dtype!r}")
+    try:
+        written = export_hf_directory(model, out, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(str(written))
+
+
 def _cli_type(name: str, annotation: Any) -> Any | None:
     """The type typer should parse for a settings annotation, or None if not a CLI scalar."""
     origin = get_origin(annotation)

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+#: How an upstream continues a chat answer (after a pause or a failure): ``chat`` sends
+#: the partial answer as a final assistant message with ``continue_final_message`` (vLLM,
+#: SGLang, llama.cpp); ``completion`` renders the conversation with the gateway's chat
+#: template and continues the text on ``/v1/completions`` (any engine that has
+#: completions: ``transformers serve``, TGI); ``auto`` tries ``chat`` and falls back to
+#: ``completion`` for good when the upstream refuses it.
+ContinueStyle = Literal["auto", "chat", "completion"]
 
 
 class UpstreamConfig(BaseModel):
@@ -23,6 +33,12 @@ class UpstreamConfig(BaseModel):
         default_factory=dict,
         description="Served model name -> the upstream's model name; empty: serve the "
         "upstream's own model names.",
+    )
+
+    continuation: ContinueStyle = Field(
+        "auto",
+        description="How it continues a chat answer: chat (continue_final_message), "
+        "completion (the gateway's chat template on /v1/completions) or auto.",
     )
 
     @field_validator("url")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 from sluicegate.config import Settings
-from sluicegate.engine.upstream.pool import UpstreamPool, _load_signals
+from sluicegate.engine.upstream.pool import UpstreamPool
+from sluicegate.engine.upstream.signals import load_signals
 from sluicegate.engine.upstream.wire import UpstreamCall, parse_event, request_body
 
 MODEL = "m"
@@ -67,7 +68,7 @@ def test_pushback_and_waiting_inside_cut_the_limit_and_it_grows_back() -> None:
     now[0] = 10.0
     p.succeeded(upstream)  # full and keeping up: one more place
     assert upstream.limit == 4
-    signals = _load_signals(
+    signals = load_signals(
         "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 2\n"
         "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.9\n"
     )
@@ -85,15 +86,46 @@ def test_an_upstream_is_ejected_after_consecutive_failures() -> None:
 
 def test_continuations_append_the_partial_answer() -> None:
     chat = UpstreamCall("chat", {"messages": [{"role": "user", "content": "hi"}]}, "m", 50)
-    body = request_body(chat, "big-model", "Hello the", 41)
+    path, body = request_body(chat, "big-model", "Hello the", 41)
+    assert path == "/v1/chat/completions"
     assert body["model"] == "big-model" and body["max_tokens"] == 41 and body["stream"]
     assert body["messages"][-1] == {"role": "assistant", "content": "Hello the"}
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert chat.body["messages"] == [{"role": "user", "content": "hi"}]  # not changed
     completion = UpstreamCall("completion", {"prompt": "Once"}, "m", 50)
-    assert request_body(completion, "m", " upon", 10)["prompt"] == "Once upon"
-    assert "continue_final_message" not in request_body(chat, "m", "", 50)
+    assert request_body(completion, "m", " upon", 10)[1]["prompt"] == "Once upon"
+    assert "continue_final_message" not in request_body(chat, "m", "", 50)[1]
     assert UpstreamCall.from_json(chat.to_json()) == chat
+
+
+def test_a_chat_continues_as_a_completion_of_its_rendered_conversation() -> None:
+    """For upstreams without ``continue_final_message``: the gateway's chat template
+    renders the conversation, the partial answer follows, and only the sampling fields
+    both endpoints take go along."""
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0.0,
+        "seed": 7,
+        "stop": ["\n\n"],
+        "tools": None,
+        "response_format": {"type": "text"},
+    }
+    chat = UpstreamCall("chat", body, "m", 50)
+
+    def render(messages: list[dict[str, object]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    path, sent = request_body(chat, "u-model", "Hello the", 41, "completion", render)
+    assert path == "/v1/completions"
+    assert sent == {"model": "u-model", "stream": True, "stream_options": {"include_usage": True},
+                    "max_tokens": 41, "temperature": 0.0, "seed": 7, "stop": ["\n\n"],
+                    "prompt": "<user>hi<assistant>Hello the"}  # fmt: skip
+    # The first call is a chat call whatever the style; a rendering that fails falls
+    # back to the partial answer as a final assistant message.
+    assert request_body(chat, "u", "", 50, "completion", render)[0] == "/v1/chat/completions"
+    path, sent = request_body(chat, "u", "Hello", 41, "completion", lambda _: None)
+    assert path == "/v1/chat/completions" and sent["messages"][-1]["content"] == "Hello"
+    assert "continue_final_message" not in sent
 
 
 def test_stream_events_of_every_shape() -> None:

@@ -49,6 +49,14 @@ class ChatTemplate:
         self._bos_token = bos_token
         self._eos_token = eos_token
 
+    @property
+    def bos_token(self) -> str:
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str:
+        return self._eos_token
+
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:

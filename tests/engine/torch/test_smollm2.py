@@ -336,23 +336,15 @@ def test_warm_cache_holds_the_same_weights(engine_f32: TorchEngine, smollm2_path
     assert warm.tokenizer.eos_token_ids == engine_f32.eos_token_ids
 
 
-def test_hugging_face_directory_gives_the_same_model(engine_f32: TorchEngine,
-                                                     tmp_path: Path) -> None:  # fmt: skip
-    from safetensors.torch import save_file
+def test_hugging_face_directory_gives_the_same_model(
+    engine_f32: TorchEngine, smollm2_path: str, torch_cache_dir: Path, tmp_path: Path
+) -> None:
+    """``sluicegate export-hf`` writes a directory that loads as the same model."""
+    from sluicegate.engine.torch.export import export_hf_directory
 
-    args = engine_f32.args
-    state = to_hf_state_dict(args, engine_f32.model.state_dict())
-    del state["lm_head.weight"]  # tied: safetensors refuses shared tensors
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(args) | {"eos_token_id": 2}))
-    engine_f32.tokenizer.save(str(tmp_path / "tokenizer.json"))
-    tokenizer_config = {
-        "chat_template": engine_f32.tokenizer.chat_template.source,
-        "eos_token": "<|im_end|>",
-        "bos_token": "<|im_start|>",
-        "add_bos_token": False,
-    }
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    export_hf_directory(smollm2_path, tmp_path, cache_dir=torch_cache_dir)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and 2 in config["eos_token_id"]
     engine = TorchEngine(str(tmp_path), dtype="float32", max_num_seqs=2, max_model_len=128)
     try:
         assert engine.model_name == tmp_path.name

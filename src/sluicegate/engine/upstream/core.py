@@ -26,16 +26,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from enum import Enum, auto
+from typing import Any
 
 import httpx
 
 from sluicegate.config import Settings
 from sluicegate.engine.core import CoreHooks, EngineCoreStats
 from sluicegate.engine.output import RequestOutput, RequestStream
-from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.engine.tokenizer import ChatTemplateError, TextTokenizer
 from sluicegate.engine.upstream.estimate import pool_estimate
+from sluicegate.engine.upstream.live import ClientError, Live, Outcome
 from sluicegate.engine.upstream.pool import Upstream, UpstreamPool
 from sluicegate.engine.upstream.wire import Delta, UpstreamCall, error_message, parse_event
 from sluicegate.engine.upstream.wire import request_body as build_body
@@ -50,57 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: How often a paused request checks whether it should let go of its upstream.
 _PAUSE_CHECK_SECONDS = 0.25
-
-
-class _Outcome(Enum):
-    FINISHED = auto()
-    PREEMPTED = auto()
-    RETRY = auto()
-
-
-class _ClientError(Exception):
-    """The upstream refused the request itself (its own validation): the client's error."""
-
-    def __init__(self, error: APIError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-@dataclass(slots=True)
-class _Live:
-    """One request relayed: what its client has, and how it is going."""
-
-    request: Request
-    stream: RequestStream
-    call: UpstreamCall
-    running: asyncio.Event = field(default_factory=asyncio.Event)
-    paused_since: float = 0.0
-    text: list[str] = field(default_factory=list)
-    #: Upstreams that failed this request (not tried again for it).
-    excluded: set[str] = field(default_factory=set)
-    upstream: str | None = None
-    #: The upstream whose place it holds now (None between calls).
-    holding: Upstream | None = None
-    #: Asked to let go of its upstream (paused, and its place is needed).
-    preempted: bool = False
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Calls made for it so far, and whether it began with text delivered elsewhere.
-    calls: int = 0
-    taken_over: bool = False
-    next_token_time: float = 0.0
-
-    @property
-    def partial_text(self) -> str:
-        return "".join(self.text)
-
-    @property
-    def affinity_key(self) -> str | None:
-        if self.call.kind == "chat":
-            messages = self.call.body.get("messages") or []
-            first = messages[0] if messages else None
-            return repr(first.get("content")) if isinstance(first, dict) else None
-        prompt = self.call.body.get("prompt")
-        return prompt[:256] if isinstance(prompt, str) else None
 
 
 class UpstreamCore:
@@ -119,7 +68,7 @@ class UpstreamCore:
         self.capacity = capacity
         self.settings = settings
         self._hooks = hooks or CoreHooks()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: Set when an upstream place may have freed.
         self._room = asyncio.Event()
@@ -143,7 +92,7 @@ class UpstreamCore:
         call = request.upstream_call
         if not isinstance(call, UpstreamCall):  # cannot happen: prepare() sets it
             raise TypeError("an upstream request needs its upstream call")
-        live = _Live(request, stream, call)
+        live = Live(request, stream, call)
         live.running.set()
         if request.num_output_tokens:
             # Taken over from another replica: its client has this text already.
@@ -205,13 +154,13 @@ class UpstreamCore:
         return EngineCoreStats(scheduler, self.num_calls, self.engine_up)
 
     # ------------------------------------------------------------- one request
-    async def _serve(self, live: _Live) -> None:
+    async def _serve(self, live: Live) -> None:
         rid = live.request.request_id
         try:
             await self._relay_until_done(live)
         except asyncio.CancelledError:
             self._post(live, FinishReason.ABORT)
-        except _ClientError as error:
+        except ClientError as error:
             self._post(live, FinishReason.ERROR, failure=error.error)
         except Exception as exc:  # a bug here must not hang the client's stream
             logger.exception("relaying %s failed", rid)
@@ -221,7 +170,7 @@ class UpstreamCore:
             self._tasks.pop(rid, None)
             self.capacity.release(rid)
 
-    async def _relay_until_done(self, live: _Live) -> None:
+    async def _relay_until_done(self, live: Live) -> None:
         rid = live.request.request_id
         failovers = 0
         while True:
@@ -231,7 +180,7 @@ class UpstreamCore:
             if upstream is None:
                 upstream = await self._find_room(live)
             if upstream is None:
-                raise _ClientError(self._unavailable(live))
+                raise ClientError(self._unavailable(live))
             if live.upstream is not None and live.upstream != upstream.name and live.text:
                 # Mid-answer, moved from the upstream that failed it (counted there).
                 failovers += 1
@@ -246,14 +195,14 @@ class UpstreamCore:
                 live.holding = None
                 self.pool.release(upstream, rid)
                 self._room.set()
-            if outcome is _Outcome.FINISHED:
+            if outcome is Outcome.FINISHED:
                 return
-            if outcome is _Outcome.PREEMPTED:
+            if outcome is Outcome.PREEMPTED:
                 await self._wait_to_continue(live)
             elif failovers > 2 * len(self.pool.upstreams):
-                raise _ClientError(self._unavailable(live))
+                raise ClientError(self._unavailable(live))
 
-    async def _find_room(self, live: _Live) -> Upstream | None:
+    async def _find_room(self, live: Live) -> Upstream | None:
         """No upstream has a place for it now.  Places held by paused requests are taken
         back (they continue later); mid-answer, a failed upstream is tried again once its
         health check passes.  Waits up to the first-token (or, mid-answer, the idle)
@@ -287,7 +236,7 @@ class UpstreamCore:
                 return upstream
         return None
 
-    def _reclaim(self, live: _Live) -> None:
+    def _reclaim(self, live: Live) -> None:
         """Ask the longest-paused request holding a place this one could use to let go."""
         candidates = [
             other for other in self._live.values()
@@ -300,7 +249,7 @@ class UpstreamCore:
             victim.preempted = True
             victim.wake.set()
 
-    def _unavailable(self, live: _Live) -> APIError:
+    def _unavailable(self, live: Live) -> APIError:
         healthy = self.pool.num_healthy
         what = (
             "no upstream is healthy" if not healthy
@@ -312,20 +261,23 @@ class UpstreamCore:
             code="upstream_unavailable", headers={"retry-after": str(retry)},
         )  # fmt: skip
 
-    async def _wait_to_continue(self, live: _Live) -> None:
+    async def _wait_to_continue(self, live: Live) -> None:
         """Preempted: its seat stays lent out until its reader catches up."""
         await live.running.wait()
         live.preempted = False
 
-    async def _call(self, live: _Live, upstream: Upstream) -> _Outcome:
+    async def _call(self, live: Live, upstream: Upstream) -> Outcome:
         request = live.request
         call = live.call
         tokens_left = call.max_tokens - request.num_output_tokens
         if tokens_left <= 0 and live.text:
             self._post(live, FinishReason.LENGTH)
-            return _Outcome.FINISHED
-        path = "/v1/chat/completions" if call.kind == "chat" else "/v1/completions"
-        body = build_body(call, upstream.upstream_model(call.model), live.partial_text, tokens_left)
+            return Outcome.FINISHED
+        continuing_chat = call.kind == "chat" and bool(live.text)
+        path, body = build_body(
+            call, upstream.upstream_model(call.model), live.partial_text, tokens_left,
+            upstream.continue_style, self._render,
+        )  # fmt: skip
         self.num_calls += 1
         live.calls += 1
         reported: tuple[int, int] | None = None
@@ -344,6 +296,8 @@ class UpstreamCore:
                 "POST", path, json=body, timeout=until_headers
             ) as response:
                 if response.status_code != 200:
+                    if continuing_chat and self._refuses_continuation(upstream, response):
+                        return Outcome.RETRY  # at once, as a completion, on the same one
                     return await self._refused(live, upstream, response)
                 lines = response.aiter_lines()
                 finish: FinishReason | None = None
@@ -351,7 +305,7 @@ class UpstreamCore:
                     if not live.running.is_set() and await self._stays_paused(live):
                         upstream.aborts_total += 1
                         self.preemptions += 1
-                        return _Outcome.PREEMPTED
+                        return Outcome.PREEMPTED
                     timeout = (
                         self.settings.upstream_first_token_timeout_seconds
                         if first_time is None
@@ -364,7 +318,7 @@ class UpstreamCore:
                     except TimeoutError:
                         self.pool.failed(upstream, f"silent for {timeout:g} s")
                         live.excluded.add(upstream.name)
-                        return _Outcome.RETRY
+                        return Outcome.RETRY
                     if not line.startswith("data:"):
                         continue
                     delta = parse_event(line[5:].encode())
@@ -373,7 +327,7 @@ class UpstreamCore:
                     if delta.error is not None:
                         self.pool.failed(upstream, f"error event: {delta.error}")
                         live.excluded.add(upstream.name)
-                        return _Outcome.RETRY
+                        return Outcome.RETRY
                     if delta.done:
                         break
                     if delta.text:
@@ -390,12 +344,12 @@ class UpstreamCore:
         except httpx.HTTPError as exc:
             self.pool.failed(upstream, repr(exc))
             live.excluded.add(upstream.name)
-            return _Outcome.RETRY
+            return Outcome.RETRY
         if finish is None:
             # The stream ended without saying how: the upstream died mid-answer.
             self.pool.failed(upstream, "its stream ended without a finish reason")
             live.excluded.add(upstream.name)
-            return _Outcome.RETRY
+            return Outcome.RETRY
         self._mean_prompt += 0.05 * (request.num_prompt_tokens - self._mean_prompt)
         self._mean_output += 0.05 * (max(1, request.num_output_tokens) - self._mean_output)
         upstream.latency.observe(
@@ -407,28 +361,50 @@ class UpstreamCore:
         # The upstream's own usage, when the whole answer came from this one call.
         whole = live.calls == 1 and not live.taken_over
         self._post(live, finish, reported=reported if whole else None)
-        return _Outcome.FINISHED
+        return Outcome.FINISHED
 
-    async def _refused(self, live: _Live, upstream: Upstream, response: httpx.Response) -> _Outcome:
+    def _render(self, messages: list[dict[str, Any]]) -> str | None:
+        """The conversation as the model reads it, ready for the answer (the gateway's
+        chat template: the upstream model's own when ``upstream_tokenizer`` names it)."""
+        try:
+            return self.tokenizer.chat_template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError:
+            return None
+
+    def _refuses_continuation(self, upstream: Upstream, response: httpx.Response) -> bool:
+        """A chat continuation refused as invalid by an upstream that took the request
+        itself: it does not take ``continue_final_message``.  Under ``auto`` it
+        continues chats as completions from now on."""
+        status = response.status_code
+        if upstream.config.continuation != "auto" or upstream.refused_chat_continuation:
+            return False
+        if not 400 <= status < 500 or status in (401, 403, 404, 408, 429):
+            return False
+        upstream.refused_chat_continuation = True
+        logger.info("upstream %s refused a chat continuation (%d): continuing chats on "
+                    "/v1/completions from now on", upstream.name, status)  # fmt: skip
+        return True
+
+    async def _refused(self, live: Live, upstream: Upstream, response: httpx.Response) -> Outcome:
         status = response.status_code
         content = await response.aread()
         message, param, code = error_message(status, content)
         if status in (429, 503):
             self.pool.pushed_back(upstream, status)
             live.excluded.add(upstream.name)
-            return _Outcome.RETRY
+            return Outcome.RETRY
         if 400 <= status < 500 and status not in (401, 403, 404, 408):
             # Its own validation (context length, a parameter it does not take): the
             # client's request is at fault, and another upstream would say the same.
-            raise _ClientError(
+            raise ClientError(
                 APIError(status, f"The upstream refused the request: {message}",
                          param=param, code=code or "upstream_invalid_request")
             )  # fmt: skip
         self.pool.failed(upstream, f"answered {status}: {message[:200]}")
         live.excluded.add(upstream.name)
-        return _Outcome.RETRY
+        return Outcome.RETRY
 
-    async def _stays_paused(self, live: _Live) -> bool:
+    async def _stays_paused(self, live: Live) -> bool:
         """Wait while paused; True when it should let go of its upstream instead: a
         request needs its place, or it was paused ``pause_preempt_seconds``."""
         while not live.running.is_set():
@@ -448,7 +424,7 @@ class UpstreamCore:
                     waiter.cancel()
         return False
 
-    async def _keep_pace(self, live: _Live, tokens: int) -> None:
+    async def _keep_pace(self, live: Live, tokens: int) -> None:
         interval = live.request.min_token_interval_seconds
         if interval <= 0.0:
             return
@@ -457,7 +433,7 @@ class UpstreamCore:
         if live.next_token_time > now:
             await asyncio.sleep(live.next_token_time - now)
 
-    def _deliver(self, live: _Live, delta: Delta) -> int:
+    def _deliver(self, live: Live, delta: Delta) -> int:
         request = live.request
         ids = self.tokenizer.encode(delta.text)
         request.all_token_ids.extend(ids)
@@ -474,7 +450,7 @@ class UpstreamCore:
 
     def _post(
         self,
-        live: _Live,
+        live: Live,
         finish: FinishReason,
         *,
         error: str | None = None,

@@ -34,64 +34,12 @@ from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from sluicegate.config import Settings
-from sluicegate.upstream_settings import UpstreamConfig
+from sluicegate.engine.upstream.signals import Latency, load_signals
+from sluicegate.upstream_settings import ContinueStyle, UpstreamConfig
 
 logger = logging.getLogger(__name__)
-
-#: Gauges by which engines report requests waiting inside them (summed when present).
-WAITING_GAUGES = (
-    "vllm:num_requests_waiting",  # vLLM
-    "sglang:num_queue_reqs",  # SGLang
-    "tgi_queue_size",  # TGI
-    "llamacpp:requests_deferred",  # llama.cpp's llama-server (--metrics)
-    "sluicegate_requests_waiting",  # another Sluicegate
-)
-#: Gauges of how many requests it runs at once, when it says (another Sluicegate).
-SEAT_GAUGES = ("sluicegate_concurrency_limit",)
-#: Gauges of its KV cache use, as a ratio (vLLM, SGLang) when present.
-KV_GAUGES = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", "sglang:token_usage")
-
-
-@dataclass(slots=True)
-class Latency:
-    """Exponentially weighted TTFT and TPOT of one upstream's answers."""
-
-    ttft_seconds: float | None = None
-    tpot_seconds: float | None = None
-    #: Seconds of TTFT per prompt token beyond the first (a least-squares slope, kept as
-    #: running sums of recent answers).
-    _n: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
-
-    def observe(self, prompt_tokens: int, ttft: float | None, tpot: float | None) -> None:
-        if ttft is not None:
-            self.ttft_seconds = _ewma(self.ttft_seconds, ttft, 0.2)
-            decay = 0.98
-            self._n = self._n * decay + 1.0
-            self._sx = self._sx * decay + prompt_tokens
-            self._sy = self._sy * decay + ttft
-            self._sxx = self._sxx * decay + prompt_tokens * prompt_tokens
-            self._sxy = self._sxy * decay + prompt_tokens * ttft
-        if tpot is not None:
-            self.tpot_seconds = _ewma(self.tpot_seconds, tpot, 0.2)
-
-    def fit(self) -> tuple[float, float] | None:
-        """(seconds, seconds per prompt token) of its TTFT, fitted on recent answers (a
-        flat line at the mean when their prompts were all alike); None before any."""
-        if self._n < 1.0 or self.ttft_seconds is None:
-            return None
-        mean_x, mean_y = self._sx / self._n, self._sy / self._n
-        var = self._sxx / self._n - mean_x * mean_x
-        if var < 1.0:
-            return self.ttft_seconds, 0.0
-        slope = max(0.0, (self._sxy / self._n - mean_x * mean_y) / var)
-        return max(0.0, mean_y - slope * mean_x), slope
 
 
 @dataclass(slots=True)
@@ -116,6 +64,9 @@ class Upstream:
     aborts_total: int = 0
     failovers_total: int = 0
     pushbacks_total: int = 0
+    #: It refused a chat continuation (``continue_final_message``): under ``auto`` it
+    #: continues chats on ``/v1/completions`` from now on.
+    refused_chat_continuation: bool = False
     #: The most it held without a line inside it, as last seen (growth above it waits).
     ceiling: int | None = None
     #: How many it says it runs at once (another Sluicegate's concurrency limit): never
@@ -136,6 +87,11 @@ class Upstream:
     def upstream_model(self, served: str) -> str:
         """The upstream's name for a served model."""
         return self.config.models.get(served, served)
+
+    @property
+    def continue_style(self) -> ContinueStyle:
+        style = self.config.continuation
+        return "completion" if style == "auto" and self.refused_chat_continuation else style
 
     def serves(self, served: str) -> bool:
         if self.config.models:
@@ -186,6 +142,7 @@ class Upstream:
             "ttft_seconds": _round(self.latency.ttft_seconds),
             "tpot_seconds": _round(self.latency.tpot_seconds),
             "models": self.served_models(),
+            "continuation": self.continue_style,
             "requests_total": self.requests_total,
             "failures_total": self.failures_total,
             "aborts_total": self.aborts_total,
@@ -317,6 +274,8 @@ class UpstreamPool:
     def failed(self, upstream: Upstream, reason: str) -> None:
         upstream.failures_total += 1
         upstream.consecutive_failures += 1
+        if not upstream.healthy and upstream.consecutive_failures == 1:
+            logger.warning("upstream %s not healthy: %s", upstream.name, reason)
         if (
             upstream.healthy
             and upstream.consecutive_failures >= self.settings.upstream_eject_failures
@@ -333,16 +292,29 @@ class UpstreamPool:
 
     async def check(self, upstream: Upstream) -> None:
         """Read its model list (health) and its metrics (load), when it has them."""
+        timeout = self.settings.upstream_connect_timeout_seconds
         try:
-            response = await upstream.client.get(
-                "/v1/models", timeout=self.settings.upstream_connect_timeout_seconds
-            )
+            response = await upstream.client.get("/v1/models", timeout=timeout)
             response.raise_for_status()
             data = response.json().get("data", [])
             upstream.models = [m["id"] for m in data if isinstance(m, dict) and "id" in m]
         except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
-            self.failed(upstream, f"health check: {exc!r}")
-            return
+            # Its model list fails (``transformers serve`` without a hub cache) but its
+            # models are configured: its /health says whether it is up.
+            try:
+                if not upstream.config.models or isinstance(exc, httpx.ConnectError):
+                    raise
+                try:
+                    health = await upstream.client.get("/health", timeout=timeout)
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    # It closed the connection after its 500 without saying so (uvicorn
+                    # does, after an exception): ask again, on a new one.
+                    health = await upstream.client.get("/health", timeout=timeout)
+                health.raise_for_status()
+                upstream.models = list(upstream.config.models.values())
+            except (httpx.HTTPError, ValueError, AttributeError, TypeError) as final:
+                self.failed(upstream, f"health check: {final!r}")
+                return
         came_back = not upstream.healthy
         upstream.healthy = True
         self.any_healthy.set()
@@ -361,7 +333,7 @@ class UpstreamPool:
             return
         if response.status_code != 200:
             return
-        waiting, kv, seats = _load_signals(response.text)
+        waiting, kv, seats = load_signals(response.text)
         if waiting is None:
             return
         before, upstream.waiting_inside = upstream.waiting_inside, waiting
@@ -406,35 +378,10 @@ def _rendezvous(key: str, upstream: Upstream) -> float:
     return -upstream.config.weight / math.log(unit)
 
 
-def _load_signals(text: str) -> tuple[float | None, float | None, float | None]:
-    """Requests waiting inside an engine, its KV use, and how many it runs at once (when
-    it says so), from its Prometheus text."""
-    waiting: float | None = None
-    kv: float | None = None
-    seats: float | None = None
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError):
-        return None, None, None
-    for family in families:
-        for sample in family.samples:
-            if sample.name in WAITING_GAUGES:
-                waiting = (waiting or 0.0) + float(sample.value)
-            elif sample.name in KV_GAUGES:
-                kv = max(kv or 0.0, float(sample.value))
-            elif sample.name in SEAT_GAUGES:
-                seats = float(sample.value)
-    return waiting, kv, seats
-
-
 def _auth(config: UpstreamConfig) -> dict[str, str]:
     if config.api_key is None:
         return {}
     return {"authorization": f"Bearer {config.api_key.get_secret_value()}"}
-
-
-def _ewma(current: float | None, value: float, alpha: float) -> float:
-    return value if current is None else current + alpha * (value - current)
 
 
 def _round(value: float | None) -> float | None:

@@ -9,10 +9,13 @@ the model name mapped and ``max_tokens`` resolved.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
+
+from sluicegate.upstream_settings import ContinueStyle
 
 Kind = Literal["chat", "completion"]
 
@@ -49,29 +52,54 @@ def forwarded_body(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in _OWN_FIELDS}
 
 
+#: What a completion-style continuation of a chat request keeps of its body: the
+#: sampling fields both endpoints take.  (Tools and response formats are chat-only.)
+_SAMPLING_FIELDS = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+     "frequency_penalty", "repetition_penalty", "logit_bias", "user", "ignore_eos"}
+)  # fmt: skip
+
+
 def request_body(
-    call: UpstreamCall, upstream_model: str, partial_text: str, tokens_left: int
-) -> dict[str, Any]:
-    """The body of one call.  ``partial_text``: what the client already has (a
+    call: UpstreamCall,
+    upstream_model: str,
+    partial_text: str,
+    tokens_left: int,
+    style: ContinueStyle = "auto",
+    render: Callable[[list[dict[str, Any]]], str | None] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The path and body of one call.  ``partial_text``: what the client already has (a
     continuation after a pause or a failure), ``tokens_left``: its ``max_tokens``.
 
-    A chat continuation appends the partial answer as an assistant message and asks the
-    upstream to continue it (vLLM and SGLang: ``continue_final_message``; llama.cpp takes
-    a final assistant message as a prefill).  A completion continues from prompt + text.
+    A chat continuation either appends the partial answer as an assistant message and
+    asks the upstream to continue it (style ``chat``: vLLM and SGLang take
+    ``continue_final_message``, llama.cpp a final assistant message as a prefill), or
+    (style ``completion``, with ``render`` the gateway's chat template, None when it
+    cannot render these messages) continues the rendered conversation plus the partial
+    answer on ``/v1/completions``; without a rendering, the partial answer is sent as a
+    final assistant message for the upstream to take as a prefill, or as a new turn.  A completion
+    continues from prompt + text.
     """
-    body = dict(call.body)
-    body.update(
-        model=upstream_model,
-        stream=True,
-        stream_options={"include_usage": True},
-        max_tokens=max(1, tokens_left),
-    )
+    stream_fields = {
+        "model": upstream_model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max(1, tokens_left),
+    }
+    body = dict(call.body) | stream_fields
+    if call.kind == "chat" and partial_text and style == "completion" and render is not None:
+        rendered = render(list(call.body["messages"]))
+        if rendered is not None:
+            kept = {k: v for k, v in call.body.items() if k in _SAMPLING_FIELDS}
+            return "/v1/completions", kept | stream_fields | {"prompt": rendered + partial_text}
+    path = "/v1/chat/completions" if call.kind == "chat" else "/v1/completions"
     if not partial_text:
-        return body
+        return path, body
     if call.kind == "chat":
         body["messages"] = [*body["messages"], {"role": "assistant", "content": partial_text}]
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
+        if style != "completion":  # no template to render with: a new turn, as a prefill
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
     else:
         prompt = body["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -80,7 +108,7 @@ def request_body(
             body["prompt"] = prompt + partial_text
         # A prompt of token ids cannot be extended by text: the continuation restarts it
         # (the client still sees no text twice; see docs/upstream.md).
-    return body
+    return path, body
 
 
 @dataclass(slots=True)

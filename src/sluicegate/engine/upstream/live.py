@@ -1,0 +1,64 @@
+"""One request relayed from an upstream: what its client has, and how it is going."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from sluicegate.engine.output import RequestStream
+from sluicegate.engine.upstream.pool import Upstream
+from sluicegate.engine.upstream.wire import UpstreamCall
+from sluicegate.errors import APIError
+from sluicegate.scheduler.request import Request
+
+
+class Outcome(Enum):
+    FINISHED = auto()
+    PREEMPTED = auto()
+    RETRY = auto()
+
+
+class ClientError(Exception):
+    """The upstream refused the request itself (its own validation): the client's error."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(slots=True)
+class Live:
+    """One request relayed: what its client has, and how it is going."""
+
+    request: Request
+    stream: RequestStream
+    call: UpstreamCall
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+    paused_since: float = 0.0
+    text: list[str] = field(default_factory=list)
+    #: Upstreams that failed this request (not tried again for it).
+    excluded: set[str] = field(default_factory=set)
+    upstream: str | None = None
+    #: The upstream whose place it holds now (None between calls).
+    holding: Upstream | None = None
+    #: Asked to let go of its upstream (paused, and its place is needed).
+    preempted: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Calls made for it so far, and whether it began with text delivered elsewhere.
+    calls: int = 0
+    taken_over: bool = False
+    next_token_time: float = 0.0
+
+    @property
+    def partial_text(self) -> str:
+        return "".join(self.text)
+
+    @property
+    def affinity_key(self) -> str | None:
+        if self.call.kind == "chat":
+            messages = self.call.body.get("messages") or []
+            first = messages[0] if messages else None
+            return repr(first.get("content")) if isinstance(first, dict) else None
+        prompt = self.call.body.get("prompt")
+        return prompt[:256] if isinstance(prompt, str) else None

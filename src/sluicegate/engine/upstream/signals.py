@@ -1,0 +1,85 @@
+"""What an upstream tells about itself: its answers' latency (measured by the gateway)
+and its load (read from its own Prometheus metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+#: Gauges by which engines report requests waiting inside them (summed when present).
+WAITING_GAUGES = (
+    "vllm:num_requests_waiting",  # vLLM
+    "sglang:num_queue_reqs",  # SGLang
+    "tgi_queue_size",  # TGI
+    "llamacpp:requests_deferred",  # llama.cpp's llama-server (--metrics)
+    "sluicegate_requests_waiting",  # another Sluicegate
+)
+#: Gauges of how many requests it runs at once, when it says (another Sluicegate).
+SEAT_GAUGES = ("sluicegate_concurrency_limit",)
+#: Gauges of its KV cache use, as a ratio (vLLM, SGLang) when present.
+KV_GAUGES = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", "sglang:token_usage")
+
+
+@dataclass(slots=True)
+class Latency:
+    """Exponentially weighted TTFT and TPOT of one upstream's answers."""
+
+    ttft_seconds: float | None = None
+    tpot_seconds: float | None = None
+    #: Seconds of TTFT per prompt token beyond the first (a least-squares slope, kept as
+    #: running sums of recent answers).
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    def observe(self, prompt_tokens: int, ttft: float | None, tpot: float | None) -> None:
+        if ttft is not None:
+            self.ttft_seconds = _ewma(self.ttft_seconds, ttft, 0.2)
+            decay = 0.98
+            self._n = self._n * decay + 1.0
+            self._sx = self._sx * decay + prompt_tokens
+            self._sy = self._sy * decay + ttft
+            self._sxx = self._sxx * decay + prompt_tokens * prompt_tokens
+            self._sxy = self._sxy * decay + prompt_tokens * ttft
+        if tpot is not None:
+            self.tpot_seconds = _ewma(self.tpot_seconds, tpot, 0.2)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(seconds, seconds per prompt token) of its TTFT, fitted on recent answers (a
+        flat line at the mean when their prompts were all alike); None before any."""
+        if self._n < 1.0 or self.ttft_seconds is None:
+            return None
+        mean_x, mean_y = self._sx / self._n, self._sy / self._n
+        var = self._sxx / self._n - mean_x * mean_x
+        if var < 1.0:
+            return self.ttft_seconds, 0.0
+        slope = max(0.0, (self._sxy / self._n - mean_x * mean_y) / var)
+        return max(0.0, mean_y - slope * mean_x), slope
+
+
+def load_signals(text: str) -> tuple[float | None, float | None, float | None]:
+    """Requests waiting inside an engine, its KV use, and how many it runs at once (when
+    it says so), from its Prometheus text."""
+    waiting: float | None = None
+    kv: float | None = None
+    seats: float | None = None
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError):
+        return None, None, None
+    for family in families:
+        for sample in family.samples:
+            if sample.name in WAITING_GAUGES:
+                waiting = (waiting or 0.0) + float(sample.value)
+            elif sample.name in KV_GAUGES:
+                kv = max(kv or 0.0, float(sample.value))
+            elif sample.name in SEAT_GAUGES:
+                seats = float(sample.value)
+    return waiting, kv, seats
+
+
+def _ewma(current: float | None, value: float, alpha: float) -> float:
+    return value if current is None else current + alpha * (value - current)
