@@ -174,6 +174,28 @@ def test_measured_waits_correct_every_predicted_time() -> None:
     assert p.correction == pytest.approx(2.0, rel=0.05)
 
 
+def test_measured_ttft_errors_set_a_margin_at_their_90th_percentile() -> None:
+    p, _ = predictor()
+    before = p.predict([], [], num_free_seats=1, prompt_tokens=10, objective_seconds=1.0)
+    assert before.margin_seconds == 0.0
+    for i in range(19):
+        p.observe_ttft(predicted_seconds=0.1, measured_seconds=0.1 + 0.01 * i)
+    assert p.margin == 0.0  # too few to say
+    for i in range(19, 100):  # errors of 0 .. 0.99 s: the 90th percentile is 0.89 s
+        p.observe_ttft(predicted_seconds=0.1, measured_seconds=0.1 + 0.01 * i)
+    assert p.margin == pytest.approx(0.89)
+    after = p.predict([], [], num_free_seats=1, prompt_tokens=10, objective_seconds=1.0)
+    assert after.ttft_seconds == pytest.approx(before.ttft_seconds + 0.89)
+    assert after.margin_seconds == pytest.approx(0.89) and not after.misses(0.5)  # alone
+    # With a request ahead it is late: refused with the margin counted.
+    ahead = p.predict([request()], [], num_free_seats=0, prompt_tokens=10, objective_seconds=1.0)
+    assert ahead.misses(1.0) and ahead.ttft_seconds > 1.0
+    assert p.snapshot()["ttft_margin_seconds"] == pytest.approx(0.89)
+    for _ in range(200):  # predictions that turn out early never make a negative margin
+        p.observe_ttft(predicted_seconds=0.5, measured_seconds=0.2)
+    assert p.margin == 0.0
+
+
 def test_a_client_back_at_its_time_is_refused_only_past_the_late_tolerance() -> None:
     p, clock = predictor()
     slo = SLOAdmission(p, {PriorityClass.INTERACTIVE: Objectives(0.4, 0.1)})

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -61,6 +62,8 @@ class Prediction:
     alone_seconds: float = 0.0
     #: It is taken to be a refused client back at its time (a promise is due).
     claims_promise: bool = False
+    #: The learned margin included in ``ttft_seconds`` (see :attr:`TTFTPredictor.margin`).
+    margin_seconds: float = 0.0
 
     def misses(self, objective_seconds: float) -> bool:
         """Would admitting it now miss an objective?  (Its own is never missed when
@@ -69,6 +72,12 @@ class Prediction:
         delayed = self.wait_seconds > 0.0 or self.ttft_seconds > self.alone_seconds
         late = delayed and self.ttft_seconds > objective_seconds
         return late or self.harms_promised
+
+
+#: Recent TTFT errors kept, the fewest that set a margin, and the quantile it is.
+_TTFT_ERROR_WINDOW = 200
+_TTFT_ERROR_MIN = 20
+_TTFT_ERROR_QUANTILE = 0.9
 
 
 class TTFTPredictor:
@@ -92,6 +101,8 @@ class TTFTPredictor:
         self._log_ratio = 0.0
         #: Share of promises whose client came back (EWMA; seats are held in this share).
         self.return_rate = 1.0
+        #: Measured minus predicted TTFT of recent admitted requests (before the margin).
+        self._ttft_errors: deque[float] = deque(maxlen=_TTFT_ERROR_WINDOW)
 
     # --- the engine's work, in seconds ---
 
@@ -99,6 +110,18 @@ class TTFTPredictor:
     def correction(self) -> float:
         """How much longer than predicted queue waits have turned out (1: as predicted)."""
         return math.exp(self._log_ratio)
+
+    @property
+    def margin(self) -> float:
+        """Seconds added to every predicted TTFT: the 90th percentile of recent errors
+        (measured minus predicted), what the model of the engine does not see (the phase
+        of its steps, an upstream's own scheduling, the relay).  0 until there are enough
+        of them, and never negative: predictions that err early only cost goodput, which
+        the wait correction already recovers."""
+        if len(self._ttft_errors) < _TTFT_ERROR_MIN:
+            return 0.0
+        ordered = sorted(self._ttft_errors)
+        return max(0.0, ordered[int(_TTFT_ERROR_QUANTILE * (len(ordered) - 1))])
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         return self._estimate().prefill_seconds(prompt_tokens) * self.correction
@@ -151,6 +174,8 @@ class TTFTPredictor:
         ttft = wait + prefill
         if backlog:
             ttft = max(ttft, self.prefill_seconds(backlog + prompt_tokens))
+        margin = self.margin
+        ttft += margin
         # Only clients yet to come back hold seats (a late one lost its hold), only those
         # due back while this request would be in its seat, and only in the share of
         # clients that do come back.
@@ -173,7 +198,8 @@ class TTFTPredictor:
                     harms = True
                     break
                 heapq.heappush(seats, begins + self.mean_service_seconds())
-        return Prediction(wait, ttft, harms, alone_seconds=prefill, claims_promise=claims)
+        return Prediction(wait, ttft, harms, alone_seconds=prefill + margin,
+                          claims_promise=claims, margin_seconds=margin)  # fmt: skip
 
     def waits(
         self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
@@ -217,7 +243,7 @@ class TTFTPredictor:
             begins = max(heapq.heappop(seats), promised - now)
             heapq.heappush(seats, begins + self.mean_service_seconds())
         slot = now + seats[0]
-        budget = max(0.0, objective_seconds - self.prefill_seconds(prompt_tokens))
+        budget = max(0.0, objective_seconds - self.prefill_seconds(prompt_tokens) - self.margin)
         last = max(self._promises, default=now)
         spacing = self.mean_service_seconds() / max(1, self._estimate().seat_limit)
         come_back = max(slot - budget / 2.0, last + spacing, now + 0.05)
@@ -237,10 +263,16 @@ class TTFTPredictor:
         ratio = min(4.0, max(0.25, measured_seconds / predicted_seconds * self.correction))
         self._log_ratio += 0.1 * (math.log(ratio) - self._log_ratio)
 
+    def observe_ttft(self, predicted_seconds: float, measured_seconds: float) -> None:
+        """An admitted request's first token: how it compared with the prediction made
+        without the margin."""
+        self._ttft_errors.append(measured_seconds - predicted_seconds)
+
     def snapshot(self) -> dict[str, float | int]:
         return {
             "mean_service_seconds": round(self.mean_service_seconds(), 4),
             "wait_correction": round(self.correction, 3),
+            "ttft_margin_seconds": round(self.margin, 4),
             "promised_seats": len(self._promises),
             "promise_return_rate": round(self.return_rate, 3),
         }

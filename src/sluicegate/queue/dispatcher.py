@@ -161,6 +161,7 @@ class Dispatcher:
         predictor.admitted()
         ticket.predicted_wait_seconds = prediction.wait_seconds
         ticket.predicted_ttft_seconds = prediction.ttft_seconds
+        ticket.ttft_margin_seconds = prediction.margin_seconds
         return None
 
     def _queued_ahead(self, priority_class: PriorityClass) -> list[Request]:

@@ -40,6 +40,8 @@ class Ticket:
     #: predicted, under static admission).
     predicted_wait_seconds: float | None = None
     predicted_ttft_seconds: float | None = None
+    #: The learned margin included in ``predicted_ttft_seconds``.
+    ttft_margin_seconds: float = 0.0
 
     @property
     def request_id(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from sluicegate.admission.slo import SLOAdmission
 from sluicegate.metrics.registry import Metrics
 from sluicegate.metrics.request_log import request_logger
 from sluicegate.metrics.tracing import RequestTimeline, record_request_spans
@@ -29,8 +30,11 @@ class LatencyWindows:
     queue_wait: SlidingWindow = field(default_factory=SlidingWindow)
 
 
-def record_delivery(metrics: Metrics, generation: Generation, num_tokens: int) -> None:
-    """Time to first token and inter-token gaps of one write to the client."""
+def record_delivery(
+    metrics: Metrics, generation: Generation, num_tokens: int, slo: SLOAdmission | None
+) -> None:
+    """Time to first token and inter-token gaps of one write to the client; the TTFT
+    prediction's error teaches admission its margin."""
     ttft, gaps = generation.record_write(num_tokens)
     if ttft is not None:
         metrics.time_to_first_token_seconds.labels(generation.priority_label).observe(ttft)
@@ -39,6 +43,9 @@ def record_delivery(metrics: Metrics, generation: Generation, num_tokens: int) -
             metrics.ttft_prediction_error_seconds.labels(generation.priority_label).observe(
                 ttft - ticket.predicted_ttft_seconds
             )
+            if slo is not None:
+                raw = ticket.predicted_ttft_seconds - ticket.ttft_margin_seconds
+                slo.predictor.observe_ttft(raw, ttft)
     for gap in gaps:
         metrics.inter_token_latency_seconds.observe(gap)
 

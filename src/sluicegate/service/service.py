@@ -424,7 +424,7 @@ class Service:
     # ------------------------------------------------------------ output
     def delivered(self, generation: Generation, num_tokens: int) -> None:
         """``num_tokens`` tokens of ``generation`` were written to its client."""
-        record_delivery(self.metrics, generation, num_tokens)
+        record_delivery(self.metrics, generation, num_tokens, self.slo)
 
     def position(self, generation: Generation) -> tuple[int, float]:
         """(0-based position, expected wait in seconds) of a queued request."""

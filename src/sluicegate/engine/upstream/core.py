@@ -94,6 +94,8 @@ class UpstreamCore:
             raise TypeError("an upstream request needs its upstream call")
         live = Live(request, stream, call)
         live.running.set()
+        if request.first_scheduled_time is None:  # its queue wait ends here
+            request.first_scheduled_time = time.monotonic()
         if request.num_output_tokens:
             # Taken over from another replica: its client has this text already.
             live.text.append(self.tokenizer.decode(request.output_token_ids))
