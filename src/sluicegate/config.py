@@ -159,10 +159,9 @@ class Settings(BaseSettings):
     )
     kv_block_size: int = Field(16, ge=1, description="Tokens per KV block (accounting unit).")
     num_kv_blocks: int | None = Field(
-        None,
-        ge=1,
-        description="KV blocks in the pool (default max_num_seqs*max_model_len/kv_block_size).",
+        None, ge=1, description="KV blocks in the pool (default slots*max_model_len/block size)."
     )
+    prefix_caching: bool = Field(True, description="Reuse computed KV of shared prefixes.")
     default_max_tokens: int = Field(
         512, ge=1, description="max_tokens when a request gives none (capped by the context)."
     )

@@ -27,6 +27,8 @@ def declare_label_values(metrics: Metrics, settings: Settings) -> None:
         metrics.preemptions_total.labels(preempt.value)
     for status in REQUEST_STATUSES:
         metrics.requests_total.labels(status)
+    for result in ("query", "hit"):
+        metrics.prefix_cache_tokens_total.labels(result)
     for status in RESUME_STATUSES:
         metrics.stream_resumes_total.labels(status)
     for checkpoint in CHECKPOINT_REASONS:

@@ -56,6 +56,8 @@ class AppState:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Preemptions already counted into the Prometheus counter, by reason.
     preemptions_seen: dict[str, int] = field(default_factory=dict)
+    #: The prefix cache's counters as last exported (query/hit tokens, evictions).
+    prefix_seen: dict[str, float] = field(default_factory=dict)
     #: Parse and tokenise large request bodies off the event loop.
     body_workers: BodyWorkers = field(default_factory=BodyWorkers)
     #: Called with a one-line reason when the server cannot go on (the engine failed to

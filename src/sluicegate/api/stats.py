@@ -81,6 +81,17 @@ def refresh_state_metrics(state: AppState) -> None:
             sched.num_waiting_by_priority.get(pc.rank, 0) + queued.get(pc.value, 0)
         )
     metrics.kv_cache_usage_ratio.set(sched.kv_cache.usage_ratio)
+    if (prefix := sched.prefix_cache) is not None:
+        counted = {"query": prefix["query_tokens"], "hit": prefix["hit_tokens"],
+                   "evictions": prefix["evictions"]}  # fmt: skip
+        for key, value in counted.items():
+            delta = value - state.prefix_seen.get(key, 0)
+            if delta > 0:
+                counter = metrics.prefix_cache_evictions_total if key == "evictions" else (
+                    metrics.prefix_cache_tokens_total.labels(key))  # fmt: skip
+                counter.inc(delta)
+                state.prefix_seen[key] = value
+        metrics.prefix_cache_cached_slots.set(prefix["cached_slots"])
     metrics.engine_up.labels(metrics.engine).set(1 if core.engine_up else 0)
     # A copy first: the engine thread adds a reason the first time it preempts for it.
     for reason, count in dict(sched.preemptions_by_reason).items():
@@ -113,6 +124,7 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
             "total_slots": kv.num_slots,
             "bytes": service.kv_cache_bytes,
         },
+        "prefix_cache": sched.prefix_cache,
         "requests_paused": sched.num_paused,
         "requests_throttled": sched.num_throttled,
         "streams_paused": ready.flow.num_paused,

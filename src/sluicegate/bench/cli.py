@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
+import httpx
 import typer
 
 if TYPE_CHECKING:
@@ -322,6 +323,35 @@ def relay_command(
         _fail(str(exc))
     for result in results:
         typer.echo(result.line())
+
+
+@bench_app.command("prefix")
+def prefix_command(
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Repeated requests.")] = 5,
+    peer_llama_server: Annotated[
+        str | None,
+        typer.Option("--peer-llama-server", help="A llama-server binary to measure too."),
+    ] = None,
+    out: OutOption = Path("bench-prefix"),
+) -> None:
+    """TTFT of requests sharing a ~1,200-token system prompt on the embedded engine, with
+    prefix caching and without (one server after the other)."""
+    from sluicegate.bench.prefix import prefix_reuse
+
+    try:
+        runs = prefix_reuse(out, repeats=repeats, llama_server=peer_llama_server)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        _fail(str(exc))
+    for run in runs:
+        typer.echo(run.line())
+    cached, plain = runs[:2]
+    ratio = plain.repeated_median / cached.repeated_median
+    typer.echo(f"repeated system prompt TTFT: {ratio:.1f}x lower with prefix caching")
+    if peer_llama_server is None:
+        typer.echo("llama-server: skipped (no --peer-llama-server binary)")
+    else:
+        peer = runs[2].repeated_median / cached.repeated_median
+        typer.echo(f"repeated system prompt TTFT: llama-server's is {peer:.1f}x ours")
 
 
 @bench_app.command("soak")

@@ -148,6 +148,18 @@ class Metrics:
         self.requests_waiting = Gauge(
             p + "requests_waiting", "Requests waiting for the engine.", ["priority"], registry=r
         )
+        self.prefix_cache_tokens_total = Counter(
+            p + "prefix_cache_tokens",
+            "Prompt tokens looked up in the prefix cache (outcome=query) and found (hit).",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.prefix_cache_evictions_total = Counter(
+            p + "prefix_cache_evictions", "Cached KV slots emptied for new sequences.", registry=r
+        )
+        self.prefix_cache_cached_slots = Gauge(
+            p + "prefix_cache_cached_slots",
+            "KV slots with no sequence whose content is kept for reuse.", registry=r,
+        )  # fmt: skip
         self.kv_cache_usage_ratio = Gauge(
             p + "kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r
         )

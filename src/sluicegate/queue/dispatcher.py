@@ -152,7 +152,10 @@ class Dispatcher:
         holders = self.capacity.holders()
         ahead = self._queued_ahead(pc)
         free = self.capacity.num_free_seats
-        prompt = ticket.request.num_prompt_tokens
+        # What it must prefill: less what the prefix cache holds of its prompt now.
+        peek = self.capacity.cached_prefix
+        request = ticket.request
+        prompt = request.num_prompt_tokens - (peek(request.prompt_token_ids) if peek else 0)
         objective = slo.objectives[pc].ttft_seconds
         prediction = predictor.predict(holders, ahead, free, prompt, objective)
         if slo.refuses(pc, prediction):

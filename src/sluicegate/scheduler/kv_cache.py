@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluicegate.scheduler.prefix_cache import PrefixCache
+
 
 @dataclass(slots=True, frozen=True)
 class KVCacheStats:
@@ -26,7 +28,9 @@ class KVCacheStats:
 class KVCacheManager:
     """Slot and block bookkeeping.  Not thread-safe: owned by the scheduler."""
 
-    def __init__(self, num_slots: int, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_slots: int, num_blocks: int, block_size: int, prefix_caching: bool = False
+    ) -> None:
         self.num_slots = num_slots
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -35,20 +39,35 @@ class KVCacheManager:
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._blocks_by_request: dict[str, int] = {}
         self._num_used_blocks = 0
+        #: Slots whose content outlives their sequence (None: prefix caching off).
+        self.prefix: PrefixCache | None = PrefixCache(block_size) if prefix_caching else None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        """Slots a new sequence can take: empty ones and cached ones (evicted for it)."""
+        cached = self.prefix.num_cached_slots if self.prefix is not None else 0
+        return len(self._free_slots) + cached
 
     @property
     def num_free_blocks(self) -> int:
         return self.num_blocks - self._num_used_blocks
 
-    def allocate_slot(self) -> int | None:
-        return self._free_slots.pop() if self._free_slots else None
+    def allocate_slot(self, adopt: int | None = None, keep_tokens: int = 0) -> int | None:
+        """A slot for a new sequence: ``adopt`` (a cached slot whose first
+        ``keep_tokens`` positions it reuses), else an empty one, else the least recently
+        used cached one, emptied."""
+        prefix = self.prefix
+        if prefix is None:
+            return self._free_slots.pop() if self._free_slots else None
+        if adopt is not None:
+            prefix.take(adopt, keep_tokens=keep_tokens)
+            return adopt
+        if self._free_slots:
+            return self._free_slots.pop()
+        return prefix.evict()
 
     def ensure_capacity(self, request_id: str, num_tokens: int) -> bool:
         """Grow ``request_id``'s reservation to hold ``num_tokens``; False if the pool is dry."""
@@ -64,7 +83,7 @@ class KVCacheManager:
 
     def free(self, request_id: str, slot: int | None) -> None:
         self._num_used_blocks -= self._blocks_by_request.pop(request_id, 0)
-        if slot is not None:
+        if slot is not None and (self.prefix is None or not self.prefix.release(slot)):
             self._free_slots.append(slot)
 
     def stats(self) -> KVCacheStats:

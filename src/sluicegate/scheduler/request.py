@@ -74,6 +74,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     kv_slot: int | None = None
+    #: Prompt positions reused from the prefix cache instead of computed (summed over
+    #: admissions: a re-prefill after preemption counts again).
+    num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     #: Paused for a slow reader: not scheduled (keeps its KV unless preempted).  Set by

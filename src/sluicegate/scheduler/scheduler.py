@@ -17,74 +17,26 @@ slow readers and slow paces cannot hold every seat.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.cost_model import StepCostModel, StepShape
-from sluicegate.scheduler.kv_cache import KVCacheManager, KVCacheStats
+from sluicegate.scheduler.kv_cache import KVCacheManager
+from sluicegate.scheduler.prefix_cache import PrefixHit
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.seat_limit import SeatLimitConfig, SeatLimiter
+from sluicegate.scheduler.state import (
+    Counters,
+    PreemptReason,
+    SchedulerConfig,
+    SchedulerStats,
+    TokenEvent,
+)
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.scheduler.waiting import WaitingQueue
 
-
-@dataclass(slots=True, frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    kv_block_size: int = 16
-    num_kv_blocks: int | None = None
-    #: A sequence paused this long has its KV freed (it re-prefills on resume); None: only
-    #: when its slot or blocks are needed.
-    pause_preempt_seconds: float | None = None
-    #: Mean time per output token to keep decoding under: the seat limit follows it (None:
-    #: ``max_num_seqs`` seats, always).
-    tpot_objective_seconds: float | None = None
-
-    @property
-    def total_kv_blocks(self) -> int:
-        if self.num_kv_blocks is not None:
-            return self.num_kv_blocks
-        return -(-self.max_num_seqs * self.max_model_len // self.kv_block_size)
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """A request that gained a token and/or finished in a step."""
-
-    request: Request
-    new_token_id: int | None
-    finished: bool
-    #: The token ended the sequence as an end-of-sequence or stop token: it has no text.
-    is_stop_token: bool = False
-
-
-class PreemptReason(enum.StrEnum):
-    KV_PRESSURE = "kv_pressure"
-    LONG_PAUSE = "long_pause"
-
-
-@dataclass(slots=True, frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_paused: int
-    #: Sequences waiting for their pace (``max_tokens_per_second``), their seats lent out.
-    num_throttled: int
-    kv_cache: KVCacheStats
-    num_preemptions_total: int
-    preemptions_by_reason: dict[str, int]
-    num_waiting_by_priority: dict[int, int]
-
-
-@dataclass(slots=True)
-class _Counters:
-    preemptions: dict[str, int] = field(default_factory=dict)
-    steps: int = 0
+__all__ = ["PreemptReason", "Scheduler", "SchedulerConfig", "SchedulerStats", "TokenEvent"]
 
 
 class Scheduler:
@@ -107,11 +59,16 @@ class Scheduler:
         #: this lends its seat.
         self._last_step_seconds = 0.0
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv = KVCacheManager(config.max_num_seqs, config.total_kv_blocks, config.kv_block_size)
+        self.kv = KVCacheManager(
+            config.max_num_seqs, config.total_kv_blocks, config.kv_block_size,
+            prefix_caching=config.prefix_caching,
+        )  # fmt: skip
         #: What the dispatcher may still hand over; kept by this scheduler alone.
         self.capacity = DispatchCapacity(
             config.max_num_seqs, config.total_kv_blocks * config.kv_block_size, config.kv_block_size
         )
+        if self.kv.prefix is not None:
+            self.capacity.cached_prefix = self.kv.prefix.peek
         #: Step time from the batch's shape, learnt from every step.
         self.cost = StepCostModel()
         #: How many sequences may decode at once under the TPOT objective.
@@ -128,7 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._freed_slots: list[int] = []
-        self._counters = _Counters()
+        self._counters = Counters()
         self._finished_since_last_step: list[Request] = []
 
     # ----------------------------------------------------------------- intake
@@ -207,14 +164,19 @@ class Scheduler:
             candidate = self.waiting.peek()
             assert candidate is not None
             request = candidate
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.ensure_capacity(
-                request.request_id, request.num_computed_tokens + num_new
-            ):
+            hit = self._prefix_hit(request)
+            start = request.num_computed_tokens if hit is None else hit.num_tokens
+            num_new = min(request.num_tokens - start, budget)
+            if not self.kv.ensure_capacity(request.request_id, start + num_new):
                 break
             self.waiting.pop()
-            slot = self.kv.allocate_slot()
+            adopt = hit.slot if hit is not None and hit.idle else None
+            slot = self.kv.allocate_slot(adopt, keep_tokens=start)
             assert slot is not None
+            if hit is not None and adopt is None:
+                plan.kv_copies.append((hit.slot, slot, start))
+            self._record_prefix_query(request, start, hit)
+            request.num_computed_tokens = start
             request.kv_slot = slot
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -225,6 +187,28 @@ class Scheduler:
 
         self._counters.steps += 1
         return plan
+
+    def _prefix_hit(self, request: Request) -> PrefixHit | None:
+        """The longest cached prefix of a request that starts from nothing (its last
+        token is always computed: it gives the logits)."""
+        prefix = self.kv.prefix
+        if prefix is None or request.num_computed_tokens:
+            return None
+        keys = prefix.keys_of(request.request_id, request.all_token_ids, request.num_tokens)
+        return prefix.lookup(keys, request.num_tokens - 1)
+
+    def _record_prefix_query(self, request: Request, start: int, hit: PrefixHit | None) -> None:
+        if self.kv.prefix is not None and (hit is not None or not request.num_computed_tokens):
+            self.kv.prefix.record_query(request.num_tokens, start, copied=not hit or not hit.idle)
+            request.num_cached_tokens += start
+
+    def _remember(self, request: Request) -> None:
+        """Index the blocks a sequence has computed in its slot (for others to reuse)."""
+        prefix = self.kv.prefix
+        if prefix is not None and request.kv_slot is not None and request.num_computed_tokens:
+            keys = prefix.keys_of(request.request_id, request.all_token_ids,
+                                  request.num_computed_tokens)  # fmt: skip
+            prefix.register(request.kv_slot, keys)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         assert request.kv_slot is not None
@@ -376,6 +360,7 @@ class Scheduler:
     def _preempt(self, request: Request, reason: PreemptReason) -> None:
         """Free a running sequence's KV; keep its tokens; it re-prefills when re-admitted."""
         self.running.remove(request)
+        self._remember(request)
         self.kv.free(request.request_id, request.kv_slot)
         if request.kv_slot is not None:
             self._freed_slots.append(request.kv_slot)
@@ -400,6 +385,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += seq.num_new_tokens
+            if seq.start_position < request.num_prompt_tokens:
+                self._remember(request)  # its prompt's blocks: for requests that share them
             if not seq.sample:
                 continue
             token_id = result.sampled_token_ids[seq.request_id]
@@ -451,6 +438,9 @@ class Scheduler:
         else:
             self.waiting.remove(request.request_id)
             self.parked.pop(request.request_id, None)
+        self._remember(request)
+        if self.kv.prefix is not None:
+            self.kv.prefix.forget(request.request_id)
         self.kv.free(request.request_id, request.kv_slot)
         if request.kv_slot is not None:
             self._freed_slots.append(request.kv_slot)
@@ -486,4 +476,5 @@ class Scheduler:
             num_preemptions_total=sum(self._counters.preemptions.values()),
             preemptions_by_reason=dict(self._counters.preemptions),
             num_waiting_by_priority=by_priority,
+            prefix_cache=self.kv.prefix.snapshot() if self.kv.prefix is not None else None,
         )

@@ -51,6 +51,9 @@ class StepPlan:
     sequences: list[ScheduledSequence] = field(default_factory=list)
     #: KV slots released since the previous step (the engine may clear them lazily).
     freed_kv_slots: list[int] = field(default_factory=list)
+    #: Prefix reuse: (source slot, destination slot, positions) to copy before computing,
+    #: positions ``[0, n)`` of the source into the destination.
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -51,6 +51,7 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
             max_model_len=min(settings.max_model_len, loaded.max_model_len),
             kv_block_size=settings.kv_block_size,
             num_kv_blocks=settings.num_kv_blocks,
+            prefix_caching=settings.prefix_caching,
             pause_preempt_seconds=pause_preempt_seconds(settings),
             tpot_objective_seconds=(
                 settings.tpot_slo_ms / 1000.0 if settings.admission == "slo" else None

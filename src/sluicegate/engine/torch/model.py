@@ -371,6 +371,12 @@ class Transformer(nn.Module):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
 
+    def copy_kv(self, source: int, dest: int, num_tokens: int) -> None:
+        """Positions ``[0, num_tokens)`` of slot ``source`` into slot ``dest`` (a reused
+        prefix: the same tokens give the same keys and values)."""
+        self.k_cache[:, dest, :, :num_tokens].copy_(self.k_cache[:, source, :, :num_tokens])
+        self.v_cache[:, dest, :, :num_tokens].copy_(self.v_cache[:, source, :, :num_tokens])
+
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes allocated for the KV cache (keys and values)."""

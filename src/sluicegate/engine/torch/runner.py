@@ -234,6 +234,8 @@ class TorchEngine:
             return StepResult()
         sequences = plan.sequences
         self._validate(sequences)
+        for source, dest, num_tokens in plan.kv_copies:
+            model.copy_kv(source, dest, num_tokens)
         chunks = [
             SequenceChunk(s.kv_slot, s.start_position, s.num_new_tokens, s.sample)
             for s in sequences

@@ -1,0 +1,192 @@
+"""Prefix reuse: the KV a slot already holds, found by the hash of its tokens.
+
+The engine's KV cache is a row of positions per slot.  A sequence's computed positions
+stay valid in its slot until the slot is written by another sequence, so a slot keeps
+serving as a cache after its sequence ends: it is *cached* (allocatable, but its content
+still indexed) rather than empty, and cached slots are reused least recently used first.
+
+Content is indexed by blocks of ``block_size`` tokens: a block's key is the hash of its
+tokens and its parent's key (so a key names the whole prefix up to the end of its block)
+and a namespace (the tenant, with ``prefix_cache_scope: tenant``).  A new request's
+prompt is matched block by block; the longest match names a slot holding that prefix.
+A cached slot that matches is adopted by the request as it is (no copy); a slot that is
+in use lends its prefix by a copy of those positions into the request's own slot, which
+the engine makes before the step computes (``StepPlan.kv_copies``).
+
+Positions computed once give the same KV whoever computes them (the engine's batch
+invariance), so an answer with a cache hit is bit-identical to one without.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_ROOT = b"sluicegate-prefix-v1"
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, namespace: str = "", keys: list[bytes] | None = None
+) -> list[bytes]:
+    """The key of each full block of ``token_ids``: a chain hash (blake2b-128).  ``keys``:
+    those of its first blocks, already known (extended in place)."""
+    keys = [] if keys is None else keys
+    parent = (
+        keys[-1] if keys else hashlib.blake2b(_ROOT + namespace.encode(), digest_size=16).digest()
+    )
+    for start in range(len(keys) * block_size, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start : start + block_size]
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(b"".join(t.to_bytes(4, "little") for t in block))
+        parent = digest.digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixHit:
+    """The longest cached prefix of a prompt: ``num_tokens`` positions in ``slot``."""
+
+    slot: int
+    num_tokens: int
+    #: The slot is cached (no sequence in it): the request can adopt it without a copy.
+    idle: bool
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0
+    hits: int = 0
+    #: Prompt tokens looked up, and those found cached.
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    copies: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class PrefixCache:
+    """Which slot holds which blocks.  Owned by the scheduler (one thread)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        #: Block key -> the slot holding it (the latest to register it).
+        self._index: dict[bytes, int] = {}
+        #: Slot -> the keys it holds, in order.
+        self._keys: dict[int, list[bytes]] = {}
+        #: Slots with no sequence whose content is kept, least recently used first.
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        #: Request id -> the keys of its blocks known so far.
+        self._request_keys: dict[str, list[bytes]] = {}
+        self.stats = PrefixCacheStats()
+
+    def keys_of(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> list[bytes]:
+        """The keys of the full blocks among the first ``num_tokens`` of a request's
+        tokens (hashed once per request, block by block as they come)."""
+        keys = self._request_keys.setdefault(request_id, [])
+        if len(keys) < num_tokens // self.block_size:
+            block_keys(token_ids[:num_tokens], self.block_size, keys=keys)
+        return keys[: num_tokens // self.block_size]
+
+    def forget(self, request_id: str) -> None:
+        self._request_keys.pop(request_id, None)
+
+    @property
+    def num_cached_slots(self) -> int:
+        return len(self._idle)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(len(self._keys.get(slot, ())) for slot in self._idle)
+
+    def lookup(self, keys: Sequence[bytes], max_tokens: int) -> PrefixHit | None:
+        """The slot holding the longest run of ``keys`` (at most ``max_tokens`` positions
+        reused: a prompt always computes its last token itself)."""
+        found: tuple[int, int] | None = None
+        for i, key in enumerate(keys):
+            slot = self._index.get(key)
+            if slot is None or (i + 1) * self.block_size > max_tokens:
+                break
+            found = (slot, i + 1)
+        if found is None:
+            return None
+        slot, blocks = found
+        return PrefixHit(slot, blocks * self.block_size, slot in self._idle)
+
+    def peek(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` a request arriving now would reuse.  Read from the
+        event loop while the engine thread changes the index: a prediction, not a
+        promise (the blocks may be evicted before the request runs)."""
+        matched = 0
+        for key in block_keys(token_ids, self.block_size):
+            if key not in self._index:
+                break
+            matched += self.block_size
+        return min(matched, max(0, len(token_ids) - 1))
+
+    def record_query(self, num_tokens: int, hit_tokens: int, copied: bool) -> None:
+        stats = self.stats
+        stats.queries += 1
+        stats.query_tokens += num_tokens
+        if hit_tokens:
+            stats.hits += 1
+            stats.hit_tokens += hit_tokens
+            stats.copies += int(copied)
+
+    def register(self, slot: int, keys: Sequence[bytes]) -> None:
+        """``slot`` holds the blocks ``keys`` (a prefix of its content, computed)."""
+        held = self._keys.setdefault(slot, [])
+        for key in keys[len(held) :]:
+            held.append(key)
+            self._index[key] = slot
+
+    def take(self, slot: int, keep_tokens: int = 0) -> None:
+        """A sequence now writes ``slot``: past ``keep_tokens`` its content is gone."""
+        self._idle.pop(slot, None)
+        held = self._keys.get(slot)
+        if held is None:
+            return
+        keep = keep_tokens // self.block_size
+        for key in held[keep:]:
+            if self._index.get(key) == slot:
+                del self._index[key]
+        del held[keep:]
+        if not held:
+            del self._keys[slot]
+
+    def release(self, slot: int) -> bool:
+        """``slot``'s sequence ended or was preempted: keep its content while the slot
+        is unused.  False if it holds nothing worth keeping (the slot is simply free)."""
+        if not self._keys.get(slot):
+            return False
+        self._idle[slot] = None
+        self._idle.move_to_end(slot)
+        return True
+
+    def evict(self) -> int | None:
+        """The least recently used cached slot, emptied; None if there is none."""
+        if not self._idle:
+            return None
+        slot, _ = self._idle.popitem(last=False)
+        self.take(slot)
+        self.stats.evictions += 1
+        return slot
+
+    def snapshot(self) -> dict[str, float | int]:
+        stats = self.stats
+        return {
+            "hit_rate": round(stats.hit_rate, 4),
+            "queries": stats.queries,
+            "hits": stats.hits,
+            "query_tokens": stats.query_tokens,
+            "hit_tokens": stats.hit_tokens,
+            "copies": stats.copies,
+            "evictions": stats.evictions,
+            "cached_slots": self.num_cached_slots,
+            "cached_blocks": self.num_cached_blocks,
+        }

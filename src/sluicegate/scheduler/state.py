@@ -1,0 +1,69 @@
+"""The scheduler's configuration, its per-step events and its statistics."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sluicegate.scheduler.kv_cache import KVCacheStats
+from sluicegate.scheduler.request import Request
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None
+    #: A sequence paused this long has its KV freed (it re-prefills on resume); None: only
+    #: when its slot or blocks are needed.
+    pause_preempt_seconds: float | None = None
+    #: Mean time per output token to keep decoding under: the seat limit follows it (None:
+    #: ``max_num_seqs`` seats, always).
+    tpot_objective_seconds: float | None = None
+    #: Keep computed KV in a slot after its sequence and reuse it for shared prefixes.
+    prefix_caching: bool = False
+
+    @property
+    def total_kv_blocks(self) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return -(-self.max_num_seqs * self.max_model_len // self.kv_block_size)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """A request that gained a token and/or finished in a step."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+    #: The token ended the sequence as an end-of-sequence or stop token: it has no text.
+    is_stop_token: bool = False
+
+
+class PreemptReason(enum.StrEnum):
+    KV_PRESSURE = "kv_pressure"
+    LONG_PAUSE = "long_pause"
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_paused: int
+    #: Sequences waiting for their pace (``max_tokens_per_second``), their seats lent out.
+    num_throttled: int
+    kv_cache: KVCacheStats
+    num_preemptions_total: int
+    preemptions_by_reason: dict[str, int]
+    num_waiting_by_priority: dict[int, int]
+    #: The prefix cache's counters (None: prefix caching off).
+    prefix_cache: dict[str, float | int] | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    preemptions: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
