@@ -162,6 +162,9 @@ class Settings(BaseSettings):
         None, ge=1, description="KV blocks in the pool (default slots*max_model_len/block size)."
     )
     prefix_caching: bool = Field(True, description="Reuse computed KV of shared prefixes.")
+    prefix_cache_scope: Literal["global", "tenant"] = Field(
+        "global", description="tenant: a tenant reuses only its own prefixes (no side channel)."
+    )
     default_max_tokens: int = Field(
         512, ge=1, description="max_tokens when a request gives none (capped by the context)."
     )
@@ -173,18 +176,15 @@ class Settings(BaseSettings):
         "sampling, e.g. 0.2 for SmolLM2 Instruct; else 1).",
     )
     default_top_p: float | None = Field(
-        None,
-        gt=0.0,
-        le=1.0,
+        None, gt=0.0, le=1.0,
         description="top_p when a request gives none (default: the model's recommended "
         "sampling, e.g. 0.9 for SmolLM2 Instruct; else 1).",
-    )
+    )  # fmt: skip
     default_top_k: int | None = Field(
-        None,
-        ge=0,
+        None, ge=0,
         description="top_k when a request gives none (default: the model's recommended "
         "sampling; else 0, no top-k cut).",
-    )
+    )  # fmt: skip
 
     # --- flow control ---
     pause: bool = Field(

@@ -175,3 +175,17 @@ def test_api_key_and_rate_limit(page: Page, auth_server: ServerProcess) -> None:
     wait_until(lambda: state(page) in ("done", "error"), "the answer completes")
     assert state(page) == "done", text(page, "error")
     assert text(page, "tokens") == "16"
+
+
+def test_typing_warms_the_prefix_cache(page: Page, web_server: ServerProcess) -> None:
+    """While the user types, the playground sends what is typed so far to /v1/prefill
+    (debounced); the question sent in the end reuses that warmed prefix."""
+    open_playground(page, web_server)
+    page.fill("[data-testid=system]", "You are the assistant of a bakery. " * 30)
+    hits = web_server.stats()["prefix_cache"]["hits"]
+    page.type("[data-testid=prompt]", "When do you open", delay=20)
+    wait_until(lambda: page.get_attribute("[data-testid=playground]", "data-warmed"),
+               "a warm-up was accepted")  # fmt: skip
+    ask(page, "When do you open on Sunday?", 5)
+    wait_until(lambda: state(page) == "done", "the answer completes", timeout=30)
+    assert web_server.stats()["prefix_cache"]["hits"] > hits

@@ -52,6 +52,7 @@ _COMMON = ("401", "405", "503")
 _ERRORS = {
     "/v1/chat/completions": ("400", "404", "408", "413", "415", "429"),
     "/v1/completions": ("400", "404", "408", "413", "415", "429"),
+    "/v1/prefill": ("400", "404", "408", "413", "415", "429"),
     "/v1/models": (),
     "/v1/requests/{request_id}/cancel": ("404",),
     "/v1/streams/{stream_id}": ("400", "404", "410"),
@@ -60,6 +61,7 @@ _ERRORS = {
 _BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
+    "/v1/prefill": "ChatCompletionRequest",
 }
 _BACKGROUND = {
     "type": "boolean",

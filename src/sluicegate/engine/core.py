@@ -272,6 +272,7 @@ class EngineCore:
                         num_output_tokens=request.num_output_tokens,
                         finish_reason=request.finish_reason if request.status.is_finished else None,
                         committed_token_ids=committed,
+                        num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
                     ),
                 )
             )

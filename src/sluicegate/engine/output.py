@@ -41,6 +41,8 @@ class RequestOutput:
     #: (prompt, completion) tokens as the engine that answered counts them, when it is
     #: not ours (an upstream's ``usage``): what the client's ``usage`` reports.
     reported_usage: tuple[int, int] | None = None
+    #: Prompt tokens reused from the prefix cache (OpenAI's ``cached_tokens``).
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

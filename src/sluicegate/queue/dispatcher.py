@@ -155,7 +155,8 @@ class Dispatcher:
         # What it must prefill: less what the prefix cache holds of its prompt now.
         peek = self.capacity.cached_prefix
         request = ticket.request
-        prompt = request.num_prompt_tokens - (peek(request.prompt_token_ids) if peek else 0)
+        cached = peek(request.prompt_token_ids, request.prefix_namespace) if peek else 0
+        prompt = request.num_prompt_tokens - cached
         objective = slo.objectives[pc].ttft_seconds
         prediction = predictor.predict(holders, ahead, free, prompt, objective)
         if slo.refuses(pc, prediction):

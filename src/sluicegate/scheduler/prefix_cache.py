@@ -85,12 +85,14 @@ class PrefixCache:
         self._request_keys: dict[str, list[bytes]] = {}
         self.stats = PrefixCacheStats()
 
-    def keys_of(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> list[bytes]:
+    def keys_of(
+        self, request_id: str, token_ids: Sequence[int], num_tokens: int, namespace: str = ""
+    ) -> list[bytes]:
         """The keys of the full blocks among the first ``num_tokens`` of a request's
         tokens (hashed once per request, block by block as they come)."""
         keys = self._request_keys.setdefault(request_id, [])
         if len(keys) < num_tokens // self.block_size:
-            block_keys(token_ids[:num_tokens], self.block_size, keys=keys)
+            block_keys(token_ids[:num_tokens], self.block_size, namespace, keys)
         return keys[: num_tokens // self.block_size]
 
     def forget(self, request_id: str) -> None:
@@ -118,12 +120,12 @@ class PrefixCache:
         slot, blocks = found
         return PrefixHit(slot, blocks * self.block_size, slot in self._idle)
 
-    def peek(self, token_ids: Sequence[int]) -> int:
+    def peek(self, token_ids: Sequence[int], namespace: str = "") -> int:
         """How many of ``token_ids`` a request arriving now would reuse.  Read from the
         event loop while the engine thread changes the index: a prediction, not a
         promise (the blocks may be evicted before the request runs)."""
         matched = 0
-        for key in block_keys(token_ids, self.block_size):
+        for key in block_keys(token_ids, self.block_size, namespace):
             if key not in self._index:
                 break
             matched += self.block_size

@@ -77,6 +77,9 @@ class Request:
     #: Prompt positions reused from the prefix cache instead of computed (summed over
     #: admissions: a re-prefill after preemption counts again).
     num_cached_tokens: int = 0
+    #: Whose prefixes it may reuse: "" for everyone's, a tenant's name with
+    #: ``prefix_cache_scope: tenant`` (its key chain starts from it).
+    prefix_namespace: str = ""
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     #: Paused for a slow reader: not scheduled (keeps its KV unless preempted).  Set by

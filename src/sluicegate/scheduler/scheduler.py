@@ -194,7 +194,8 @@ class Scheduler:
         prefix = self.kv.prefix
         if prefix is None or request.num_computed_tokens:
             return None
-        keys = prefix.keys_of(request.request_id, request.all_token_ids, request.num_tokens)
+        keys = prefix.keys_of(request.request_id, request.all_token_ids, request.num_tokens,
+                              request.prefix_namespace)  # fmt: skip
         return prefix.lookup(keys, request.num_tokens - 1)
 
     def _record_prefix_query(self, request: Request, start: int, hit: PrefixHit | None) -> None:
@@ -206,8 +207,10 @@ class Scheduler:
         """Index the blocks a sequence has computed in its slot (for others to reuse)."""
         prefix = self.kv.prefix
         if prefix is not None and request.kv_slot is not None and request.num_computed_tokens:
-            keys = prefix.keys_of(request.request_id, request.all_token_ids,
-                                  request.num_computed_tokens)  # fmt: skip
+            keys = prefix.keys_of(
+                request.request_id, request.all_token_ids, request.num_computed_tokens,
+                request.prefix_namespace,
+            )  # fmt: skip
             prefix.register(request.kv_slot, keys)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:

@@ -251,6 +251,7 @@ class Service:
             sampling=sampling,
             all_token_ids=[*prompt_ids, *output_token_ids],
             upstream_call=upstream_call,
+            prefix_namespace=tenant.name if self.settings.prefix_cache_scope == "tenant" else "",
         )
         pace = max_tokens_per_second or tenant.max_tokens_per_second
         if tenant.max_tokens_per_second and max_tokens_per_second:

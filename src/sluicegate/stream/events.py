@@ -141,17 +141,21 @@ def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
     )
 
 
-def usage(output: RequestOutput) -> dict[str, int]:
-    """Token counts in OpenAI's ``usage`` shape (an upstream's own, when it gave them)."""
+def usage(output: RequestOutput) -> dict[str, object]:
+    """Token counts in OpenAI's ``usage`` shape (an upstream's own, when it gave them);
+    prompt tokens reused from the prefix cache as ``prompt_tokens_details.cached_tokens``."""
     prompt, completion = output.reported_usage or (
         output.num_prompt_tokens,
         output.num_output_tokens,
     )
-    return {
+    counts: dict[str, object] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    if output.num_cached_tokens:
+        counts["prompt_tokens_details"] = {"cached_tokens": output.num_cached_tokens}
+    return counts
 
 
 def drain_notice(stream_id: str) -> dict[str, object]:

@@ -25,6 +25,30 @@ export function initPlayground({ onModel }) {
     event.preventDefault();
     ask();
   });
+  // While the user types, warm the server's prefix cache with what is typed so far
+  // (POST /v1/prefill, debounced): the final request then computes only the rest.
+  let warmTimer = null;
+  const warmSoon = () => {
+    clearTimeout(warmTimer);
+    warmTimer = setTimeout(warm, 400);
+  };
+  prompt.addEventListener("input", warmSoon);
+  $("system").addEventListener("input", warmSoon);
+
+  function warm() {
+    if (controller || !prompt.value.trim() || !model.value) return;
+    const { messages } = requestBody();
+    fetch("/v1/prefill", {
+      method: "POST",
+      headers: authHeaders({ "content-type": "application/json" }),
+      body: JSON.stringify({ model: model.value, messages, user: "playground" }),
+    })
+      .then((response) => {
+        if (response.ok) root.dataset.warmed = String(Number(root.dataset.warmed || 0) + 1);
+      })
+      .catch(() => {}); // only a warm-up: the question is sent in full anyway
+  }
+
   prompt.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
       event.preventDefault();
@@ -97,6 +121,7 @@ export function initPlayground({ onModel }) {
 
   async function ask() {
     if (controller || !prompt.value.trim()) return;
+    clearTimeout(warmTimer);
     controller = new AbortController();
     output.textContent = "";
     showError("");
