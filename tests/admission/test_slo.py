@@ -10,6 +10,7 @@ import pytest
 from sluicegate.admission.slo import (
     AUTO_TTFT_FLOOR_SECONDS,
     Objectives,
+    Prediction,
     SLOAdmission,
     TTFTPredictor,
     auto_ttft_seconds,
@@ -75,6 +76,17 @@ def test_a_request_that_would_start_at_once_is_never_refused() -> None:
     slow = TTFTPredictor(lambda: long_prompt, FakeClock())
     prediction = slow.predict([], [], 1, prompt_tokens=4000, objective_seconds=1.0)
     assert prediction.ttft_seconds > 5 and not prediction.misses(1.0)
+
+
+def test_a_prompt_longer_than_the_objective_may_wait_half_of_it() -> None:
+    """Its prefill alone (3 s) misses a 1 s objective: served as fast as it can be, it is
+    not refused for the step a finishing holder still takes, only for a real wait."""
+    assert not Prediction(0.07, 3.07, alone_seconds=3.0).misses(1.0)
+    assert not Prediction(0.5, 3.5, alone_seconds=3.0).misses(1.0)
+    assert Prediction(0.6, 3.6, alone_seconds=3.0).misses(1.0)
+    # A prompt that fits its objective alone is late past the objective, as before.
+    assert Prediction(0.3, 1.1, alone_seconds=0.8).misses(1.0)
+    assert not Prediction(0.2, 0.95, alone_seconds=0.75).misses(1.0)
 
 
 def test_prompts_still_prefilling_delay_a_burst_that_finds_free_seats() -> None:

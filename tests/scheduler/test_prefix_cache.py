@@ -27,6 +27,11 @@ def test_the_longest_registered_run_wins_and_the_last_token_is_never_reused() ->
     cache.register(5, keys)
     hit = cache.lookup(keys, max_tokens=63)
     assert hit is not None and (hit.slot, hit.num_tokens) == (5, 48)  # 64 would leave none
+    # Past the last full block, the slot's own tokens extend the match one by one.
+    cache.register(5, keys, list(range(64)))
+    hit = cache.lookup(keys, max_tokens=63, token_ids=list(range(64)))
+    assert hit is not None and hit.num_tokens == 63
+    assert cache.peek([*range(60), 7, 7]) == 60
     assert cache.lookup(block_keys([9] * 32, 16), 31) is None
 
 
@@ -54,29 +59,30 @@ def request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
 def test_the_scheduler_adopts_a_cached_slot_or_copies_from_a_running_one() -> None:
     sched = Scheduler(config(prefix_caching=True, max_num_batched_tokens=256))
     engine = FakeEngine()
-    prompt = list(range(1, 101))  # 6 full blocks and 4 tokens
+    prompt = list(range(1, 101))  # 6 full blocks and 4 tokens: 99 reusable
     first = request("first", prompt)
     sched.add_request(first)
     run_to_completion(sched, engine)
     slot = engine.plans[0].sequences[0].kv_slot
-    # Alone: it takes the first's cached slot, and computes only past the 6 blocks.
+    # Alone: it takes the first's cached slot and computes only its last prompt token
+    # (past the 6 full blocks, the slot's own tokens are compared one by one).
     again = request("again", prompt, max_tokens=50)
     sched.add_request(again)
     plan = sched.schedule()
     (seq,) = plan.sequences
-    assert (seq.kv_slot, seq.start_position, plan.kv_copies) == (slot, 96, [])
+    assert (seq.kv_slot, seq.start_position, plan.kv_copies) == (slot, 99, [])
     sched.update_from_output(plan, engine.step(plan))
-    # While it runs, a third with the same prompt copies those 96 positions from it.
+    # While it runs, a third with the same prompt copies those 99 positions from it.
     third = request("third", prompt)
     sched.add_request(third)
     plan = sched.schedule()
     new = next(s for s in plan.sequences if s.request_id == "third")
-    assert new.start_position == 96 and plan.kv_copies == [(slot, new.kv_slot, 96)]
+    assert new.start_position == 99 and plan.kv_copies == [(slot, new.kv_slot, 99)]
     sched.update_from_output(plan, engine.step(plan))
     run_to_completion(sched, engine)
     stats = sched.make_stats().prefix_cache
     assert stats is not None and stats["hits"] == 2 and stats["copies"] == 1
-    assert again.num_cached_tokens == third.num_cached_tokens == 96
+    assert again.num_cached_tokens == third.num_cached_tokens == 99
 
 
 def test_a_preempted_sequence_re_prefills_from_its_own_cached_slot() -> None:

@@ -68,9 +68,11 @@ class Prediction:
     def misses(self, objective_seconds: float) -> bool:
         """Would admitting it now miss an objective?  (Its own is never missed when
         nothing is ahead of it: a prompt too long to prefill within the objective is
-        served as fast as it can be.)"""
-        delayed = self.wait_seconds > 0.0 or self.ttft_seconds > self.alone_seconds
-        late = delayed and self.ttft_seconds > objective_seconds
+        served as fast as it can be, and may wait up to half its objective for a seat.)"""
+        if self.alone_seconds >= objective_seconds:
+            late = self.ttft_seconds - self.alone_seconds > 0.5 * objective_seconds
+        else:
+            late = self.ttft_seconds > objective_seconds
         return late or self.harms_promised
 
 

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
+from sluicegate.api import prefill
 from sluicegate.api.access import not_found, owner_admits, presented_resume_token
 from sluicegate.api.body import parse_json, read_body
 from sluicegate.api.jobs import job_payload, job_view
@@ -71,6 +72,7 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
         )  # fmt: skip
         return json_response(job_view(record), status_code=202)
     req = prepared.req
+    prefill.supersede(service, tenant.name, req.user or "")
     generation = await service.submit(
         tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
         req.max_tokens_per_second, request_charged=True, upstream_call=prepared.upstream_call,

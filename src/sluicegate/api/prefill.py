@@ -8,7 +8,8 @@ reads. The answer is a 202 at once. When the final request arrives and extends t
 warmed prefix, it computes only the rest (docs/prefix-cache.md). A warm-up can be
 cancelled like any request (``POST /v1/requests/{id}/cancel``). A newer warm-up from the
 same tenant for the same ``user`` cancels the older one, so a client that calls on every
-keystroke, debounced, leaves at most one running.
+keystroke, debounced, leaves at most one running; so does that user's real request, which
+then reuses what the warm-up computed so far.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ async def prefill(request: HTTPRequest) -> Response:
          "prompt_tokens": len(prepared.prompt_ids), "cached_tokens": cached},
         status_code=202, headers=headers,
     )  # fmt: skip
+
+
+def supersede(service: Service, tenant: str, user: str) -> None:
+    """The real request of ``user`` has come: its warm-up, if one still runs, stops.  What
+    it computed stays cached; the request computes the rest itself, with no warm-up ahead
+    of it in the engine (and none in its predicted time to first token)."""
+    if (running := _latest.pop((tenant, user), None)) is not None:
+        service.cancel(running)
 
 
 async def _run(service: Service, generation: Generation, key: tuple[str, str]) -> None:

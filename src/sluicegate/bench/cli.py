@@ -352,6 +352,10 @@ def prefix_command(
     else:
         peer = runs[2].repeated_median / cached.repeated_median
         typer.echo(f"repeated system prompt TTFT: llama-server's is {peer:.1f}x ours")
+    from sluicegate.bench.prefix import turns_and_warmups
+
+    for line in turns_and_warmups(out, repeats=3).lines():
+        typer.echo(line)
 
 
 @bench_app.command("soak")

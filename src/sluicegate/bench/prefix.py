@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import orjson
 
 from sluicegate.bench.server_process import free_port, start_server_with_args
 
@@ -43,26 +44,57 @@ class PrefixRun:
 
 
 def _ttft(client: httpx.Client, question: str, system: str = SYSTEM_PROMPT) -> float:
-    body = {
-        "messages": [{"role": "system", "content": system},
-                     {"role": "user", "content": question}],
-        "max_tokens": 8, "temperature": 0.0, "stream": True,
-    }  # fmt: skip
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return _first_token(client, messages).ttft
+
+
+@dataclass(slots=True)
+class Answer:
+    ttft: float
+    text: str
+    prompt_tokens: int
+
+
+def _first_token(
+    client: httpx.Client, messages: list[dict[str, str]] | None, prompt: str | None = None
+) -> Answer:
+    """A streamed greedy answer of 8 tokens (TTFT, text, prompt tokens): a chat of
+    ``messages``, or a completion of ``prompt``."""
+    body: dict[str, object] = {"max_tokens": 8, "temperature": 0.0, "stream": True,
+                               "stream_options": {"include_usage": True}}  # fmt: skip
+    if messages is not None:
+        body["messages"] = messages
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if messages is not None else "/v1/completions"
     started = time.monotonic()
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        lines = response.iter_lines()
-        for line in lines:
-            if '"content":"' in line.replace(" ", "") and '"content":""' not in line:
+    first: float | None = None
+    text: list[str] = []
+    prompt_tokens = 0
+    with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"{path} answered {response.status_code}: {response.text}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            if isinstance(event.get("usage"), dict):
+                prompt_tokens = int(event["usage"]["prompt_tokens"])
+            choice = (event.get("choices") or [{}])[0]
+            piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            if piece and first is None:
                 first = time.monotonic() - started
-                for _ in lines:  # the rest of the answer
-                    pass
-                return first
-    raise RuntimeError("the answer had no text")
+            text.append(piece)
+    if first is None:
+        raise RuntimeError("the answer had no text")
+    return Answer(first, "".join(text), prompt_tokens)
 
 
 def _measure(label: str, base_url: str, repeats: int) -> PrefixRun:
-    with httpx.Client(base_url=base_url, timeout=120) as client:
+    # A connection per request, for every server alike: llama-server drops idle ones.
+    no_keepalive = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(base_url=base_url, timeout=120, limits=no_keepalive) as client:
         _ttft(client, "Say hi.", system="Be brief.")  # first-use costs
         first = _ttft(client, "Which bread is the cheapest?")  # a new system prompt
         repeated = [_ttft(client, f"Question {i}: when do you open?") for i in range(repeats)]
@@ -117,3 +149,113 @@ def prefix_reuse(out: Path, repeats: int = 5, llama_server: str | None = None) -
         with _llama_server(llama_server, out / "llama-server.log") as base_url:
             runs.append(_measure("llama-server", base_url, repeats))
     return runs
+
+
+#: Earlier turns of a support conversation, repeated to make a ~2,000-token history.
+_HISTORY_TURN = [
+    {"role": "user", "content": "I ordered three sourdough loaves and a brioche for Saturday "
+     "morning at the shop on the harbour. Can I change the pick-up time to the afternoon?"},
+    {"role": "assistant", "content": "Our shops close at 13 on Saturdays, so the latest pick-up "
+     "is just before one. I can move your order to 12:30 if that suits you."},
+]  # fmt: skip
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+@dataclass(slots=True)
+class TurnsRun:
+    """Second turns and warmed prompts against a short prompt, on one server."""
+
+    short_ttft: list[float]
+    short_tokens: int
+    #: The second turn's new message alone: what it adds to the conversation, as a prompt.
+    new_message_ttft: list[float]
+    new_message_tokens: int
+    second_turn_ttft: list[float]
+    warmed_ttft: list[float]
+    history_tokens: int
+
+    def lines(self) -> list[str]:
+        short = _median(self.short_ttft)
+        turn, warmed = _median(self.second_turn_ttft), _median(self.warmed_ttft)
+        alone = _median(self.new_message_ttft)
+        return [
+            f"{self.short_tokens}-token prompt TTFT median {short * 1000:.0f} ms",
+            f"the second turn's new message alone ({self.new_message_tokens} tokens): TTFT "
+            f"median {alone * 1000:.0f} ms",
+            f"second turn of a {self.history_tokens}-token conversation: TTFT median "
+            f"{turn * 1000:.0f} ms ({turn / alone:.2f}x its new message alone)",
+            f"a prompt warmed by /v1/prefill while typed: TTFT median {warmed * 1000:.0f} ms "
+            f"({warmed / short:.2f}x the short prompt)",
+        ]
+
+
+def turns_and_warmups(out: Path, repeats: int = 3) -> TurnsRun:
+    """On one server with prefix caching: the TTFT of an 8-token completion prompt, of
+    the second turn of a ~2,000-token conversation (its first turn answered just before),
+    and of a question whose system prompt and first words ``POST /v1/prefill`` warmed
+    while it was typed."""
+    out.mkdir(parents=True, exist_ok=True)
+    server = start_server_with_args(
+        # The breaker off: its step-time signal (p95 >= 1 s) trips on the 512-token prefill
+        # chunks of 2,000-token prompts on a 2-core CPU and would shed the (batch-class)
+        # warm-ups; docs/benchmarks.md says so.
+        ["--prefix-caching", "--max-model-len", "3072", "--no-breaker"],
+        out / "server-turns.log",
+    )
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            _ttft(client, "Say hi.", system="Be brief.")  # first-use costs
+            shorts = [_first_token(client, None, f"Count to ten, take {i}: one")
+                      for i in range(repeats + 2)]  # fmt: skip
+            short = [a.ttft for a in shorts]
+            turns: list[float] = []
+            alone: list[Answer] = []
+            history_tokens = 0
+            for i in range(repeats):
+                system = f"Conversation {i}. " + SYSTEM_PROMPT
+                history = [{"role": "system", "content": system}, *_HISTORY_TURN * 7]
+                first_turn = [*history, {"role": "user", "content": "And the rye bread?"}]
+                answer = _first_token(client, first_turn).text
+                second = [*first_turn, {"role": "assistant", "content": answer},
+                          {"role": "user", "content": "Thank you, see you then."}]  # fmt: skip
+                reply = _first_token(client, second)
+                turns.append(reply.ttft)
+                history_tokens = reply.prompt_tokens
+                # What the second turn adds, as the model reads it, on its own.
+                added = (f"{i}<|im_end|>\n<|im_start|>user\nThank you, see you then.<|im_end|>"
+                         "\n<|im_start|>assistant\n")  # fmt: skip
+                alone.append(_first_token(client, None, added))
+            warmed: list[float] = []
+            for i in range(repeats):
+                system = f"Customer {i}. " + SYSTEM_PROMPT
+                typed = [{"role": "system", "content": system},
+                         {"role": "user", "content": "Do you bake gluten-free"}]  # fmt: skip
+                queries = client.get("/v1/stats").json()["prefix_cache"]["queries"]
+                warm = client.post("/v1/prefill", json={"messages": typed})
+                if warm.status_code != 202:
+                    raise RuntimeError(f"/v1/prefill answered {warm.status_code}: {warm.text}")
+                _wait_idle(client, queries)
+                final = [typed[0], {"role": "user", "content": "Do you bake gluten-free bread?"}]
+                warmed.append(_first_token(client, final).ttft)
+    finally:
+        server.stop()
+    return TurnsRun(
+        short, shorts[0].prompt_tokens, [a.ttft for a in alone], alone[0].prompt_tokens, turns,
+        warmed, history_tokens,
+    )  # fmt: skip
+
+
+def _wait_idle(client: httpx.Client, queries: int, timeout: float = 60.0) -> None:
+    """Until the warm-up has reached the engine (the prefix cache counts one more
+    query) and nothing runs or waits any more (it has finished)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.get("/v1/stats").json()
+        started = stats["prefix_cache"]["queries"] > queries
+        if started and not stats["requests_running"] and not stats["requests_waiting"]:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the server did not become idle")

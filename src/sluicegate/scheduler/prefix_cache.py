@@ -79,6 +79,8 @@ class PrefixCache:
         self._index: dict[bytes, int] = {}
         #: Slot -> the keys it holds, in order.
         self._keys: dict[int, list[bytes]] = {}
+        #: Slot -> the tokens whose positions it holds (past its last full block too).
+        self._tokens: dict[int, list[int]] = {}
         #: Slots with no sequence whose content is kept, least recently used first.
         self._idle: OrderedDict[int, None] = OrderedDict()
         #: Request id -> the keys of its blocks known so far.
@@ -106,9 +108,12 @@ class PrefixCache:
     def num_cached_blocks(self) -> int:
         return sum(len(self._keys.get(slot, ())) for slot in self._idle)
 
-    def lookup(self, keys: Sequence[bytes], max_tokens: int) -> PrefixHit | None:
-        """The slot holding the longest run of ``keys`` (at most ``max_tokens`` positions
-        reused: a prompt always computes its last token itself)."""
+    def lookup(
+        self, keys: Sequence[bytes], max_tokens: int, token_ids: Sequence[int] = ()
+    ) -> PrefixHit | None:
+        """The slot holding the longest run of ``keys``, extended token by token past the
+        last full block as far as the slot's content and ``token_ids`` agree (at most
+        ``max_tokens`` positions reused: a prompt always computes its last token)."""
         found: tuple[int, int] | None = None
         for i, key in enumerate(keys):
             slot = self._index.get(key)
@@ -118,18 +123,30 @@ class PrefixCache:
         if found is None:
             return None
         slot, blocks = found
-        return PrefixHit(slot, blocks * self.block_size, slot in self._idle)
+        matched = self._extend(slot, blocks * self.block_size, token_ids, max_tokens)
+        return PrefixHit(slot, matched, slot in self._idle)
+
+    def _extend(self, slot: int, matched: int, token_ids: Sequence[int], limit: int) -> int:
+        held = self._tokens.get(slot, ())
+        end = min(limit, len(held), len(token_ids))
+        try:
+            while matched < end and held[matched] == token_ids[matched]:
+                matched += 1
+        except IndexError:  # changed by the engine thread while peeked at
+            pass
+        return matched
 
     def peek(self, token_ids: Sequence[int], namespace: str = "") -> int:
         """How many of ``token_ids`` a request arriving now would reuse.  Read from the
         event loop while the engine thread changes the index: a prediction, not a
         promise (the blocks may be evicted before the request runs)."""
-        matched = 0
+        matched, slot = 0, None
+        limit = max(0, len(token_ids) - 1)
         for key in block_keys(token_ids, self.block_size, namespace):
-            if key not in self._index:
+            if (found := self._index.get(key)) is None or matched + self.block_size > limit:
                 break
-            matched += self.block_size
-        return min(matched, max(0, len(token_ids) - 1))
+            matched, slot = matched + self.block_size, found
+        return matched if slot is None else self._extend(slot, matched, token_ids, limit)
 
     def record_query(self, num_tokens: int, hit_tokens: int, copied: bool) -> None:
         stats = self.stats
@@ -140,8 +157,10 @@ class PrefixCache:
             stats.hit_tokens += hit_tokens
             stats.copies += int(copied)
 
-    def register(self, slot: int, keys: Sequence[bytes]) -> None:
-        """``slot`` holds the blocks ``keys`` (a prefix of its content, computed)."""
+    def register(self, slot: int, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> None:
+        """``slot`` holds the blocks ``keys`` and the positions of ``tokens`` (computed)."""
+        if tokens:
+            self._tokens[slot] = list(tokens)
         held = self._keys.setdefault(slot, [])
         for key in keys[len(held) :]:
             held.append(key)
@@ -150,6 +169,11 @@ class PrefixCache:
     def take(self, slot: int, keep_tokens: int = 0) -> None:
         """A sequence now writes ``slot``: past ``keep_tokens`` its content is gone."""
         self._idle.pop(slot, None)
+        if (tokens := self._tokens.get(slot)) is not None:
+            if keep_tokens:
+                del tokens[keep_tokens:]
+            else:
+                del self._tokens[slot]
         held = self._keys.get(slot)
         if held is None:
             return

@@ -196,7 +196,7 @@ class Scheduler:
             return None
         keys = prefix.keys_of(request.request_id, request.all_token_ids, request.num_tokens,
                               request.prefix_namespace)  # fmt: skip
-        return prefix.lookup(keys, request.num_tokens - 1)
+        return prefix.lookup(keys, request.num_tokens - 1, request.all_token_ids)
 
     def _record_prefix_query(self, request: Request, start: int, hit: PrefixHit | None) -> None:
         if self.kv.prefix is not None and (hit is not None or not request.num_computed_tokens):
@@ -211,7 +211,9 @@ class Scheduler:
                 request.request_id, request.all_token_ids, request.num_computed_tokens,
                 request.prefix_namespace,
             )  # fmt: skip
-            prefix.register(request.kv_slot, keys)
+            prefix.register(
+                request.kv_slot, keys, request.all_token_ids[: request.num_computed_tokens]
+            )
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         assert request.kv_slot is not None

@@ -67,8 +67,7 @@ def test_a_repeated_prompt_reuses_its_cached_slot_and_answers_the_same(
     copies = run(engine, scheduler, [again, sampled])
     assert first.output_token_ids == again.output_token_ids == cold[0]
     assert sampled.output_token_ids == cold[1]
-    block = scheduler.config.kv_block_size
-    reusable = (len(prompt) - 1) // block * block
+    reusable = len(prompt) - 1  # all but the last prompt token, which gives the logits
     assert again.num_cached_tokens == reusable  # adopted: the first answer's own slot
     # The second request found the same prefix in the first's slot while "again" held it.
     assert sampled.num_cached_tokens == reusable and copies

@@ -114,6 +114,7 @@ export function initPlayground({ onModel }) {
       // Sent as typed: the server checks the range and says what is wrong.
       max_tokens: Number($("max-tokens").value),
       stream: true,
+      user: "playground", // the same user as its warm-ups (POST /v1/prefill): ends them
       // Usage on every chunk gives an exact running token count for tokens/s.
       stream_options: { include_usage: true, continuous_usage_stats: true },
     };
