@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import ServerProcess, start_server
@@ -47,6 +48,13 @@ def test_a_repeated_system_prompt_is_reused_and_reported(server: ServerProcess) 
     assert cached(first) == 0
     again = ask(server, "When do you close?")
     assert again["prompt_tokens"] > cached(again) >= again["prompt_tokens"] - 32
+    # Streamed, the usage chunk says so too.
+    body = {"messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": "Open on Monday?"}], "max_tokens": 4,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", server.v1 + "/chat/completions", json=body, timeout=30) as r:
+        last = [line for line in r.iter_lines() if line.startswith("data: {")][-1]
+    assert cached(orjson.loads(last[6:])["usage"]) > 0
     stats = server.stats()["prefix_cache"]
     assert stats["hits"] >= 1 and stats["hit_tokens"] >= cached(again)
     assert server.metrics().total('sluicegate_prefix_cache_tokens_total{outcome="hit"}') >= (

@@ -132,6 +132,17 @@ def test_body_is_streamed_with_fixed_output_length() -> None:
     assert PromptModel(2.0, 10.0).words_for(110) == 50
 
 
+def test_a_shared_system_prompt_starts_every_chat_request() -> None:
+    scenario = parse_scenario(SCENARIO + "shared_system_prompt_words: 40\n")
+    first, second = build_schedule(scenario, capacity_rps=10.0).requests[:2]
+    a = request_body(scenario, first, "m", PromptModel(1.0, 0.0))["messages"]
+    b = request_body(scenario, second, "m", PromptModel(1.0, 0.0))["messages"]
+    assert a[0]["role"] == b[0]["role"] == "system" and a[0] == b[0]
+    assert len(a[0]["content"].split()) == 40 and a[1] != b[1]
+    plain = request_body(parse_scenario(SCENARIO), first, "m", PromptModel(1.0, 0.0))
+    assert [m["role"] for m in plain["messages"]] == ["user"]
+
+
 def test_capacity_multiplier_needs_a_capacity() -> None:
     with pytest.raises(ValueError, match="--capacity-rps"):
         build_schedule(parse_scenario(SCENARIO))

@@ -89,6 +89,7 @@ FULL_SNAPSHOT: dict[str, Any] = {
     "preemptions_total": 2,
     "preemptions_by_reason": {"kv_pressure": 2},
     "engine_steps_total": 1000,
+    "prefix_cache": {"hit_rate": 0.25, "cached_slots": 3, "hit_tokens": 1200},
 }
 
 
@@ -105,6 +106,7 @@ def test_dashboard_shows_what_the_server_reports(page: Page, load_server: Server
     assert page.is_hidden("[data-testid=stat-ttft]")
     assert page.is_hidden("[data-testid=chart-ttft]")
     assert page.is_hidden("[data-testid=stat-breaker]")
+    assert page.is_hidden("[data-testid=stat-prefix]")
 
     snapshot = FULL_SNAPSHOT
     wait_until(lambda: stat(page, "running") == "5", "the next poll is shown")
@@ -113,6 +115,10 @@ def test_dashboard_shows_what_the_server_reports(page: Page, load_server: Server
     assert stat(page, "tpot") == "21 ms"
     assert stat(page, "batch") == "6"
     assert stat(page, "kv") == "50%"
+    assert stat(page, "prefix") == "25%"
+    assert page.locator("[data-testid=stat-prefix] + .sub").text_content() == (
+        "of prompt tokens · 3 cached slots"
+    )
     assert stat(page, "rejections") == "5"
     assert stat(page, "breaker") == "shed batch"
     charts = ("requests", "batch", "kv", "ttft", "tpot", "queue-wait", "rejections", "preemptions")

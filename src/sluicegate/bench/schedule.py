@@ -330,6 +330,11 @@ def prompt_text(num_words: int, prompt_seed: int, index: int) -> str:
     return " ".join(words)
 
 
+def shared_system_prompt(num_words: int, seed: int) -> str:
+    """The system prompt every request of a scenario shares (the same for a seed)."""
+    return " ".join(random.Random(f"system-{seed}").choices(_WORDS, k=num_words))
+
+
 def request_body(
     scenario: Scenario, planned: PlannedRequest, model: str, prompt_model: PromptModel
 ) -> dict[str, Any]:
@@ -351,6 +356,9 @@ def request_body(
     }
     if scenario.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": text}]
+        if scenario.shared_system_prompt_words:
+            system = shared_system_prompt(scenario.shared_system_prompt_words, scenario.seed)
+            body["messages"].insert(0, {"role": "system", "content": system})
     else:
         body["prompt"] = text
     return body

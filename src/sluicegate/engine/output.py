@@ -189,4 +189,5 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         failure=last.failure,
         reported_usage=last.reported_usage,
         committed_token_ids=[t for o in outputs for t in o.committed_token_ids],
+        num_cached_tokens=last.num_cached_tokens,
     )

@@ -401,7 +401,11 @@ class Scheduler:
             if request.min_token_interval_seconds > 0 and reason is None:
                 self._pace(request)
             if reason is not None:
-                self.seats.on_finished(request.num_prompt_tokens, request.num_output_tokens)
+                # The prompt it made the engine compute: cache hits are not prefill load.
+                computed = request.num_prompt_tokens - min(
+                    request.num_cached_tokens, request.num_prompt_tokens - 1
+                )
+                self.seats.on_finished(computed, request.num_output_tokens)
                 request.finish_reason = reason
                 self._finish(
                     request,

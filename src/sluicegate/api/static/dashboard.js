@@ -178,6 +178,19 @@ const CARDS = [
       return `${kv.used_blocks} / ${kv.total_blocks} blocks`;
     },
   },
+  {
+    id: "prefix",
+    label: "Prefix cache hits",
+    value: (c) => {
+      const ratio = num(c.stats.prefix_cache?.hit_rate);
+      return fmtPercent(ratio === undefined ? undefined : ratio * 100);
+    },
+    sub: (c) => {
+      const p = c.stats.prefix_cache;
+      if (!p || num(p.cached_slots) === undefined) return "";
+      return `of prompt tokens · ${p.cached_slots} cached slots`;
+    },
+  },
   latencyCard("ttft", "TTFT p50", TTFT),
   latencyCard("tpot", "TPOT p50", TPOT),
   {

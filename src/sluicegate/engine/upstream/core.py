@@ -283,6 +283,7 @@ class UpstreamCore:
         self.num_calls += 1
         live.calls += 1
         reported: tuple[int, int] | None = None
+        cached = 0
         started = time.monotonic()
         first_time: float | None = None
         last_time = started
@@ -343,6 +344,7 @@ class UpstreamCore:
                         finish = _finish_reason(delta.finish_reason)
                     if delta.prompt_tokens is not None and delta.completion_tokens is not None:
                         reported = (delta.prompt_tokens, delta.completion_tokens)
+                        cached = delta.cached_tokens
         except httpx.HTTPError as exc:
             self.pool.failed(upstream, repr(exc))
             live.excluded.add(upstream.name)
@@ -362,7 +364,10 @@ class UpstreamCore:
         self.pool.succeeded(upstream)
         # The upstream's own usage, when the whole answer came from this one call.
         whole = live.calls == 1 and not live.taken_over
-        self._post(live, finish, reported=reported if whole else None)
+        if whole:
+            self._post(live, finish, reported=reported, cached=cached)
+        else:
+            self._post(live, finish)
         return Outcome.FINISHED
 
     def _render(self, messages: list[dict[str, Any]]) -> str | None:
@@ -458,13 +463,14 @@ class UpstreamCore:
         error: str | None = None,
         failure: APIError | None = None,
         reported: tuple[int, int] | None = None,
+        cached: int = 0,
     ) -> None:
         request = live.request
         live.stream.put(
             RequestOutput(
                 request.request_id, "", 0, request.num_prompt_tokens, request.num_output_tokens,
                 finish, error=error or (failure.message if failure else None), failure=failure,
-                reported_usage=reported,
+                reported_usage=reported, num_cached_tokens=cached,
             )
         )  # fmt: skip
 

@@ -120,6 +120,8 @@ class Delta:
     #: ``usage`` when the event carries it (the last one, with ``include_usage``).
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    #: Prompt tokens its engine reused from its prefix cache (``cached_tokens``).
+    cached_tokens: int = 0
     done: bool = False
     error: dict[str, Any] | None = field(default=None)
 
@@ -142,6 +144,9 @@ def parse_event(data: bytes) -> Delta | None:
     if isinstance(usage, dict):
         delta.prompt_tokens = _count(usage.get("prompt_tokens"))
         delta.completion_tokens = _count(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            delta.cached_tokens = _count(details.get("cached_tokens")) or 0
     choices = event.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         choice = choices[0]
