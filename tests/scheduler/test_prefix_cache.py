@@ -31,7 +31,7 @@ def test_the_longest_registered_run_wins_and_the_last_token_is_never_reused() ->
     cache.register(5, keys, list(range(64)))
     hit = cache.lookup(keys, max_tokens=63, token_ids=list(range(64)))
     assert hit is not None and hit.num_tokens == 63
-    assert cache.peek([*range(60), 7, 7]) == 60
+    assert cache.peek(request("p", [*range(60), 7, 7])) == 60
     assert cache.lookup(block_keys([9] * 32, 16), 31) is None
 
 

@@ -72,7 +72,7 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
         )  # fmt: skip
         return json_response(job_view(record), status_code=202)
     req = prepared.req
-    prefill.supersede(service, tenant.name, req.user or "")
+    prefill.supersede(state, service, tenant.name, req.user or "")
     generation = await service.submit(
         tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
         req.max_tokens_per_second, request_charged=True, upstream_call=prepared.upstream_call,

@@ -23,9 +23,11 @@ from starlette.responses import Response
 
 from sluicegate.api.body import parse_json, read_body
 from sluicegate.api.prepare import prepare
-from sluicegate.api.state import app_state
+from sluicegate.api.state import AppState, app_state
 from sluicegate.api.stats import json_response
 from sluicegate.errors import APIError, invalid_param
+from sluicegate.scheduler.request import Request
+from sluicegate.service.build import prefix_namespace
 from sluicegate.service.collect import collect
 from sluicegate.service.generation import Generation
 from sluicegate.service.ownership import RESUME_TOKEN_HEADER
@@ -36,10 +38,6 @@ router = APIRouter()
 #: Fields of a chat body that make no sense for a warm-up (it answers nothing).
 _IGNORED = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
             "background", "priority", "max_tokens_per_second")  # fmt: skip
-
-#: Running warm-ups by (tenant, user): a newer one cancels the older.
-_latest: dict[tuple[str, str], Generation] = {}
-_tasks: set[asyncio.Task[None]] = set()
 
 
 @router.post("/v1/prefill", status_code=202)
@@ -59,19 +57,20 @@ async def prefill(request: HTTPRequest) -> Response:
     body.update(max_tokens=1, priority="batch")
     prepared = prepare(service, "chat", body)
     peek = service.capacity.cached_prefix
-    scope = tenant.name if service.settings.prefix_cache_scope == "tenant" else ""
-    cached = peek(prepared.prompt_ids, scope) if peek is not None else 0
+    namespace = prefix_namespace(service.settings, tenant.name)
+    probe = Request(prepared.request_id, prepared.prompt_ids, prepared.sampling,
+                    prefix_namespace=namespace)  # fmt: skip
+    cached = peek(probe) if peek is not None else 0
     generation = await service.submit(
         tenant, "batch", prepared.request_id, prepared.prompt_ids, prepared.sampling,
         None, request_charged=True, upstream_call=prepared.upstream_call,
     )  # fmt: skip
+    supersede(state, service, tenant.name, user)  # a newer warm-up cancels the older
     key = (tenant.name, user)
-    if (older := _latest.get(key)) is not None:
-        service.cancel(older)
-    _latest[key] = generation
-    task = asyncio.get_running_loop().create_task(_run(service, generation, key))
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
+    state.warmups[key] = generation
+    task = asyncio.get_running_loop().create_task(_run(state, service, generation, key))
+    state.warmup_tasks.add(task)
+    task.add_done_callback(state.warmup_tasks.discard)
     headers = dict(generation.headers)
     if generation.resume_token is not None:
         headers[RESUME_TOKEN_HEADER] = generation.resume_token  # to cancel it in open mode
@@ -82,19 +81,22 @@ async def prefill(request: HTTPRequest) -> Response:
     )  # fmt: skip
 
 
-def supersede(service: Service, tenant: str, user: str) -> None:
-    """The real request of ``user`` has come: its warm-up, if one still runs, stops.  What
-    it computed stays cached; the request computes the rest itself, with no warm-up ahead
-    of it in the engine (and none in its predicted time to first token)."""
-    if (running := _latest.pop((tenant, user), None)) is not None:
+def supersede(state: AppState, service: Service, tenant: str, user: str) -> None:
+    """A newer warm-up or the real request of ``user`` has come: its warm-up, if one still
+    runs, stops.  What it computed stays cached; the request computes the rest itself,
+    with no warm-up ahead of it in the engine (and none in its predicted time to first
+    token)."""
+    if (running := state.warmups.pop((tenant, user), None)) is not None:
         service.cancel(running)
 
 
-async def _run(service: Service, generation: Generation, key: tuple[str, str]) -> None:
+async def _run(
+    state: AppState, service: Service, generation: Generation, key: tuple[str, str]
+) -> None:
     """Let the warm-up run to its end; its one token is dropped."""
     try:
         with contextlib.suppress(APIError):
             await collect(service, generation, None)
     finally:
-        if _latest.get(key) is generation:
-            del _latest[key]
+        if state.warmups.get(key) is generation:
+            del state.warmups[key]

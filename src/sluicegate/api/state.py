@@ -20,6 +20,7 @@ from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.jobs import JobRunner
 from sluicegate.queue.journal_location import JournalLocation
+from sluicegate.service.generation import Generation
 from sluicegate.service.service import Service
 from sluicegate.store.base import Store
 from sluicegate.store.errors import StoreUnavailable
@@ -58,6 +59,9 @@ class AppState:
     preemptions_seen: dict[str, int] = field(default_factory=dict)
     #: The prefix cache's counters as last exported (query/hit tokens, evictions).
     prefix_seen: dict[str, float] = field(default_factory=dict)
+    #: Running ``/v1/prefill`` warm-ups by (tenant, user), and the tasks that run them.
+    warmups: dict[tuple[str, str], Generation] = field(default_factory=dict)
+    warmup_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Parse and tokenise large request bodies off the event loop.
     body_workers: BodyWorkers = field(default_factory=BodyWorkers)
     #: Called with a one-line reason when the server cannot go on (the engine failed to

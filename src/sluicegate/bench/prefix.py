@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median_high
 
 import httpx
 import orjson
@@ -34,8 +35,7 @@ class PrefixRun:
 
     @property
     def repeated_median(self) -> float:
-        ordered = sorted(self.repeated_ttft)
-        return ordered[len(ordered) // 2]
+        return median_high(self.repeated_ttft)
 
     def line(self) -> str:
         return (f"{self.label}: first request TTFT {self.first_ttft * 1000:.0f} ms, repeated "
@@ -160,10 +160,6 @@ _HISTORY_TURN = [
 ]  # fmt: skip
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 @dataclass(slots=True)
 class TurnsRun:
     """Second turns and warmed prompts against a short prompt, on one server."""
@@ -178,9 +174,9 @@ class TurnsRun:
     history_tokens: int
 
     def lines(self) -> list[str]:
-        short = _median(self.short_ttft)
-        turn, warmed = _median(self.second_turn_ttft), _median(self.warmed_ttft)
-        alone = _median(self.new_message_ttft)
+        short = median_high(self.short_ttft)
+        turn, warmed = median_high(self.second_turn_ttft), median_high(self.warmed_ttft)
+        alone = median_high(self.new_message_ttft)
         return [
             f"{self.short_tokens}-token prompt TTFT median {short * 1000:.0f} ms",
             f"the second turn's new message alone ({self.new_message_tokens} tokens): TTFT "

@@ -155,8 +155,7 @@ class Dispatcher:
         # What it must prefill: less what the prefix cache holds of its prompt now.
         peek = self.capacity.cached_prefix
         request = ticket.request
-        cached = peek(request.prompt_token_ids, request.prefix_namespace) if peek else 0
-        prompt = request.num_prompt_tokens - cached
+        prompt = request.num_prompt_tokens - (peek(request) if peek else 0)
         objective = slo.objectives[pc].ttft_seconds
         prediction = predictor.predict(holders, ahead, free, prompt, objective)
         if slo.refuses(pc, prediction):

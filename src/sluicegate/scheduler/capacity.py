@@ -45,7 +45,7 @@ class DispatchCapacity:
         #: Called after a change that may let another request in (engine thread).
         self.on_change: Callable[[], None] | None = None
         #: Prompt tokens a request would find in the prefix cache now (None: no cache).
-        self.cached_prefix: Callable[[list[int], str], int] | None = None
+        self.cached_prefix: Callable[[Request], int] | None = None
         self._lock = threading.Lock()
         self._holding: dict[str, _Holding] = {}
         self._num_seats = 0

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sluicegate.scheduler.request import Request
+
 _ROOT = b"sluicegate-prefix-v1"
 
 
@@ -83,22 +85,17 @@ class PrefixCache:
         self._tokens: dict[int, list[int]] = {}
         #: Slots with no sequence whose content is kept, least recently used first.
         self._idle: OrderedDict[int, None] = OrderedDict()
-        #: Request id -> the keys of its blocks known so far.
-        self._request_keys: dict[str, list[bytes]] = {}
         self.stats = PrefixCacheStats()
 
-    def keys_of(
-        self, request_id: str, token_ids: Sequence[int], num_tokens: int, namespace: str = ""
-    ) -> list[bytes]:
+    def keys_of(self, request: Request, num_tokens: int) -> list[bytes]:
         """The keys of the full blocks among the first ``num_tokens`` of a request's
-        tokens (hashed once per request, block by block as they come)."""
-        keys = self._request_keys.setdefault(request_id, [])
+        tokens, kept on the request (``Request.prefix_keys``): each block is hashed once,
+        whether admission peeked first or the scheduler asks."""
+        keys = request.prefix_keys
         if len(keys) < num_tokens // self.block_size:
-            block_keys(token_ids[:num_tokens], self.block_size, namespace, keys)
+            block_keys(request.all_token_ids[:num_tokens], self.block_size,
+                       request.prefix_namespace, keys)  # fmt: skip
         return keys[: num_tokens // self.block_size]
-
-    def forget(self, request_id: str) -> None:
-        self._request_keys.pop(request_id, None)
 
     @property
     def num_cached_slots(self) -> int:
@@ -136,13 +133,14 @@ class PrefixCache:
             pass
         return matched
 
-    def peek(self, token_ids: Sequence[int], namespace: str = "") -> int:
-        """How many of ``token_ids`` a request arriving now would reuse.  Read from the
-        event loop while the engine thread changes the index: a prediction, not a
-        promise (the blocks may be evicted before the request runs)."""
+    def peek(self, request: Request) -> int:
+        """How many prompt tokens a request arriving now would reuse.  Called on the event
+        loop before the request reaches the engine thread, while that thread changes the
+        index: a prediction, not a promise (the blocks may be evicted before it runs)."""
+        token_ids = request.prompt_token_ids
         matched, slot = 0, None
         limit = max(0, len(token_ids) - 1)
-        for key in block_keys(token_ids, self.block_size, namespace):
+        for key in self.keys_of(request, len(token_ids)):
             if (found := self._index.get(key)) is None or matched + self.block_size > limit:
                 break
             matched, slot = matched + self.block_size, found
@@ -157,10 +155,11 @@ class PrefixCache:
             stats.hit_tokens += hit_tokens
             stats.copies += int(copied)
 
-    def register(self, slot: int, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> None:
-        """``slot`` holds the blocks ``keys`` and the positions of ``tokens`` (computed)."""
+    def register(self, slot: int, keys: Sequence[bytes], tokens: list[int] | None = None) -> None:
+        """``slot`` holds the blocks ``keys`` and the positions of ``tokens`` (computed;
+        the list is kept as it is: the caller hands over its own copy)."""
         if tokens:
-            self._tokens[slot] = list(tokens)
+            self._tokens[slot] = tokens
         held = self._keys.setdefault(slot, [])
         for key in keys[len(held) :]:
             held.append(key)

@@ -80,6 +80,8 @@ class Request:
     #: Whose prefixes it may reuse: "" for everyone's, a tenant's name with
     #: ``prefix_cache_scope: tenant`` (its key chain starts from it).
     prefix_namespace: str = ""
+    #: The prefix cache's keys of its full blocks, as far as they have been hashed.
+    prefix_keys: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     #: Paused for a slow reader: not scheduled (keeps its KV unless preempted).  Set by

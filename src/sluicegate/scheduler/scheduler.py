@@ -194,23 +194,21 @@ class Scheduler:
         prefix = self.kv.prefix
         if prefix is None or request.num_computed_tokens:
             return None
-        keys = prefix.keys_of(request.request_id, request.all_token_ids, request.num_tokens,
-                              request.prefix_namespace)  # fmt: skip
+        keys = prefix.keys_of(request, request.num_tokens)
         return prefix.lookup(keys, request.num_tokens - 1, request.all_token_ids)
 
     def _record_prefix_query(self, request: Request, start: int, hit: PrefixHit | None) -> None:
-        if self.kv.prefix is not None and (hit is not None or not request.num_computed_tokens):
-            self.kv.prefix.record_query(request.num_tokens, start, copied=not hit or not hit.idle)
+        """Count a lookup (a request starting from nothing; before ``start`` is set)."""
+        if self.kv.prefix is not None and not request.num_computed_tokens:
+            copied = hit is not None and not hit.idle
+            self.kv.prefix.record_query(request.num_tokens, start, copied)
             request.num_cached_tokens += start
 
     def _remember(self, request: Request) -> None:
         """Index the blocks a sequence has computed in its slot (for others to reuse)."""
         prefix = self.kv.prefix
         if prefix is not None and request.kv_slot is not None and request.num_computed_tokens:
-            keys = prefix.keys_of(
-                request.request_id, request.all_token_ids, request.num_computed_tokens,
-                request.prefix_namespace,
-            )  # fmt: skip
+            keys = prefix.keys_of(request, request.num_computed_tokens)
             prefix.register(
                 request.kv_slot, keys, request.all_token_ids[: request.num_computed_tokens]
             )
@@ -448,8 +446,6 @@ class Scheduler:
             self.waiting.remove(request.request_id)
             self.parked.pop(request.request_id, None)
         self._remember(request)
-        if self.kv.prefix is not None:
-            self.kv.prefix.forget(request.request_id)
         self.kv.free(request.request_id, request.kv_slot)
         if request.kv_slot is not None:
             self._freed_slots.append(request.kv_slot)

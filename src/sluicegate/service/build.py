@@ -61,6 +61,12 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
     )
 
 
+def prefix_namespace(settings: Settings, tenant: str) -> str:
+    """Whose cached prefixes a tenant's requests may reuse: everyone's (""), or with
+    ``prefix_cache_scope: tenant`` only its own."""
+    return tenant if settings.prefix_cache_scope == "tenant" else ""
+
+
 def pause_preempt_seconds(settings: Settings) -> float | None:
     """When a paused sequence loses its KV: as configured; otherwise only when needed
     (admission by objective) or after 5 s (static admission, as before objectives)."""

@@ -39,6 +39,7 @@ from sluicegate.service.build import (
     build_scheduler,
     build_slo,
     log_auto_objective,
+    prefix_namespace,
     queue_config,
     resolve_auto_objective,
     store_refusal,
@@ -251,7 +252,7 @@ class Service:
             sampling=sampling,
             all_token_ids=[*prompt_ids, *output_token_ids],
             upstream_call=upstream_call,
-            prefix_namespace=tenant.name if self.settings.prefix_cache_scope == "tenant" else "",
+            prefix_namespace=prefix_namespace(self.settings, tenant.name),
         )
         pace = max_tokens_per_second or tenant.max_tokens_per_second
         if tenant.max_tokens_per_second and max_tokens_per_second:

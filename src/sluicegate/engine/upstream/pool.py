@@ -292,29 +292,11 @@ class UpstreamPool:
 
     async def check(self, upstream: Upstream) -> None:
         """Read its model list (health) and its metrics (load), when it has them."""
-        timeout = self.settings.upstream_connect_timeout_seconds
         try:
-            response = await upstream.client.get("/v1/models", timeout=timeout)
-            response.raise_for_status()
-            data = response.json().get("data", [])
-            upstream.models = [m["id"] for m in data if isinstance(m, dict) and "id" in m]
+            upstream.models = await self._models(upstream)
         except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
-            # Its model list fails (``transformers serve`` without a hub cache) but its
-            # models are configured: its /health says whether it is up.
-            try:
-                if not upstream.config.models or isinstance(exc, httpx.ConnectError):
-                    raise
-                try:
-                    health = await upstream.client.get("/health", timeout=timeout)
-                except (httpx.ReadError, httpx.RemoteProtocolError):
-                    # It closed the connection after its 500 without saying so (uvicorn
-                    # does, after an exception): ask again, on a new one.
-                    health = await upstream.client.get("/health", timeout=timeout)
-                health.raise_for_status()
-                upstream.models = list(upstream.config.models.values())
-            except (httpx.HTTPError, ValueError, AttributeError, TypeError) as final:
-                self.failed(upstream, f"health check: {final!r}")
-                return
+            self.failed(upstream, f"health check: {exc!r}")
+            return
         came_back = not upstream.healthy
         upstream.healthy = True
         self.any_healthy.set()
@@ -323,6 +305,28 @@ class UpstreamPool:
             logger.info("upstream %s healthy: models %s", upstream.name, upstream.models)
             self._changed()
         await self._read_load(upstream)
+
+    async def _models(self, upstream: Upstream) -> list[str]:
+        """Its model names, from its /v1/models.  When that fails (``transformers serve``
+        without a hub cache) but its models are configured, its /health says whether it is
+        up.  Raises when it is not."""
+        timeout = self.settings.upstream_connect_timeout_seconds
+        try:
+            response = await upstream.client.get("/v1/models", timeout=timeout)
+            response.raise_for_status()
+            data = response.json().get("data", [])
+            return [m["id"] for m in data if isinstance(m, dict) and "id" in m]
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
+            if not upstream.config.models or isinstance(exc, httpx.ConnectError):
+                raise
+        try:
+            health = await upstream.client.get("/health", timeout=timeout)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # It closed the connection after its 500 without saying so (uvicorn does,
+            # after an exception): ask again, on a new one.
+            health = await upstream.client.get("/health", timeout=timeout)
+        health.raise_for_status()
+        return list(upstream.config.models.values())
 
     async def _read_load(self, upstream: Upstream) -> None:
         try:
