@@ -20,13 +20,25 @@ TTFT_OBJECTIVE = 0.5
 SIM = ["--engine", "sim", "--sim-step-base-ms", "20", "--sim-step-per-token-ms", "0.2"]
 
 
-@pytest.fixture(scope="module")
-def slo_server() -> Iterator[ServerProcess]:
-    server = start_server(
+def start_slo_server() -> ServerProcess:
+    return start_server(
         [*SIM, "--max-num-seqs", "8", "--ttft-slo-ms", str(TTFT_OBJECTIVE * 1000),
          "--tpot-slo-ms", "200"],
         "slo",
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def slo_server() -> Iterator[ServerProcess]:
+    server = start_slo_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_slo_server() -> Iterator[ServerProcess]:
+    """One whose service rate was learnt from nothing but the test's own requests."""
+    server = start_slo_server()
     yield server
     server.stop()
 
@@ -39,9 +51,12 @@ class Outcome:
     code: str | None = None
 
 
-async def stream_once(client: httpx.AsyncClient, base: str, prompt: str) -> Outcome:
+async def stream_once(
+    client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int = 64
+) -> Outcome:
     body = {
-        "model": MODEL, "prompt": prompt, "max_tokens": 64, "ignore_eos": True, "stream": True,
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "stream": True,
     }  # fmt: skip
     started = time.monotonic()
     async with client.stream("POST", base + "/v1/completions", json=body) as response:
@@ -61,12 +76,12 @@ async def stream_once(client: httpx.AsyncClient, base: str, prompt: str) -> Outc
         return Outcome(200, ttft)
 
 
-async def burst(base: str, count: int, spacing: float) -> list[Outcome]:
+async def burst(base: str, count: int, spacing: float, max_tokens: int = 64) -> list[Outcome]:
     async with httpx.AsyncClient(timeout=60) as client:
 
         async def one(i: int) -> Outcome:
             await asyncio.sleep(i * spacing)
-            return await stream_once(client, base, f"burst {i}")
+            return await stream_once(client, base, f"burst {i}", max_tokens)
 
         return await asyncio.gather(*(one(i) for i in range(count)))
 
@@ -97,16 +112,19 @@ def test_overload_is_refused_at_once_and_what_is_admitted_meets_its_objective(
 
 
 def test_clients_that_come_back_at_the_advertised_time_are_admitted(
-    slo_server: ServerProcess,
+    fresh_slo_server: ServerProcess,
 ) -> None:
+    slo_server = fresh_slo_server
+
     async def client(http: httpx.AsyncClient, i: int) -> tuple[Outcome, Outcome | None]:
         """One request of a burst; refused, it comes back when it was told to."""
+        # Short answers: the burst clears, and the refused come back, in a few seconds.
         await asyncio.sleep(i * 0.005)
-        first = await stream_once(http, slo_server.base_url, f"burst {i}")
+        first = await stream_once(http, slo_server.base_url, f"burst {i}", max_tokens=16)
         if first.status != 429 or first.retry_after_ms is None:
             return first, None
         await asyncio.sleep(first.retry_after_ms / 1000.0)
-        return first, await stream_once(http, slo_server.base_url, f"retry {i}")
+        return first, await stream_once(http, slo_server.base_url, f"retry {i}", max_tokens=16)
 
     async def scenario() -> list[tuple[Outcome, Outcome | None]]:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -159,7 +177,7 @@ def test_static_admission_never_refuses_by_objective() -> None:
         [*SIM, "--max-num-seqs", "8", "--admission", "static", "--ttft-slo-ms", "100"], "static"
     )
     try:
-        outcomes = asyncio.run(burst(server.base_url, count=30, spacing=0.005))
+        outcomes = asyncio.run(burst(server.base_url, count=30, spacing=0.005, max_tokens=16))
         assert all(o.status == 200 for o in outcomes)
         assert server.stats()["admission"] == {
             "mode": "static", "ttft_objective": None, "objectives": {}
