@@ -165,6 +165,13 @@ class Settings(BaseSettings):
     prefix_cache_scope: Literal["global", "tenant"] = Field(
         "global", description="tenant: a tenant reuses only its own prefixes (no side channel)."
     )
+    speculative_tokens: int = Field(
+        8, ge=0, le=64, description="Prompt-lookup speculative decoding: most draft tokens "
+        "a decoding sequence adds to a step (0 = off; docs/speculative-decoding.md).",
+    )  # fmt: skip
+    speculative_max_batch: int = Field(
+        2, ge=0, description="Draft only while at most this many sequences decode."
+    )
     default_max_tokens: int = Field(
         512, ge=1, description="max_tokens when a request gives none (capped by the context)."
     )
@@ -458,12 +465,6 @@ class Settings(BaseSettings):
     def kv_cache_memory_bytes(self) -> int | None:
         """``kv_cache_memory`` in bytes; None for ``auto`` (the engine applies the rule)."""
         return parse_memory_size(self.kv_cache_memory)
-
-    @property
-    def total_kv_blocks(self) -> int:
-        if self.num_kv_blocks is not None:
-            return self.num_kv_blocks
-        return -(-self.max_num_seqs * self.max_model_len // self.kv_block_size)
 
     @classmethod
     def settings_customise_sources(

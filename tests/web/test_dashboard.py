@@ -56,15 +56,15 @@ def test_dashboard_follows_the_load(page: Page, load_server: ServerProcess) -> N
         seen: set[tuple[str, ...]] = set()
         first_poll = polls(page)
         started = time.monotonic()
-        while time.monotonic() - started < 5.0:
+        while time.monotonic() - started < 3.5:
             seen.add(tuple(stat(page, n) for n in ("running", "kv", "rejections", "steps")))
             time.sleep(0.1)
-        assert polls(page) >= first_poll + 4  # 5 expected; one of slack for a slow machine
+        assert polls(page) >= first_poll + 2  # 3 expected; one of slack for a slow machine
         assert len(seen) >= 3, seen
 
         for chart in ("requests", "kv", "rejections", "steps"):
             assert page.is_visible(f"[data-testid=chart-{chart}]"), chart
-        time.sleep(6)  # let the charts fill for the picture
+        time.sleep(2)  # let the charts fill for the picture
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=ARTIFACTS / "dashboard.png", full_page=True)
     assert load.completed > 0 and load.errors == []
@@ -90,6 +90,7 @@ FULL_SNAPSHOT: dict[str, Any] = {
     "preemptions_by_reason": {"kv_pressure": 2},
     "engine_steps_total": 1000,
     "prefix_cache": {"hit_rate": 0.25, "cached_slots": 3, "hit_tokens": 1200},
+    "speculation": {"acceptance_rate": 0.625, "proposed_tokens": 80, "accepted_tokens": 50},
 }
 
 
@@ -107,6 +108,7 @@ def test_dashboard_shows_what_the_server_reports(page: Page, load_server: Server
     assert page.is_hidden("[data-testid=chart-ttft]")
     assert page.is_hidden("[data-testid=stat-breaker]")
     assert page.is_hidden("[data-testid=stat-prefix]")
+    assert page.is_hidden("[data-testid=stat-speculation]")
 
     snapshot = FULL_SNAPSHOT
     wait_until(lambda: stat(page, "running") == "5", "the next poll is shown")
@@ -118,6 +120,10 @@ def test_dashboard_shows_what_the_server_reports(page: Page, load_server: Server
     assert stat(page, "prefix") == "25%"
     assert page.locator("[data-testid=stat-prefix] + .sub").text_content() == (
         "of prompt tokens · 3 cached slots"
+    )
+    assert stat(page, "speculation") == "63%"
+    assert page.locator("[data-testid=stat-speculation] + .sub").text_content() == (
+        "50 of 80 drafted"
     )
     assert stat(page, "rejections") == "5"
     assert stat(page, "breaker") == "shed batch"

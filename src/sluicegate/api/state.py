@@ -57,8 +57,8 @@ class AppState:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Preemptions already counted into the Prometheus counter, by reason.
     preemptions_seen: dict[str, int] = field(default_factory=dict)
-    #: The prefix cache's counters as last exported (query/hit tokens, evictions).
-    prefix_seen: dict[str, float] = field(default_factory=dict)
+    #: The scheduler's cumulative counters as last exported (prefix cache, speculation).
+    counters_seen: dict[str, float] = field(default_factory=dict)
     #: Running ``/v1/prefill`` warm-ups by (tenant, user), and the tasks that run them.
     warmups: dict[tuple[str, str], Generation] = field(default_factory=dict)
     warmup_tasks: set[asyncio.Task[None]] = field(default_factory=set)

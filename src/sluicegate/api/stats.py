@@ -85,13 +85,20 @@ def refresh_state_metrics(state: AppState) -> None:
         counted = {"query": prefix["query_tokens"], "hit": prefix["hit_tokens"],
                    "evictions": prefix["evictions"]}  # fmt: skip
         for key, value in counted.items():
-            delta = value - state.prefix_seen.get(key, 0)
+            delta = value - state.counters_seen.get(key, 0)
             if delta > 0:
                 counter = metrics.prefix_cache_evictions_total if key == "evictions" else (
                     metrics.prefix_cache_tokens_total.labels(key))  # fmt: skip
                 counter.inc(delta)
-                state.prefix_seen[key] = value
+                state.counters_seen[key] = value
         metrics.prefix_cache_cached_slots.set(prefix["cached_slots"])
+    if (spec := sched.speculation) is not None:
+        for outcome in ("proposed", "accepted"):
+            key = f"speculative_{outcome}"
+            delta = spec[f"{outcome}_tokens"] - state.counters_seen.get(key, 0)
+            if delta > 0:
+                metrics.speculative_tokens_total.labels(outcome).inc(delta)
+                state.counters_seen[key] = spec[f"{outcome}_tokens"]
     metrics.engine_up.labels(metrics.engine).set(1 if core.engine_up else 0)
     # A copy first: the engine thread adds a reason the first time it preempts for it.
     for reason, count in dict(sched.preemptions_by_reason).items():
@@ -125,6 +132,7 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
             "bytes": service.kv_cache_bytes,
         },
         "prefix_cache": sched.prefix_cache,
+        "speculation": sched.speculation,
         "requests_paused": sched.num_paused,
         "requests_throttled": sched.num_throttled,
         "streams_paused": ready.flow.num_paused,

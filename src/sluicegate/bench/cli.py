@@ -358,6 +358,24 @@ def prefix_command(
         typer.echo(line)
 
 
+@bench_app.command("speculative")
+def speculative_command(
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Greedy runs a prompt.")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=16)] = 160,
+    out: OutOption = Path("bench-speculative"),
+) -> None:
+    """Single-stream decode speed with prompt-lookup speculative decoding and without, on
+    edit prompts and on prompts where nothing repeats (two servers, in turn)."""
+    from sluicegate.bench.speculative import speculative_decoding
+
+    try:
+        results = speculative_decoding(out, repeats=repeats, max_tokens=max_tokens)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        _fail(str(exc))
+    for result in results:
+        typer.echo(result.line())
+
+
 @bench_app.command("soak")
 def soak_command(
     target: Annotated[

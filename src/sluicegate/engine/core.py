@@ -244,12 +244,18 @@ class EngineCore:
                 continue
             text = ""
             committed_before = assembler.num_committed_tokens
+            # Its last event: the scheduler finished it with this token, or a stop string
+            # ends here (drafts verified in the same step may have added tokens after it).
+            done = event.finished
             if token_id is not None:
                 text = assembler.push(token_id, skip=event.is_stop_token)
-                if assembler.stopped and not request.status.is_finished:
+                if assembler.stopped and not done:
                     request.finish_reason = FinishReason.STOP
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            if request.status.is_finished:
+                    if not request.status.is_finished:
+                        self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                    del request.all_token_ids[request.num_prompt_tokens + event.num_output_tokens :]
+                    done = True
+            if done:
                 text += assembler.flush()
             committed: list[int] = []
             if assembler.num_committed_tokens > committed_before:
@@ -257,7 +263,7 @@ class EngineCore:
                 committed = request.all_token_ids[
                     start + committed_before : start + assembler.num_committed_tokens
                 ]
-            if request.status.is_finished:
+            if done:
                 del self._assemblers[rid]
                 del self._streams[rid]
                 self._committed_base.pop(rid, None)
@@ -269,8 +275,8 @@ class EngineCore:
                         text=text,
                         num_new_tokens=1 if token_id is not None else 0,
                         num_prompt_tokens=request.num_prompt_tokens,
-                        num_output_tokens=request.num_output_tokens,
-                        finish_reason=request.finish_reason if request.status.is_finished else None,
+                        num_output_tokens=event.num_output_tokens,
+                        finish_reason=request.finish_reason if done else None,
                         committed_token_ids=committed,
                         num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
                     ),

@@ -79,15 +79,19 @@ class SimEngine:
                 continue
             index = seq.output_index
             cached = self._slot_text.get(seq.kv_slot)
-            if cached is None or cached[0] != seq.request_id or len(cached[1]) <= index:
+            last = index + len(seq.draft_token_ids)
+            if cached is None or cached[0] != seq.request_id or len(cached[1]) <= last:
                 digest = hashlib.blake2b(
                     repr(seq.all_token_ids[: seq.num_prompt_tokens]).encode(), digest_size=16
                 ).digest()
-                text = sim_text_bytes(seq.sampling.seed, digest, max(256, 2 * (index + 1)))
+                text = sim_text_bytes(seq.sampling.seed, digest, max(256, 2 * (last + 1)))
                 cached = (seq.request_id, text)
                 self._slot_text[seq.kv_slot] = cached
             # Byte-level tokenizer: token id == byte value.
             result.sampled_token_ids[seq.request_id] = cached[1][index]
+            if seq.draft_token_ids:
+                after = list(cached[1][index + 1 : last + 1])
+                result.draft_sampled_token_ids[seq.request_id] = after
         if self._sleep:
             remaining = self.step_seconds(plan.num_batched_tokens) - (time.perf_counter() - started)
             if remaining > 0:

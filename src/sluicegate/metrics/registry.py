@@ -160,6 +160,11 @@ class Metrics:
             p + "prefix_cache_cached_slots",
             "KV slots with no sequence whose content is kept for reuse.", registry=r,
         )  # fmt: skip
+        self.speculative_tokens_total = Counter(
+            p + "speculative_tokens",
+            "Prompt-lookup draft tokens proposed (outcome=proposed) and accepted (accepted).",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.kv_cache_usage_ratio = Gauge(
             p + "kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r
         )

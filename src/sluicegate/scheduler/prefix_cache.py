@@ -146,6 +146,29 @@ class PrefixCache:
             matched, slot = matched + self.block_size, found
         return matched if slot is None else self._extend(slot, matched, token_ids, limit)
 
+    def hit_for(self, request: Request) -> PrefixHit | None:
+        """The longest cached prefix of a request that starts from nothing (its last
+        token is always computed: it gives the logits)."""
+        if request.num_computed_tokens:
+            return None
+        keys = self.keys_of(request, request.num_tokens)
+        return self.lookup(keys, request.num_tokens - 1, request.all_token_ids)
+
+    def admitted(self, request: Request, start: int, hit: PrefixHit | None) -> None:
+        """A request is admitted reusing ``start`` positions: count the lookup (one that
+        starts from nothing; called before its ``num_computed_tokens`` is set)."""
+        if not request.num_computed_tokens:
+            self.record_query(request.num_tokens, start, hit is not None and not hit.idle)
+            request.num_cached_tokens += start
+
+    def remember(self, request: Request) -> None:
+        """Index the blocks a sequence has computed in its slot (for others to reuse)."""
+        if request.kv_slot is not None and request.num_computed_tokens:
+            keys = self.keys_of(request, request.num_computed_tokens)
+            self.register(
+                request.kv_slot, keys, request.all_token_ids[: request.num_computed_tokens]
+            )
+
     def record_query(self, num_tokens: int, hit_tokens: int, copied: bool) -> None:
         stats = self.stats
         stats.queries += 1

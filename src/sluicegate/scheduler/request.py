@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from sluicegate.scheduler.prompt_lookup import PromptLookup
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status above ``PREEMPTED`` is finished."""
@@ -96,6 +98,8 @@ class Request:
     #: scheduled, and its dispatch seat lent out like a paused sequence's.  Set by the
     #: scheduler only (the engine thread); others may read it.
     throttled: bool = False
+    #: Its prompt-lookup drafting state (speculative decoding; made at its first draft).
+    lookup: PromptLookup | None = None
     #: What an upstream engine sends (upstream mode only; the scheduler never reads it).
     upstream_call: object | None = None
 

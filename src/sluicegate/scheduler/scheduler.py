@@ -23,9 +23,9 @@ from collections.abc import Callable
 from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.cost_model import StepCostModel, StepShape
 from sluicegate.scheduler.kv_cache import KVCacheManager
-from sluicegate.scheduler.prefix_cache import PrefixHit
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.seat_limit import SeatLimitConfig, SeatLimiter
+from sluicegate.scheduler.speculation import Speculator
 from sluicegate.scheduler.state import (
     Counters,
     PreemptReason,
@@ -37,6 +37,8 @@ from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.scheduler.waiting import WaitingQueue
 
 __all__ = ["PreemptReason", "Scheduler", "SchedulerConfig", "SchedulerStats", "TokenEvent"]
+
+_LENGTH = RequestStatus.FINISHED_LENGTH
 
 
 class Scheduler:
@@ -81,6 +83,8 @@ class Scheduler:
             self.cost,
             clock,
         )
+        #: Prompt-lookup speculative decoding: who drafts, and what drafts earned.
+        self.speculator = Speculator(config.speculation, config.max_model_len)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -122,17 +126,28 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(freed_kv_slots=self._freed_slots)
         self._freed_slots = []
-        scheduled: set[str] = set()
 
         now = self._clock()
+        self.speculator.begin_step(
+            sum(1 for r in self.running if not self._idle(r) and r.num_output_tokens)
+        )
         # Running first, oldest first; a paused or throttled sequence, or one whose pace
         # does not allow a token yet, costs nothing this step.  When KV blocks run out,
-        # preempt (idle sequences first, then the newest).
+        # preempt (idle sequences first, then the newest).  A decoding sequence may add
+        # draft tokens when there is room for them (never preempting for a draft).
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0 or self._idle(request) or self._pace_not_due(request, now):
+                idx += 1
+                continue
+            drafts = self.speculator.drafts(request, budget)
+            if drafts and self.kv.ensure_capacity(
+                request.request_id, request.num_computed_tokens + num_new + len(drafts)
+            ):
+                plan.sequences.append(self._scheduled(request, num_new, drafts))
+                budget -= num_new + len(drafts)
                 idx += 1
                 continue
             while not self.kv.ensure_capacity(
@@ -147,7 +162,6 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 break  # the request preempted itself: nothing smaller fits
             plan.sequences.append(self._scheduled(request, num_new))
-            scheduled.add(request.request_id)
             budget -= num_new
             idx += 1
 
@@ -164,7 +178,8 @@ class Scheduler:
             candidate = self.waiting.peek()
             assert candidate is not None
             request = candidate
-            hit = self._prefix_hit(request)
+            prefix = self.kv.prefix
+            hit = prefix.hit_for(request) if prefix is not None else None
             start = request.num_computed_tokens if hit is None else hit.num_tokens
             num_new = min(request.num_tokens - start, budget)
             if not self.kv.ensure_capacity(request.request_id, start + num_new):
@@ -175,7 +190,8 @@ class Scheduler:
             assert slot is not None
             if hit is not None and adopt is None:
                 plan.kv_copies.append((hit.slot, slot, start))
-            self._record_prefix_query(request, start, hit)
+            if prefix is not None:
+                prefix.admitted(request, start, hit)
             request.num_computed_tokens = start
             request.kv_slot = slot
             request.status = RequestStatus.RUNNING
@@ -188,32 +204,13 @@ class Scheduler:
         self._counters.steps += 1
         return plan
 
-    def _prefix_hit(self, request: Request) -> PrefixHit | None:
-        """The longest cached prefix of a request that starts from nothing (its last
-        token is always computed: it gives the logits)."""
-        prefix = self.kv.prefix
-        if prefix is None or request.num_computed_tokens:
-            return None
-        keys = prefix.keys_of(request, request.num_tokens)
-        return prefix.lookup(keys, request.num_tokens - 1, request.all_token_ids)
-
-    def _record_prefix_query(self, request: Request, start: int, hit: PrefixHit | None) -> None:
-        """Count a lookup (a request starting from nothing; before ``start`` is set)."""
-        if self.kv.prefix is not None and not request.num_computed_tokens:
-            copied = hit is not None and not hit.idle
-            self.kv.prefix.record_query(request.num_tokens, start, copied)
-            request.num_cached_tokens += start
-
     def _remember(self, request: Request) -> None:
-        """Index the blocks a sequence has computed in its slot (for others to reuse)."""
-        prefix = self.kv.prefix
-        if prefix is not None and request.kv_slot is not None and request.num_computed_tokens:
-            keys = prefix.keys_of(request, request.num_computed_tokens)
-            prefix.register(
-                request.kv_slot, keys, request.all_token_ids[: request.num_computed_tokens]
-            )
+        if self.kv.prefix is not None:
+            self.kv.prefix.remember(request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _scheduled(
+        self, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledSequence:
         assert request.kv_slot is not None
         return ScheduledSequence(
             request_id=request.request_id,
@@ -224,6 +221,7 @@ class Scheduler:
             sample=request.num_computed_tokens + num_new == request.num_tokens,
             sampling=request.sampling,
             num_prompt_tokens=request.num_prompt_tokens,
+            draft_token_ids=drafts or [],
         )
 
     @staticmethod
@@ -381,7 +379,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
-        """Advance each planned sequence; append sampled tokens; finish on EOS or length."""
+        """Advance each planned sequence; append sampled tokens (and the drafts verified
+        with them); finish on EOS or length."""
         events: list[TokenEvent] = []
         for seq in plan.sequences:
             request = self.requests.get(seq.request_id)
@@ -392,27 +391,38 @@ class Scheduler:
                 self._remember(request)  # its prompt's blocks: for requests that share them
             if not seq.sample:
                 continue
-            token_id = result.sampled_token_ids[seq.request_id]
-            request.all_token_ids.append(token_id)
-            is_stop_token = self._is_stop_token(request, token_id)
-            reason = FinishReason.STOP if is_stop_token else self._check_length(request)
-            if request.min_token_interval_seconds > 0 and reason is None:
-                self._pace(request)
-            if reason is not None:
-                # The prompt it made the engine compute: cache hits are not prefill load.
-                computed = request.num_prompt_tokens - min(
-                    request.num_cached_tokens, request.num_prompt_tokens - 1
-                )
-                self.seats.on_finished(computed, request.num_output_tokens)
-                request.finish_reason = reason
-                self._finish(
-                    request,
-                    RequestStatus.FINISHED_STOPPED
-                    if reason == FinishReason.STOP
-                    else RequestStatus.FINISHED_LENGTH,
-                )
-            events.append(TokenEvent(request, token_id, reason is not None, is_stop_token))
+            tokens = [result.sampled_token_ids[seq.request_id]]
+            if seq.draft_token_ids:
+                tokens.extend(result.draft_sampled_token_ids[seq.request_id])
+                tokens = self.speculator.verify(request, seq.draft_token_ids, tokens)
+                # The accepted drafts' positions are computed (each equals its token).
+                request.num_computed_tokens += len(tokens) - 1
+            for token_id in tokens:
+                request.all_token_ids.append(token_id)
+                stop = self._is_stop_token(request, token_id)
+                reason = self._after_token(request, stop)
+                end = reason is not None
+                events.append(TokenEvent(request, token_id, end, stop, request.num_output_tokens))
+                if end:
+                    break
         return events
+
+    def _after_token(self, request: Request, is_stop_token: bool) -> FinishReason | None:
+        """A sampled token was appended: pace the sequence, or finish it on a stop token
+        or its length (returns why it finished)."""
+        reason = FinishReason.STOP if is_stop_token else self._check_length(request)
+        if request.min_token_interval_seconds > 0 and reason is None:
+            self._pace(request)
+        if reason is not None:
+            # The prompt it made the engine compute: cache hits are not prefill load.
+            computed = request.num_prompt_tokens - min(
+                request.num_cached_tokens, request.num_prompt_tokens - 1
+            )
+            self.seats.on_finished(computed, request.num_output_tokens)
+            request.finish_reason = reason
+            stopped = reason == FinishReason.STOP
+            self._finish(request, RequestStatus.FINISHED_STOPPED if stopped else _LENGTH)
+        return reason
 
     def _pace(self, request: Request) -> None:
         """After a token of a paced sequence: when may it have the next one?  If that is
@@ -482,4 +492,5 @@ class Scheduler:
             preemptions_by_reason=dict(self._counters.preemptions),
             num_waiting_by_priority=by_priority,
             prefix_cache=self.kv.prefix.snapshot() if self.kv.prefix is not None else None,
+            speculation=self.speculator.snapshot() if self.config.speculation.enabled else None,
         )

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from sluicegate.scheduler.kv_cache import KVCacheStats
+from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request
 
 
@@ -24,6 +25,8 @@ class SchedulerConfig:
     tpot_objective_seconds: float | None = None
     #: Keep computed KV in a slot after its sequence and reuse it for shared prefixes.
     prefix_caching: bool = False
+    #: Prompt-lookup speculative decoding (default: off).
+    speculation: SpeculationConfig = field(default_factory=lambda: SpeculationConfig(num_tokens=0))
 
     @property
     def total_kv_blocks(self) -> int:
@@ -41,6 +44,8 @@ class TokenEvent:
     finished: bool
     #: The token ended the sequence as an end-of-sequence or stop token: it has no text.
     is_stop_token: bool = False
+    #: The request's output tokens once this one is counted (a step may add several).
+    num_output_tokens: int = 0
 
 
 class PreemptReason(enum.StrEnum):
@@ -61,6 +66,8 @@ class SchedulerStats:
     num_waiting_by_priority: dict[int, int]
     #: The prefix cache's counters (None: prefix caching off).
     prefix_cache: dict[str, float | int] | None = None
+    #: Speculative decoding's counters (None: off).
+    speculation: dict[str, float | int] | None = None
 
 
 @dataclass(slots=True)

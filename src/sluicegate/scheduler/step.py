@@ -1,7 +1,8 @@
 """The step: what the scheduler asks the engine to compute, and what comes back.
 
 The scheduler plans a step (:class:`StepPlan`); the engine computes it and returns one
-sampled token per sequence whose plan asked for a sample (:class:`StepResult`).  These
+sampled token per sequence whose plan asked for a sample, and one more per draft token
+(:class:`StepResult`).  These
 are the boundary between the two stages, so they live here, in the lower one.
 """
 
@@ -23,6 +24,10 @@ class ScheduledSequence:
     random numbers derived from ``(sampling.seed, output_index)``.
 
     ``all_token_ids`` is the request's own list (prompt + output), shared, read-only.
+
+    ``draft_token_ids`` (speculative decoding, only with ``sample``): guessed tokens to
+    follow the known ones.  The engine computes them at the next positions too and samples
+    after each of them, with the random numbers of the output indices that follow.
     """
 
     request_id: str
@@ -33,6 +38,12 @@ class ScheduledSequence:
     sample: bool
     sampling: SamplingParams
     num_prompt_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Positions this step computes: the new tokens and the drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def new_token_ids(self) -> list[int]:
@@ -57,12 +68,12 @@ class StepPlan:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.sequences)
+        return sum(s.num_scheduled_tokens for s in self.sequences)
 
     @property
     def num_context_tokens(self) -> int:
         """Positions attention reads this step: each sequence's length after it."""
-        return sum(s.start_position + s.num_new_tokens for s in self.sequences)
+        return sum(s.start_position + s.num_scheduled_tokens for s in self.sequences)
 
     @property
     def num_decoding(self) -> int:
@@ -82,3 +93,6 @@ class StepResult:
     """Sampled token per request id (only for sequences planned with ``sample``)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    #: For sequences planned with drafts: the token sampled after each draft token, in
+    #: order (valid only as far as the drafts before it match what was sampled).
+    draft_sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)

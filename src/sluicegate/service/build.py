@@ -23,6 +23,7 @@ from sluicegate.config import Settings
 from sluicegate.engine.factory import LoadedEngine
 from sluicegate.errors import APIError
 from sluicegate.queue.fair_queue import FairQueueConfig
+from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.store.errors import StoreUnavailable
@@ -52,6 +53,9 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
             kv_block_size=settings.kv_block_size,
             num_kv_blocks=settings.num_kv_blocks,
             prefix_caching=settings.prefix_caching,
+            speculation=SpeculationConfig(
+                num_tokens=settings.speculative_tokens, max_batch=settings.speculative_max_batch
+            ),
             pause_preempt_seconds=pause_preempt_seconds(settings),
             tpot_objective_seconds=(
                 settings.tpot_slo_ms / 1000.0 if settings.admission == "slo" else None

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from sluicegate.engine.base import Engine, EngineLimits
+from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -41,8 +42,10 @@ def run_requests(
     requests: Sequence[Request],
     max_num_batched_tokens: int = 64,
     hold_slots: int = 0,
-) -> None:
-    """Run ``requests`` to completion, appending outputs to each ``all_token_ids``.
+    speculation: SpeculationConfig | None = None,
+) -> Scheduler:
+    """Run ``requests`` to completion, appending outputs to each ``all_token_ids``;
+    returns the scheduler (for its counters).
 
     A request may already hold output tokens (``all_token_ids`` longer than its prompt):
     it is then re-prefilled and continues, as after a preemption.  Requests stop as the
@@ -55,6 +58,7 @@ def run_requests(
         max_num_seqs=limits.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=limits.max_model_len,
+        speculation=speculation or SpeculationConfig(num_tokens=0),
     )
     scheduler = Scheduler(config, eos_token_ids=engine.eos_token_ids)
     # A one-token prompt and no stop of their own: holders live until released below.
@@ -80,6 +84,7 @@ def run_requests(
                 holder.sampling = replace(holder.sampling, max_tokens=1)
             holders = []
         scheduler.update_from_output(plan, engine.step(plan))
+    return scheduler
 
 
 def generate(
@@ -89,6 +94,7 @@ def generate(
     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     max_num_batched_tokens: int = 64,
     hold_slots: int = 0,
+    speculation: SpeculationConfig | None = None,
 ) -> list[list[int]]:
     """Generate from token-id ``prompts`` together; return each prompt's output ids.
 
@@ -110,5 +116,5 @@ def generate(
         )
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
     ]
-    run_requests(engine, requests, max_num_batched_tokens, hold_slots)
+    run_requests(engine, requests, max_num_batched_tokens, hold_slots, speculation)
     return [r.output_token_ids for r in requests]

@@ -139,16 +139,16 @@ def test_mixed_batch_matches_each_sequence_alone() -> None:
 
 def test_build_batch_puts_decode_first_and_masks_prefix() -> None:
     chunks = [
-        SequenceChunk(slot=0, start=4, length=3, want_logits=False),
-        SequenceChunk(slot=1, start=9, length=1, want_logits=True),
-        SequenceChunk(slot=2, start=0, length=2, want_logits=True),
+        SequenceChunk(slot=0, start=4, length=3, num_logits=0),
+        SequenceChunk(slot=1, start=9, length=1, num_logits=1),
+        SequenceChunk(slot=2, start=0, length=2, num_logits=2),  # verifies a draft
     ]
     batch, order = build_batch(chunks)
     assert order == [1, 0, 2]
     assert batch.num_decode == 1
     assert batch.positions.tolist() == [9, 4, 5, 6, 0, 1]
     assert batch.slots.tolist() == [1, 0, 0, 0, 2, 2]
-    assert batch.logits_indices.tolist() == [0, 5]
+    assert batch.logits_indices.tolist() == [0, 4, 5]
     assert batch.decode_max_len == KEY_ALIGN  # 10 keys, padded
     assert (batch.decode_bias[0, 0, 0] == 0).tolist() == [True] * 10 + [False] * (KEY_ALIGN - 10)
     first, second = batch.prefills

@@ -191,6 +191,19 @@ const CARDS = [
       return `of prompt tokens · ${p.cached_slots} cached slots`;
     },
   },
+  {
+    id: "speculation",
+    label: "Draft tokens accepted",
+    value: (c) => {
+      const ratio = num(c.stats.speculation?.acceptance_rate);
+      return fmtPercent(ratio === undefined ? undefined : ratio * 100);
+    },
+    sub: (c) => {
+      const s = c.stats.speculation;
+      if (!s || num(s.proposed_tokens) === undefined) return "";
+      return `${s.accepted_tokens} of ${s.proposed_tokens} drafted`;
+    },
+  },
   latencyCard("ttft", "TTFT p50", TTFT),
   latencyCard("tpot", "TPOT p50", TPOT),
   {

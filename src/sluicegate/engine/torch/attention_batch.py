@@ -83,7 +83,9 @@ class SequenceChunk:
     slot: int
     start: int
     length: int
-    want_logits: bool
+    #: Logit rows wanted: for the chunk's last this many tokens (1 to sample the next
+    #: token; more to verify draft tokens; 0 for a prompt chunk that samples nothing).
+    num_logits: int
 
 
 def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[int]]:
@@ -91,7 +93,7 @@ def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[i
 
     Returns the batch and ``order``: ``order[i]`` is the index in ``chunks`` of the i-th
     sequence in the flattened batch (callers lay their token ids out in this order).
-    Logit rows come out in the same order, one per chunk with ``want_logits``.
+    Logit rows come out in the same order, ``num_logits`` per chunk.
     """
     decode = [i for i, c in enumerate(chunks) if c.length == 1]
     prefill = [i for i, c in enumerate(chunks) if c.length > 1]
@@ -105,8 +107,7 @@ def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[i
         offset = len(positions)
         positions.extend(range(c.start, c.start + c.length))
         slots.extend([c.slot] * c.length)
-        if c.want_logits:
-            logits_indices.append(offset + c.length - 1)
+        logits_indices.extend(range(offset + c.length - c.num_logits, offset + c.length))
         if c.length > 1:
             keys = torch.arange(align_keys(c.start + c.length))  # [S]
             queries = torch.arange(c.start, c.start + c.length)  # [C]

@@ -225,7 +225,8 @@ class TorchEngine:
         return run_on_torch_thread(fn, *args)
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Compute ``plan`` and sample one token per sequence planned with ``sample``."""
+        """Compute ``plan``; sample one token per sequence planned with ``sample``, and one
+        after each of its draft tokens."""
         return self.call(self._step, plan)
 
     def _step(self, plan: StepPlan) -> StepResult:
@@ -237,20 +238,23 @@ class TorchEngine:
         for source, dest, num_tokens in plan.kv_copies:
             model.copy_kv(source, dest, num_tokens)
         chunks = [
-            SequenceChunk(s.kv_slot, s.start_position, s.num_new_tokens, s.sample)
+            SequenceChunk(
+                s.kv_slot, s.start_position, s.num_scheduled_tokens,
+                1 + len(s.draft_token_ids) if s.sample else 0,
+            )
             for s in sequences
-        ]
+        ]  # fmt: skip
         batch, order = build_batch(chunks)
         token_ids: list[int] = []
         for i in order:
-            s = sequences[i]
-            token_ids.extend(
-                s.all_token_ids[s.start_position : s.start_position + s.num_new_tokens]
-            )
+            token_ids.extend(sequences[i].new_token_ids)
+            token_ids.extend(sequences[i].draft_token_ids)
         if max(token_ids) >= self.args.vocab_size or min(token_ids) < 0:
             raise ValueError("token id out of the model's vocabulary")
-        # Logit rows come out in batch order, so the sampled sequences are listed that way.
+        # Logit rows come out in batch order, so the sampled sequences are listed that way:
+        # one row per sequence, and one more per draft token (the output indices after it).
         sampled = [sequences[i] for i in order if sequences[i].sample]
+        rows = [(s, s.output_index + j) for s in sampled for j in range(1 + len(s.draft_token_ids))]
         with torch.inference_mode():
             logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
             if not sampled:
@@ -258,13 +262,17 @@ class TorchEngine:
             # The label costs ~1 us when no profiler listens; the step profile
             # (engine_profile, under bench/) reads it.
             with record_function("sluicegate.sample"):
-                params = SamplingBatch.build(
-                    [s.sampling for s in sampled], [s.output_index for s in sampled]
-                )
+                params = SamplingBatch.build([s.sampling for s, _ in rows], [i for _, i in rows])
                 new_ids: list[int] = sample(logits, params).tolist()
-        return StepResult(
-            sampled_token_ids={s.request_id: t for s, t in zip(sampled, new_ids, strict=True)}
-        )
+        result = StepResult()
+        row = 0
+        for s in sampled:
+            result.sampled_token_ids[s.request_id] = new_ids[row]
+            if s.draft_token_ids:
+                after = new_ids[row + 1 : row + 1 + len(s.draft_token_ids)]
+                result.draft_sampled_token_ids[s.request_id] = after
+            row += 1 + len(s.draft_token_ids)
+        return result
 
     def close(self) -> None:
         """Release the weights and the KV cache; :meth:`step` fails afterwards."""
@@ -283,6 +291,9 @@ class TorchEngine:
             end = s.start_position + s.num_new_tokens
             if s.num_new_tokens < 1 or s.start_position < 0 or end > len(s.all_token_ids):
                 raise ValueError(f"{s.request_id}: bad chunk [{s.start_position}, {end})")
+            if s.draft_token_ids and not (s.sample and end == len(s.all_token_ids)):
+                raise ValueError(f"{s.request_id}: drafts must follow the last known token")
+            end += len(s.draft_token_ids)
             if end > self.max_model_len:
                 raise ValueError(
                     f"{s.request_id}: position {end - 1} exceeds max_model_len {self.max_model_len}"
