@@ -91,6 +91,12 @@ def test_a_prefill_while_typing_warms_the_cache_for_the_final_request(
     ]:  # the warm-up has been scheduled, and has ended
         assert time.monotonic() < deadline, "the warm-up never ran"
         time.sleep(0.05)
+    while (counts := server.stats()["prefill_requests"]).get("completed", 0) < 1:
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.05)
+    assert counts["accepted"] >= 1 and counts["running"] == 0
+    metric = 'sluicegate_prefill_requests_total{outcome="completed"}'
+    assert server.metrics().total(metric) == counts["completed"]
     final = [{"role": "system", "content": system},
              {"role": "user", "content": "Do you have a room with a view?"}]  # fmt: skip
     response = httpx.post(server.v1 + "/chat/completions",

@@ -68,6 +68,7 @@ async def prefill(request: HTTPRequest) -> Response:
     supersede(state, service, tenant.name, user)  # a newer warm-up cancels the older
     key = (tenant.name, user)
     state.warmups[key] = generation
+    count(state, "accepted")
     task = asyncio.get_running_loop().create_task(_run(state, service, generation, key))
     state.warmup_tasks.add(task)
     task.add_done_callback(state.warmup_tasks.discard)
@@ -88,6 +89,12 @@ def supersede(state: AppState, service: Service, tenant: str, user: str) -> None
     token)."""
     if (running := state.warmups.pop((tenant, user), None)) is not None:
         service.cancel(running)
+        count(state, "superseded")
+
+
+def count(state: AppState, outcome: str) -> None:
+    state.warmup_counts[outcome] = state.warmup_counts.get(outcome, 0) + 1
+    state.metrics.prefill_requests_total.labels(outcome).inc()
 
 
 async def _run(
@@ -97,6 +104,8 @@ async def _run(
     try:
         with contextlib.suppress(APIError):
             await collect(service, generation, None)
+            if state.warmups.get(key) is generation:  # not superseded: it ran to its end
+                count(state, "completed")
     finally:
         if state.warmups.get(key) is generation:
             del state.warmups[key]

@@ -62,6 +62,9 @@ class AppState:
     #: Running ``/v1/prefill`` warm-ups by (tenant, user), and the tasks that run them.
     warmups: dict[tuple[str, str], Generation] = field(default_factory=dict)
     warmup_tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    #: Warm-ups by outcome since start: accepted, superseded (by a newer one or the
+    #: user's request), completed (also ``sluicegate_prefill_requests_total``).
+    warmup_counts: dict[str, int] = field(default_factory=dict)
     #: Parse and tokenise large request bodies off the event loop.
     body_workers: BodyWorkers = field(default_factory=BodyWorkers)
     #: Called with a one-line reason when the server cannot go on (the engine failed to

@@ -160,6 +160,11 @@ class Metrics:
             p + "prefix_cache_cached_slots",
             "KV slots with no sequence whose content is kept for reuse.", registry=r,
         )  # fmt: skip
+        self.prefill_requests_total = Counter(
+            p + "prefill_requests",
+            "POST /v1/prefill warm-ups: accepted, superseded (by a newer one or the user's "
+            "request) and completed.", ["outcome"], registry=r,
+        )  # fmt: skip
         self.speculative_tokens_total = Counter(
             p + "speculative_tokens",
             "Prompt-lookup draft tokens proposed (outcome=proposed) and accepted (accepted).",
