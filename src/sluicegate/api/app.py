@@ -8,7 +8,17 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from sluicegate import __version__
-from sluicegate.api import jobs, lifecycle, openai_routes, prefill, resume, stats, web, websocket
+from sluicegate.api import (
+    batches,
+    jobs,
+    lifecycle,
+    openai_routes,
+    prefill,
+    resume,
+    stats,
+    web,
+    websocket,
+)  # fmt: skip
 from sluicegate.api.errors import install_error_handlers
 from sluicegate.api.metric_labels import declare_label_values
 from sluicegate.api.openapi import install_openapi
@@ -36,7 +46,7 @@ def create_app(settings: Settings) -> FastAPI:
     )  # fmt: skip
     app.state.sluicegate = state
     install_error_handlers(app)
-    for module in (openai_routes, prefill, jobs, resume, websocket, stats, web):
+    for module in (openai_routes, prefill, jobs, batches, resume, websocket, stats, web):
         app.include_router(module.router)
     install_openapi(app)
     return app

@@ -15,11 +15,13 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from sluicegate.api.jobs import job_executor
+from sluicegate.api.batches import batch_aware_executor
 from sluicegate.api.state import AppState, Ready
 from sluicegate.config import Settings
 from sluicegate.engine.output import FlushPolicy
-from sluicegate.queue.jobs import JobLimits, JobRunner, open_journal
+from sluicegate.queue.batches import Batches
+from sluicegate.queue.jobs import JobLimits, JobListener, JobRunner, open_journal
+from sluicegate.queue.journal import JobRecord
 from sluicegate.queue.journal_location import claim_journal
 from sluicegate.service.service import Service
 from sluicegate.store import Store, StoreConfig, StoreFailureMode, StoreUnavailable, open_store
@@ -105,12 +107,28 @@ async def _load(state: AppState, store: Store) -> None:
         max_unfinished_jobs_per_tenant=settings.max_unfinished_jobs_per_tenant,
         retention_seconds=settings.job_retention_seconds,
     )
+    journal = open_journal(location.path)
     jobs = JobRunner(
-        open_journal(location.path), settings.max_background_jobs_in_memory,
-        job_executor(service), limits,
-    )  # fmt: skip
+        journal, settings.max_background_jobs_in_memory, batch_aware_executor(service), limits
+    )
+    files_dir = location.path.with_name(location.path.stem + "-files")
+    batches = await asyncio.to_thread(Batches, journal, files_dir)
+    jobs.listener = batch_listener(batches)
     await jobs.start()
-    state.ready = Ready(service, store, flow, sessions, jobs, location)
+    state.ready = Ready(service, store, flow, sessions, jobs, location, batches)
+
+
+def batch_listener(batches: Batches) -> JobListener:
+    """A batch is finalized when its last line is recorded; once a second, batches past
+    their window expire (and any left unfinalized by a crash is finalized)."""
+
+    async def listen(record: JobRecord | None) -> None:
+        if record is None:
+            await asyncio.to_thread(batches.sweep)
+        elif record.batch_id is not None:
+            await asyncio.to_thread(batches.finish_if_done, record.batch_id)
+
+    return listen
 
 
 def flow_config(settings: Settings) -> FlowConfig:

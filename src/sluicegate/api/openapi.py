@@ -57,6 +57,12 @@ _ERRORS = {
     "/v1/requests/{request_id}/cancel": ("404",),
     "/v1/streams/{stream_id}": ("400", "404", "410"),
     "/v1/jobs/{job_id}": ("404",),
+    "/v1/files": ("400", "413"),
+    "/v1/files/{file_id}": ("404",),
+    "/v1/files/{file_id}/content": ("404",),
+    "/v1/batches": ("400", "404", "408", "413", "415"),
+    "/v1/batches/{batch_id}": ("404",),
+    "/v1/batches/{batch_id}/cancel": ("404",),
 }
 _BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",

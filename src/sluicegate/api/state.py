@@ -18,6 +18,7 @@ from sluicegate.api.body import BodyWorkers
 from sluicegate.config import Settings
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
+from sluicegate.queue.batches import Batches
 from sluicegate.queue.jobs import JobRunner
 from sluicegate.queue.journal_location import JournalLocation
 from sluicegate.service.generation import Generation
@@ -39,6 +40,8 @@ class Ready:
     jobs: JobRunner
     #: The job journal's file (and its lock, or its temporary directory).
     journal_location: JournalLocation
+    #: The Batch API's files and batches, beside the journal.
+    batches: Batches | None = None
 
 
 @dataclass(slots=True)

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 #: Runs one job to its result (JSON text); raises :class:`APIError` when it cannot.
 JobExecutor = Callable[[JobRecord], Awaitable[str]]
+#: Told when a job is recorded done or failed (a batch finishes with its last line), and
+#: once a second (``None``: time for periodic work, such as expiring batches).
+JobListener = Callable[[JobRecord | None], Awaitable[None]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,11 +69,14 @@ class JobRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._purged_at = -float("inf")
+        self.listener: JobListener | None = None
+        self._ticked_at = -float("inf")
 
     async def start(self) -> None:
         requeued = await asyncio.to_thread(self.journal.requeue_running)
         if requeued:
             logger.info("requeued %d background jobs interrupted by a restart", requeued)
+        await self._tell(None)  # e.g. a batch whose last line ended just before a crash
         self._task = asyncio.create_task(self._loop(), name="sluicegate-jobs")
 
     async def stop(self) -> None:
@@ -115,6 +121,10 @@ class JobRunner:
         self._wake.set()
         return record
 
+    def wake(self) -> None:
+        """New jobs were journaled (a batch's lines): claim them now."""
+        self._wake.set()
+
     async def get(self, job_id: str, tenant_name: str) -> JobRecord:
         """The tenant's job; another tenant's job id is indistinguishable from an unknown one."""
         record = await asyncio.to_thread(self.journal.get, job_id)
@@ -151,6 +161,9 @@ class JobRunner:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
                     await self._wake.wait()
+            if self._clock() - self._ticked_at >= 1.0:
+                self._ticked_at = self._clock()
+                await self._tell(None)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
@@ -167,6 +180,15 @@ class JobRunner:
                     await asyncio.sleep(float(retry_after))
                     continue
                 await asyncio.to_thread(self.journal.fail, record.job_id, exc.message)
-                return
+                break
             await asyncio.to_thread(self.journal.complete, record.job_id, result)
+            break
+        await self._tell(record)
+
+    async def _tell(self, record: JobRecord | None) -> None:
+        if self.listener is None:
             return
+        try:
+            await self.listener(record)
+        except Exception:  # a listener's failure must not stop the jobs
+            logger.exception("background job listener failed")

@@ -22,12 +22,13 @@ may open the same file (claims take SQLite's write lock, so no job is claimed tw
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -50,7 +51,14 @@ CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, state);
 """
 
-_COLUMNS = "job_id, tenant, state, body_json, result_json, error, attempts, created_at, updated_at"
+#: Columns added since the first schema (a journal written before gets them at open):
+#: the lines of a Batch API batch are jobs too (``queue/batches.py``).
+_ADDED_COLUMNS = {"batch_id": "TEXT", "custom_id": "TEXT", "line": "INTEGER"}
+
+_COLUMNS = (
+    "job_id, tenant, state, body_json, result_json, error, attempts, created_at, updated_at, "
+    "batch_id"
+)
 
 
 class JobState(enum.StrEnum):
@@ -77,6 +85,8 @@ class JobRecord:
     attempts: int
     created_at: float
     updated_at: float
+    #: The batch it is a line of (None: a single background job).
+    batch_id: str | None = None
 
 
 class JobExistsError(ValueError):
@@ -84,7 +94,7 @@ class JobExistsError(ValueError):
 
 
 def _record(row: tuple[Any, ...]) -> JobRecord:
-    job_id, tenant, state, body, result, error, attempts, created, updated = row
+    job_id, tenant, state, body, result, error, attempts, created, updated, batch = row
     return JobRecord(
         job_id=str(job_id),
         tenant=str(tenant),
@@ -95,6 +105,7 @@ def _record(row: tuple[Any, ...]) -> JobRecord:
         attempts=int(attempts),
         created_at=float(created),
         updated_at=float(updated),
+        batch_id=None if batch is None else str(batch),
     )
 
 
@@ -126,6 +137,18 @@ class JobJournal:
         # loss (NORMAL would only survive a process crash).
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_by_batch ON jobs (batch_id, line)")
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        """The journal's connection, held under its lock: for the tables that live beside
+        the jobs (the Batch API's files and batches, ``queue/batches.py``)."""
+        with self._lock:
+            yield self._db
 
     def close(self) -> None:
         with self._lock:
@@ -221,20 +244,23 @@ class JobJournal:
         return int(row[0])
 
     def count_unfinished(self, tenant: str) -> int:
-        """The tenant's jobs queued or running."""
+        """The tenant's single jobs queued or running (batch lines have their own limits)."""
         with self._lock:
             row = self._db.execute(
-                "SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state IN ('queued', 'running')",
+                "SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state IN ('queued', 'running')"
+                " AND batch_id IS NULL",
                 (tenant,),
             ).fetchone()
         return int(row[0])
 
     def purge_finished(self, finished_before: float) -> int:
         """Delete done and failed jobs last updated before ``finished_before`` (wall time)
-        and give the space back."""
+        and give the space back.  A batch's lines are its own to delete, when its output
+        file is written."""
         with self._lock:
             cursor = self._db.execute(
-                "DELETE FROM jobs WHERE state IN ('done', 'failed') AND updated_at < ?",
+                "DELETE FROM jobs WHERE state IN ('done', 'failed') AND updated_at < ?"
+                " AND batch_id IS NULL",
                 (finished_before,),
             )
             if cursor.rowcount:
