@@ -376,6 +376,23 @@ def speculative_command(
         typer.echo(result.line())
 
 
+@bench_app.command("batch")
+def batch_command(
+    lines: Annotated[int, typer.Option("--lines", min=10, help="Requests in the batch.")] = 10000,
+    seconds: Annotated[float, typer.Option("--seconds", help="Interactive phase length.")] = 20.0,
+    out: OutOption = Path("bench-batch"),
+) -> None:
+    """A Batch API batch across a SIGKILL beside interactive streams (sim engine)."""
+    from sluicegate.bench.batch import batch_beside_interactive
+
+    try:
+        run = batch_beside_interactive(out, lines=lines, seconds=seconds)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        _fail(str(exc))
+    for line in run.lines_out():
+        typer.echo(line)
+
+
 @bench_app.command("soak")
 def soak_command(
     target: Annotated[

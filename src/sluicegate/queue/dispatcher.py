@@ -315,6 +315,10 @@ class Dispatcher:
             ticket = item.payload
             assert isinstance(ticket, Ticket)
             request = ticket.request
+            if ticket.priority_class is PriorityClass.BATCH and (
+                self.capacity.num_free_seats <= batch_headroom(self.capacity.seat_limit)
+            ):
+                break  # the last seats wait for interactive work that may come
             if not self.capacity.try_reserve(request.request_id, request.max_total_tokens, request):
                 break  # the engine is full: the queue waits, in order
             self.queue.pop_next()
@@ -331,6 +335,14 @@ class Dispatcher:
         # counts from the moment its work takes engine capacity, not when it finishes.
         self.queue.record_served(ticket.tenant.name, ticket.request.max_total_tokens)
         self._submit(ticket)
+
+
+def batch_headroom(seat_limit: int) -> int:
+    """Seats that ``batch``-class work leaves free even when nothing else waits: a quarter
+    (none below four seats).  Without it a large batch holds every seat, and each
+    interactive request that arrives waits for a batch request to finish first (measured
+    with ``sluicegate bench batch``, docs/batch-api.md)."""
+    return seat_limit // 4
 
 
 def _request(item: QueueItem) -> Request:
