@@ -90,7 +90,8 @@ def test_counters_match_a_known_workload(metrics_server: ServerProcess) -> None:
     assert m["sluicegate_rejections_total{reason=rate_limited_requests}"] == rejected
     assert m["sluicegate_rejections_total{reason=auth}"] == 1
     for name in (
-        "time_to_first_token_seconds", "time_per_output_token_seconds",
+        "time_to_first_token_seconds", "time_to_first_meaningful_token_seconds",
+        "time_per_output_token_seconds",
         "inter_token_latency_seconds", "e2e_request_latency_seconds", "queue_wait_seconds",
         "prefill_seconds", "engine_step_seconds", "batch_size", "batch_tokens",
     ):  # fmt: skip
@@ -135,6 +136,7 @@ def test_stats_snapshot(metrics_server: ServerProcess) -> None:
     assert stats["ttft_seconds"]["p50"] is not None
     assert stats["ttft_seconds"]["p99"] >= stats["ttft_seconds"]["p50"]
     assert stats["tpot_seconds"]["p95"] is not None
+    assert stats["ttfmt_seconds"]["p50"] is not None
     assert stats["breaker_state"] in ("closed", "shed_batch", "open")
     assert stats["rejections_by_reason"]["rate_limited_requests"] >= 3
     assert "service_rate_requests_per_second" in stats["queue"]
@@ -154,6 +156,9 @@ def test_request_log_line_and_usage_timing(metrics_server: ServerProcess) -> Non
     final = orjson.loads(lines[-1][6:])
     timing = final["usage"]["sluicegate"]
     assert timing["ttft_seconds"] > 0 and timing["queue_wait_seconds"] >= 0
+    # The first letter comes with the first token or after it (the sim's tokens are
+    # bytes: a letter may take two).
+    assert timing["ttfmt_seconds"] >= timing["ttft_seconds"]
     deadline = time.monotonic() + 2
     record = None
     while record is None and time.monotonic() < deadline:

@@ -199,7 +199,7 @@ async def _serve(
                     for w in waiters:
                         w.cancel()
                 continue
-            service.delivered(generation, output.num_new_tokens)
+            service.delivered(generation, output.num_new_tokens, output.text)
             if output.text:
                 chunk = {
                     "id": generation.request_id,

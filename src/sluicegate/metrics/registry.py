@@ -63,6 +63,11 @@ class Metrics:
             p + "e2e_request_latency_seconds", "Arrival to the last byte of the answer.",
             ["priority"], buckets=_LATENCY, registry=r,
         )  # fmt: skip
+        self.time_to_first_meaningful_token_seconds = Histogram(
+            p + "time_to_first_meaningful_token_seconds",
+            "Arrival to the first letter or digit sent to the client (TTFMT: not whitespace, "
+            "a role or markup).", ["priority"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
         self.ttft_prediction_error_seconds = Histogram(
             p + "ttft_prediction_error_seconds",
             "Measured minus predicted time to first token, per admitted request (admission "

@@ -57,6 +57,8 @@ class Generation:
     #: Output tokens it started with (a resumed stream re-prefills what was delivered).
     num_resumed_tokens: int = 0
     first_write_time: float | None = None
+    #: When the first letter or digit was written (time to first meaningful token).
+    first_meaningful_time: float | None = None
     last_write_time: float | None = None
     num_tokens_written: int = 0
 
@@ -100,6 +102,9 @@ class Generation:
             "ttft_seconds": None
             if self.first_write_time is None
             else self.first_write_time - request.arrival_time,
+            "ttfmt_seconds": None
+            if self.first_meaningful_time is None
+            else self.first_meaningful_time - request.arrival_time,
             "tpot_seconds": tpot,
             "e2e_seconds": now - request.arrival_time,
             "paused_seconds": request.total_paused_seconds,

@@ -28,14 +28,28 @@ class LatencyWindows:
     ttft: SlidingWindow = field(default_factory=SlidingWindow)
     tpot: SlidingWindow = field(default_factory=SlidingWindow)
     queue_wait: SlidingWindow = field(default_factory=SlidingWindow)
+    ttfmt: SlidingWindow = field(default_factory=SlidingWindow)
 
 
 def record_delivery(
-    metrics: Metrics, generation: Generation, num_tokens: int, slo: SLOAdmission | None
-) -> None:
-    """Time to first token and inter-token gaps of one write to the client; the TTFT
-    prediction's error teaches admission its margin."""
+    metrics: Metrics, generation: Generation, num_tokens: int, slo: SLOAdmission | None,
+    text: str = "",
+) -> None:  # fmt: skip
+    """Time to first token (and to the first meaningful one) and inter-token gaps of one
+    write to the client; the TTFT prediction's error teaches admission its margin."""
     ttft, gaps = generation.record_write(num_tokens)
+    written = generation.last_write_time  # this write's time
+    if (
+        num_tokens
+        and written is not None
+        and generation.first_meaningful_time is None
+        and (meaningful(text))
+    ):
+        generation.first_meaningful_time = written
+        ttfmt = written - generation.request.arrival_time
+        metrics.time_to_first_meaningful_token_seconds.labels(generation.priority_label).observe(
+            ttfmt
+        )
     if ttft is not None:
         metrics.time_to_first_token_seconds.labels(generation.priority_label).observe(ttft)
         ticket = generation.ticket
@@ -48,6 +62,12 @@ def record_delivery(
                 slo.predictor.observe_ttft(raw, ttft)
     for gap in gaps:
         metrics.inter_token_latency_seconds.observe(gap)
+
+
+def meaningful(text: str) -> bool:
+    """Text a reader takes in: a letter or a digit.  Whitespace, a role, markup (a code
+    fence, list marks, ``#``, ``*``) and punctuation alone are not."""
+    return any(ch.isalnum() for ch in text)
 
 
 def record_end(
@@ -67,6 +87,8 @@ def record_end(
         metrics.prefill_seconds.observe(prefill)
     if (ttft := timing["ttft_seconds"]) is not None:
         windows.ttft.add(ttft)
+    if (ttfmt := timing["ttfmt_seconds"]) is not None:
+        windows.ttfmt.add(ttfmt)
     if (tpot := timing["tpot_seconds"]) is not None:
         metrics.time_per_output_token_seconds.observe(tpot)
         windows.tpot.add(tpot)

@@ -424,9 +424,9 @@ class Service:
         record_end(self.metrics, self.latency, generation, status)
 
     # ------------------------------------------------------------ output
-    def delivered(self, generation: Generation, num_tokens: int) -> None:
-        """``num_tokens`` tokens of ``generation`` were written to its client."""
-        record_delivery(self.metrics, generation, num_tokens, self.slo)
+    def delivered(self, generation: Generation, num_tokens: int, text: str = "") -> None:
+        """``num_tokens`` tokens of ``generation`` (``text``) were written to its client."""
+        record_delivery(self.metrics, generation, num_tokens, self.slo, text)
 
     def position(self, generation: Generation) -> tuple[int, float]:
         """(0-based position, expected wait in seconds) of a queued request."""

@@ -306,7 +306,7 @@ class StreamSession:
                 output = await stream.next(policy)
             if output is None:
                 continue  # heartbeats are the writer's
-            service.delivered(generation, output.num_new_tokens)
+            service.delivered(generation, output.num_new_tokens, output.text)
             service.metrics.stream_buffer_tokens.observe(self.flow.unreceived_tokens)
             use = usage(output) if fmt.continuous_usage else None
             num_tokens = output.num_new_tokens + carried
