@@ -2,7 +2,7 @@
 offered 3x its capacity, then 0.5x; every refused client comes back once at exactly the
 time it was told, and most of those are admitted.
 
-The stages are scaled down to 8 s with ``--duration-seconds``; the capacity is given
+The stages are scaled down to 6 s with ``--duration-seconds``; the capacity is given
 (the sim's steps are timed by the clock, not the CPU, so it does not drift with load).
 """
 
@@ -45,7 +45,7 @@ def test_retries_at_the_advertised_time_are_mostly_admitted(
         bench_app,
         [
             "run", "--target", slo_server.base_url, "--scenario", "burst-retry",
-            "--capacity-rps", str(CAPACITY_RPS), "--duration-seconds", "8", "--out", str(out),
+            "--capacity-rps", str(CAPACITY_RPS), "--duration-seconds", "6", "--out", str(out),
             "--no-progress",
         ],
     )  # fmt: skip

@@ -45,7 +45,7 @@ slo: {{ttft_seconds: 2.0, tpot_seconds: 0.5}}
 capacity:
   start_rps: 10
   growth: 1.5
-  trial_seconds: 1.5
+  trial_seconds: 1.2
   precision: 0.1
   max_trials: 8
 """

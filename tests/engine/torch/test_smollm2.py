@@ -245,11 +245,11 @@ def chat_prompts(engine: TorchEngine) -> list[list[int]]:
     return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
 
 
-def test_twelve_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngine) -> None:
-    """Bit-exact batch invariance at scale: 12 sampled chat answers, each computed alone,
-    eight at a time in other slots with chunked prefill, and re-prefilled after a
-    "preemption" half-way, give the same tokens."""
-    prompts = chat_prompts(engine)
+def test_nine_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngine) -> None:
+    """Bit-exact batch invariance at scale: 9 sampled chat answers, each computed alone,
+    eight at a time in other slots with chunked prefill (the ninth in a slot another has
+    left), and re-prefilled after a "preemption" half-way, give the same tokens."""
+    prompts = chat_prompts(engine)[:9]
     params = [
         SamplingParams(max_tokens=10, seed=100 + i, temperature=0.8, top_p=0.95, ignore_eos=True)
         for i in range(len(prompts))
