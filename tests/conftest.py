@@ -88,3 +88,10 @@ def pytest_runtest_makereport(
         if message.removeprefix("Skipped: ") in _missing_tool_reasons:
             report.longrepr = (__file__, skip_unless_installed.__code__.co_firstlineno, message)
     return report
+
+
+@pytest.fixture(scope="session")
+def torch_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Converted SmolLM2 weights, shared by every test that loads the model (converting
+    the GGUF takes seconds; each conversion is tested where the cache is)."""
+    return tmp_path_factory.mktemp("sluicegate-torch-cache")

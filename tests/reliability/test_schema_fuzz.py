@@ -23,7 +23,7 @@ from tests.reliability.conftest import MODEL, assert_healthy
 pytestmark = pytest.mark.slow
 
 #: Cases per generation mode, over every operation.
-MAX_EXAMPLES = 150
+MAX_EXAMPLES = 100
 
 
 def check_answer(status: int, content_type: str, body: bytes, what: str) -> None:

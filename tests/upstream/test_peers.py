@@ -73,12 +73,12 @@ class Peer:
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hf_dir(tmp_path_factory: pytest.TempPathFactory, torch_cache_dir: Path) -> Path:
     pytest.importorskip("torch")
     from sluicegate.engine.torch.export import export_hf_directory
 
     out = tmp_path_factory.mktemp("smollm2-hf")
-    export_hf_directory(None, out, cache_dir=tmp_path_factory.mktemp("torch-cache"))
+    export_hf_directory(None, out, cache_dir=torch_cache_dir)
     return out
 
 

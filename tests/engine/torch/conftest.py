@@ -40,11 +40,6 @@ def smollm2_path() -> str:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
-def torch_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("sluicegate-torch-cache")
-
-
 def _smollm2_engine(path: str, cache_dir: Path, dtype: str) -> Iterator[TorchEngine]:
     """SmolLM2 in ``dtype``, 8 slots of 512 positions."""
     from sluicegate.engine.torch import TorchEngine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,8 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
 @pytest.fixture(scope="module")
-def torch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    cache = tmp_path_factory.mktemp("torch-cache")
+def torch_server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
+    cache = torch_cache_dir
     # The default engine: no --engine flag.
     server = start_server(
         ["--max-num-seqs", "4", "--max-model-len", "512", "--cache-dir", str(cache)], "torch"

@@ -31,7 +31,10 @@ def sampling() -> list[SamplingParams]:
     return [greedy, seeded, greedy, seeded]
 
 
-def test_verified_drafts_give_the_tokens_of_plain_decoding(engine: TorchEngine) -> None:
+def test_verified_drafts_give_the_tokens_of_plain_decoding(engine_bf16: TorchEngine) -> None:
+    """In bfloat16, the default dtype (both dtypes compute a chunk's positions as they
+    compute them alone: tests/engine/torch/test_smollm2.py)."""
+    engine = engine_bf16
     edit_prompts = prompts(engine) * 2  # each edit greedy and seeded
     params = sampling()
     plain = generate(engine, edit_prompts, max_new_tokens=40, sampling=params)
