@@ -210,10 +210,7 @@ async def test_queued_stream_is_told_its_position(tmp_path: Path) -> None:
 
 async def test_retry_after_matches_the_wait_actually_experienced(tmp_path: Path) -> None:
     # One slot, 50 tokens at 10 ms a step: 0.5 s per request, 2 requests/s.
-    # Without speculative decoding: the sim's text repeats, so drafts would shorten its
-    # requests by a varying number of steps, and this test needs a fixed service time.
-    settings = {"max_num_seqs": 1, "max_queued_requests": 8, "sim_step_base_ms": 10,
-                "speculative_tokens": 0}  # fmt: skip
+    settings = {"max_num_seqs": 1, "max_queued_requests": 8, "sim_step_base_ms": 10}
     with server(tmp_path, "retryafter", **settings) as srv:
         client = httpx.AsyncClient(timeout=60)
         url = srv.v1 + "/completions"

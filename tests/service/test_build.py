@@ -5,7 +5,7 @@ from __future__ import annotations
 from sluicegate.config import load_settings
 from sluicegate.engine.factory import LoadedEngine, build_engine
 from sluicegate.engine.sim import SimEngine
-from sluicegate.service.build import build_scheduler
+from sluicegate.service.build import build_scheduler, speculative_tokens
 
 
 def test_scheduler_and_dispatch_use_the_slots_the_engine_has() -> None:
@@ -25,3 +25,11 @@ def test_sim_engine_has_every_slot_and_no_kv_bytes() -> None:
     assert loaded.max_num_seqs == 8
     assert loaded.engine.kv_cache_bytes == 0
     assert build_scheduler(settings, loaded).config.max_num_seqs == 8
+
+
+def test_speculation_is_on_by_default_for_the_model_and_only_when_asked_for_the_sim() -> None:
+    assert speculative_tokens(load_settings(engine="torch")) == 8
+    assert speculative_tokens(load_settings(engine="torch", speculative_tokens=0)) == 0
+    # The sim's text repeats: drafts would flatter it unless they are asked for.
+    assert speculative_tokens(load_settings(engine="sim")) == 0
+    assert speculative_tokens(load_settings(engine="sim", speculative_tokens=4)) == 4

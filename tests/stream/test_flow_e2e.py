@@ -26,6 +26,9 @@ FLOW_ARGS = [
     "--high-water-tokens", "32", "--low-water-tokens", "8",
     "--flush-interval-ms", "0", "--stall-timeout-seconds", "60",
     "--socket-send-buffer-bytes", "4096", "--transport-write-buffer-bytes", "4096",
+    # Speculative decoding on (the sim's default is off): a stream gains several tokens
+    # in one step, through pauses, preemption and resume.
+    "--speculative-tokens", "8",
 ]  # fmt: skip
 
 
@@ -142,6 +145,8 @@ def test_resume_after_pause_and_preemption_gives_identical_text(flow_server: Ser
         text += event_text(event) or ""
     stream.close()
     assert text == expected
+    speculation = flow_server.stats()["speculation"]
+    assert speculation["accepted_tokens"] > 0  # several tokens a step, and still identical
 
 
 def test_stalled_client_is_evicted_with_a_final_error_event() -> None:

@@ -54,7 +54,7 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
             num_kv_blocks=settings.num_kv_blocks,
             prefix_caching=settings.prefix_caching,
             speculation=SpeculationConfig(
-                num_tokens=settings.speculative_tokens, max_batch=settings.speculative_max_batch
+                num_tokens=speculative_tokens(settings), max_batch=settings.speculative_max_batch
             ),
             pause_preempt_seconds=pause_preempt_seconds(settings),
             tpot_objective_seconds=(
@@ -63,6 +63,15 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
         ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
     )
+
+
+def speculative_tokens(settings: Settings) -> int:
+    """Draft tokens a step may add: the setting on the embedded engine; on the sim engine
+    only when set explicitly, because its text repeats, so drafts would be accepted far
+    more often than on any model, and its timing (capacity planning, tests) would be too
+    optimistic."""
+    explicit = "speculative_tokens" in settings.model_fields_set
+    return settings.speculative_tokens if settings.engine == "torch" or explicit else 0
 
 
 def prefix_namespace(settings: Settings, tenant: str) -> str:
