@@ -26,7 +26,7 @@ LAYERS = [
     ("queue",),
     ("engine",),
     ("config",),
-    ("upstream_settings",),
+    ("upstream_settings", "flow_settings"),
     ("admission",),
     ("scheduler", "store", "metrics"),
     ("errors", "types", "sizes"),

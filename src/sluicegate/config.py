@@ -18,14 +18,16 @@ from pydantic_settings import (
 )
 
 from sluicegate.admission.tenants import TenantConfig, validate_tenants
+from sluicegate.flow_settings import FlowSettings
 from sluicegate.sizes import parse_memory_size
 from sluicegate.upstream_settings import UpstreamConfig
 
 EngineKind = Literal["torch", "sim", "upstream"]
 
 
-class Settings(BaseSettings):
-    """Every knob of the server, with a default that works on a laptop."""
+class Settings(FlowSettings, BaseSettings):
+    """Every knob of the server, with a default that works on a laptop (flow control and
+    pace-aware scheduling: :class:`~sluicegate.flow_settings.FlowSettings`)."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICEGATE_", extra="forbid")
 
@@ -192,50 +194,6 @@ class Settings(BaseSettings):
         description="top_k when a request gives none (default: the model's recommended "
         "sampling; else 0, no top-k cut).",
     )  # fmt: skip
-
-    # --- flow control ---
-    pause: bool = Field(
-        True, description="Pause a slow reader's sequence (--no-pause: it keeps decoding)."
-    )
-    high_water_tokens: int = Field(
-        128, ge=1, description="Pause a stream when this many tokens are not yet received."
-    )
-    low_water_tokens: int = Field(
-        32, ge=0, description="Resume a paused stream when its backlog falls to this."
-    )
-    high_water_bytes: int = Field(
-        65536, ge=1024, description="Also pause when this many bytes wait in the buffer."
-    )
-    pause_preempt_seconds: float | None = Field(
-        None,
-        ge=0.0,
-        description="Free a paused sequence's KV cache after this long (default: only when "
-        "its slot or KV is needed; 5 s under --admission static).",
-    )
-    stall_timeout_seconds: float = Field(
-        30.0, ge=0.0, description="Evict a client that accepts no bytes this long (0 = never)."
-    )
-    flush_interval_ms: float = Field(
-        40.0, ge=0.0, description="Coalesce tokens for this long per write (0 = every token)."
-    )
-    flush_max_tokens: int = Field(24, ge=1, description="Write at once when this many wait.")
-    heartbeat_seconds: float = Field(
-        15.0, gt=0.0, description="SSE comment when nothing else was sent for this long."
-    )
-    socket_send_buffer_bytes: int = Field(
-        16384,
-        ge=0,
-        description="SO_SNDBUF of client sockets, so slow readers are seen early (0 = kernel).",
-    )
-    transport_write_buffer_bytes: int = Field(
-        16384, ge=1024, description="High-water mark of each connection's write buffer."
-    )
-    pace_floor_tokens_per_second: float = Field(
-        1.0,
-        gt=0.0,
-        description="Slowest pace a request (max_tokens_per_second) or a tenant may ask "
-        "for; a slower one is refused with 400, so no stream holds its KV for ever.",
-    )
 
     # --- shutdown ---
     drain_grace_seconds: float = Field(

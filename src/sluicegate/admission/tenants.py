@@ -51,6 +51,11 @@ class TenantConfig(BaseModel):
     max_tokens_per_second: float | None = Field(
         None, gt=0.0, description="Per-stream output token rate cap (None: uncapped)."
     )
+    reading_tokens_per_second: float | None = Field(
+        None, gt=0.0,
+        description="The pace its readers read at, declared (QoE, qoe scheduling; None: "
+        "the server's reading_tokens_per_second, until a client shows its own).",
+    )  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,6 +69,7 @@ class Tenant:
     tokens_per_minute: float | None = None
     max_concurrent: int | None = None
     max_tokens_per_second: float | None = None
+    reading_tokens_per_second: float | None = None
 
     @classmethod
     def from_config(cls, config: TenantConfig) -> Tenant:
@@ -75,6 +81,7 @@ class Tenant:
             tokens_per_minute=config.tokens_per_minute,
             max_concurrent=config.max_concurrent,
             max_tokens_per_second=config.max_tokens_per_second,
+            reading_tokens_per_second=config.reading_tokens_per_second,
         )
 
 

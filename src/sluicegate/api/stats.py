@@ -99,6 +99,11 @@ def refresh_state_metrics(state: AppState) -> None:
             if delta > 0:
                 metrics.speculative_tokens_total.labels(outcome).inc(delta)
                 state.counters_seen[key] = spec[f"{outcome}_tokens"]
+    if (pacing := sched.pacing) is not None:
+        delta = pacing["yielded_sequence_steps"] - state.counters_seen.get("yielded", 0)
+        if delta > 0:
+            metrics.yielded_sequence_steps_total.inc(delta)
+            state.counters_seen["yielded"] = pacing["yielded_sequence_steps"]
     metrics.engine_up.labels(metrics.engine).set(1 if core.engine_up else 0)
     # A copy first: the engine thread adds a reason the first time it preempts for it.
     for reason, count in dict(sched.preemptions_by_reason).items():
@@ -134,6 +139,7 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
         "prefix_cache": sched.prefix_cache,
         "prefill_requests": {**state.warmup_counts, "running": len(state.warmups)},
         "speculation": sched.speculation,
+        "scheduling": {"policy": service.settings.scheduling, **(sched.pacing or {})},
         "requests_paused": sched.num_paused,
         "requests_throttled": sched.num_throttled,
         "streams_paused": ready.flow.num_paused,
@@ -170,6 +176,7 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
         "latency_window_seconds": latency.ttft.window_seconds,
         "ttft_seconds": latency.ttft.percentiles(0.5, 0.95, 0.99),
         "ttfmt_seconds": latency.ttfmt.percentiles(0.5, 0.95, 0.99),
+        "qoe": {**latency.qoe.percentiles(0.1, 0.5), "mean": latency.qoe.mean()},
         "tpot_seconds": latency.tpot.percentiles(0.5, 0.95, 0.99),
         "queue_wait_seconds": latency.queue_wait.percentiles(0.5, 0.95, 0.99),
         "event_loop_tasks": len(asyncio.all_tasks()),

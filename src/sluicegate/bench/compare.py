@@ -88,9 +88,16 @@ def headline_line(label: str, stats: GroupStats) -> str:
     return (
         f"{label}: {stats.num_planned} requests, {stats.num_completed} completed, "
         f"{stats.rejection_rate:.1%} rejected; TTFT p50 {ms(ttft.p50 if ttft else None)} "
-        f"p99 {ms(ttft.p99 if ttft else None)}; TPOT p50 {ms(tpot.p50 if tpot else None)} "
-        f"p99 {ms(tpot.p99 if tpot else None)}; goodput {stats.goodput_rps:.2f} req/s "
-        f"({stats.goodput_fraction:.0%}); QoE {stats.qoe_mean or 0:.2f}"
+        f"p90 {ms(ttft.p90 if ttft else None)} p99 {ms(ttft.p99 if ttft else None)}; "
+        f"TPOT p50 {ms(tpot.p50 if tpot else None)} p99 {ms(tpot.p99 if tpot else None)}; "
+        f"goodput {stats.goodput_rps:.2f} req/s ({stats.goodput_fraction:.0%}); "
+        f"{stats.output_tokens_per_second:.0f} tokens/s; QoE {stats.qoe_mean or 0:.2f}"
+        + (
+            ""
+            if stats.qoe_admitted_mean is None
+            else f" (admitted {stats.qoe_admitted_mean:.2f}, "
+            f"{stats.qoe_admitted_full_fraction or 0:.0%} of them at 1.0)"
+        )
     )
 
 

@@ -48,6 +48,8 @@ def headline(stats: GroupStats) -> dict[str, Any]:
         "goodput_fraction": stats.goodput_fraction,
         "rejection_rate": stats.rejection_rate,
         "qoe_mean": stats.qoe_mean,
+        "qoe_admitted_mean": stats.qoe_admitted_mean,
+        "qoe_admitted_full_fraction": stats.qoe_admitted_full_fraction,
         "retry_success_rate": stats.retry_success_rate,
         "output_tokens_per_second": stats.output_tokens_per_second,
         "num_admitted": stats.num_admitted,

@@ -36,6 +36,7 @@ COUNTER_METRICS = (
     "sluicegate_cancellations_total",
     "sluicegate_streams_evicted_total",
     "sluicegate_preemptions_total",
+    "sluicegate_yielded_sequence_steps_total",
 )
 
 

@@ -84,6 +84,10 @@ class GroupStats:
     goodput_fraction: float = 0.0
     qoe_mean: float | None = None
     qoe_p10: float | None = None
+    #: QoE of the first attempts the server admitted, and the share of them at 1.0 (every
+    #: token there before its reader needed it).
+    qoe_admitted_mean: float | None = None
+    qoe_admitted_full_fraction: float | None = None
     num_retried: int = 0
     num_retry_succeeded: int = 0
     retry_success_rate: float | None = None
@@ -158,12 +162,15 @@ def summarise(
     e2e: list[float] = []
     qoe: list[float] = []
     retry_after: list[float] = []
+    qoe_admitted: list[float] = []
     for sample in samples:
         qoe.append(qoe_score(sample, slo))
         attempt = sample.first
         if attempt is None:
             stats.num_not_sent += 1
             continue
+        if attempt.admitted:
+            qoe_admitted.append(qoe[-1])
         stats.num_sent += 1
         outcome = attempt.outcome
         if outcome is Outcome.COMPLETED:
@@ -206,6 +213,9 @@ def summarise(
     if qoe:
         stats.qoe_mean = float(np.mean(qoe))
         stats.qoe_p10 = float(np.percentile(qoe, 10))
+    if qoe_admitted:
+        stats.qoe_admitted_mean = float(np.mean(qoe_admitted))
+        stats.qoe_admitted_full_fraction = sum(q >= 1.0 for q in qoe_admitted) / len(qoe_admitted)
     if stats.num_retried:
         stats.retry_success_rate = stats.num_retry_succeeded / stats.num_retried
     if retry_after:

@@ -68,6 +68,12 @@ class Metrics:
             "Arrival to the first letter or digit sent to the client (TTFMT: not whitespace, "
             "a role or markup).", ["priority"], buckets=_LATENCY, registry=r,
         )  # fmt: skip
+        self.qoe = Histogram(
+            p + "qoe",
+            "Per interactive answer, the share of its tokens written no later than a reader "
+            "at its pace needed them (after Andes; the TTFT objective, then 1/pace a token).",
+            buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=r,
+        )  # fmt: skip
         self.ttft_prediction_error_seconds = Histogram(
             p + "ttft_prediction_error_seconds",
             "Measured minus predicted time to first token, per admitted request (admission "
@@ -169,6 +175,11 @@ class Metrics:
             p + "prefill_requests",
             "POST /v1/prefill warm-ups: accepted, superseded (by a newer one or the user's "
             "request) and completed.", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.yielded_sequence_steps_total = Counter(
+            p + "yielded_sequence_steps",
+            "Steps a sequence sat out, far ahead of its reader, for a reader who was behind "
+            "(scheduling: qoe).", registry=r,
         )  # fmt: skip
         self.speculative_tokens_total = Counter(
             p + "speculative_tokens",

@@ -28,6 +28,11 @@ class SlidingWindow:
     def add(self, value: float) -> None:
         self._samples.append((self._clock(), value))
 
+    def mean(self) -> float | None:
+        """The mean over the window (``None`` with no samples)."""
+        self.percentiles()  # drops samples older than the window
+        return sum(v for _, v in self._samples) / len(self._samples) if self._samples else None
+
     def percentiles(self, *fractions: float) -> dict[str, float | None]:
         """``{"p50": ..., "p99": ...}`` over the window (``None`` with no samples)."""
         horizon = self._clock() - self.window_seconds

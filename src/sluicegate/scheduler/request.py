@@ -98,6 +98,17 @@ class Request:
     #: scheduled, and its dispatch seat lent out like a paused sequence's.  Set by the
     #: scheduler only (the engine thread); others may read it.
     throttled: bool = False
+    #: Pace-aware scheduling (``scheduling: qoe``): far enough ahead of its reader to sit
+    #: out this step while others need speed (it keeps its seat and KV).  Engine thread.
+    yielding: bool = False
+    #: When its reader's clock started: its first output token here (a resumed stream's
+    #: is set back by the tokens it brought).
+    first_output_time: float | None = None
+    #: Its reader's pace as declared (its tenant's ``reading_tokens_per_second``).
+    reading_tokens_per_second: float | None = None
+    #: Its reader's pace as measured by flow control: how fast its client takes tokens in
+    #: while it has a backlog (written on the event loop, read by the scheduler).
+    measured_tokens_per_second: float | None = None
     #: Its prompt-lookup drafting state (speculative decoding; made at its first draft).
     lookup: PromptLookup | None = None
     #: What an upstream engine sends (upstream mode only; the scheduler never reads it).

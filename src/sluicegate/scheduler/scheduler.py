@@ -5,14 +5,13 @@ target (all of its known tokens), and every step hands out tokens under
 ``max_num_batched_tokens``, running sequences first, then waiting ones.  A prompt longer
 than the remaining budget is prefilled in chunks over several steps.
 
-The scheduler is the one owner of a sequence's pause state (a slow reader's sequence is
-paused on request of flow control, skipped by every step, and preempted when paused too
-long or when its slot is needed), of its pace (a sequence capped by
-``max_tokens_per_second`` that must sit out more than a step is *throttled*: skipped,
-and preempted when its slot is needed, like a paused one) and of engine capacity
-(:class:`DispatchCapacity`, which the dispatcher in front of it asks before handing work
-over).  An idle sequence, paused or throttled, lends its dispatch seat to queued work, so
-slow readers and slow paces cannot hold every seat.
+The scheduler owns a sequence's pause state (flow control asks; a paused sequence is
+skipped, and preempted when paused too long or when its slot is needed), its pace (one
+capped by ``max_tokens_per_second`` that must sit out more than a step is *throttled*,
+treated like a paused one; under ``qoe`` one far ahead of its reader *yields* steps,
+``scheduler/pacing.py``) and engine capacity (:class:`DispatchCapacity`, which the
+dispatcher asks before handing work over).  An idle sequence, paused or throttled,
+lends its dispatch seat to queued work, so slow readers cannot hold every seat.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.cost_model import StepCostModel, StepShape
 from sluicegate.scheduler.kv_cache import KVCacheManager
+from sluicegate.scheduler.pacing import ReaderPacing
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.seat_limit import SeatLimitConfig, SeatLimiter
 from sluicegate.scheduler.speculation import Speculator
@@ -83,6 +83,8 @@ class Scheduler:
             self.cost,
             clock,
         )
+        #: Pace-aware scheduling: each reader's clock, and who sits out a step (qoe).
+        self.pacing = ReaderPacing(config.pacing)
         #: Prompt-lookup speculative decoding: who drafts, and what drafts earned.
         self.speculator = Speculator(config.speculation, config.max_model_len)
         self.waiting = WaitingQueue()
@@ -128,18 +130,19 @@ class Scheduler:
         self._freed_slots = []
 
         now = self._clock()
+        self.pacing.plan(self.running, len(self.waiting), now)
         self.speculator.begin_step(
             sum(1 for r in self.running if not self._idle(r) and r.num_output_tokens)
         )
-        # Running first, oldest first; a paused or throttled sequence, or one whose pace
-        # does not allow a token yet, costs nothing this step.  When KV blocks run out,
+        # Running first, oldest first; a paused, throttled or yielding sequence, or one
+        # whose pace does not allow a token yet, costs nothing this step.  When KV blocks run out,
         # preempt (idle sequences first, then the newest).  A decoding sequence may add
         # draft tokens when there is room for them (never preempting for a draft).
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._idle(request) or self._pace_not_due(request, now):
+            if num_new <= 0 or self._sits_out(request, now):
                 idx += 1
                 continue
             drafts = self.speculator.drafts(request, budget)
@@ -224,13 +227,11 @@ class Scheduler:
             draft_token_ids=drafts or [],
         )
 
-    @staticmethod
-    def _pace_not_due(request: Request, now: float) -> bool:
-        return (
-            request.min_token_interval_seconds > 0
-            and request.num_computed_tokens + 1 >= request.num_tokens  # decoding, not prefill
-            and now < request.next_token_time
-        )
+    def _sits_out(self, request: Request, now: float) -> bool:
+        """Idle, yielding to readers behind it, or its pace allows no token yet."""
+        paced = request.min_token_interval_seconds > 0 and now < request.next_token_time
+        decoding = request.num_computed_tokens + 1 >= request.num_tokens  # not a prefill
+        return self._idle(request) or request.yielding or (paced and decoding)
 
     @staticmethod
     def _idle(request: Request) -> bool:
@@ -411,6 +412,7 @@ class Scheduler:
         """A sampled token was appended: pace the sequence, or finish it on a stop token
         or its length (returns why it finished)."""
         reason = FinishReason.STOP if is_stop_token else self._check_length(request)
+        self.pacing.note_token(request, self._clock())
         if request.min_token_interval_seconds > 0 and reason is None:
             self._pace(request)
         if reason is not None:
@@ -464,9 +466,8 @@ class Scheduler:
         if request.paused:
             request.paused = False
             request.total_paused_seconds += self._clock() - request.paused_since
-        if request.throttled:
-            request.throttled = False
-            del self.throttled[request.request_id]
+        request.throttled = request.yielding = False
+        self.throttled.pop(request.request_id, None)
         self.capacity.release(request.request_id)
         if request.finish_reason is None:
             request.finish_reason = {
@@ -493,4 +494,5 @@ class Scheduler:
             num_waiting_by_priority=by_priority,
             prefix_cache=self.kv.prefix.snapshot() if self.kv.prefix is not None else None,
             speculation=self.speculator.snapshot() if self.config.speculation.enabled else None,
+            pacing=self.pacing.snapshot() if self.config.pacing.enabled else None,
         )

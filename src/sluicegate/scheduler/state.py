@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from sluicegate.scheduler.kv_cache import KVCacheStats
+from sluicegate.scheduler.pacing import PacingConfig
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request
 
@@ -25,6 +26,8 @@ class SchedulerConfig:
     tpot_objective_seconds: float | None = None
     #: Keep computed KV in a slot after its sequence and reuse it for shared prefixes.
     prefix_caching: bool = False
+    #: Pace-aware scheduling (default: off, first come first served).
+    pacing: PacingConfig = field(default_factory=PacingConfig)
     #: Prompt-lookup speculative decoding (default: off).
     speculation: SpeculationConfig = field(default_factory=lambda: SpeculationConfig(num_tokens=0))
 
@@ -68,6 +71,8 @@ class SchedulerStats:
     prefix_cache: dict[str, float | int] | None = None
     #: Speculative decoding's counters (None: off).
     speculation: dict[str, float | int] | None = None
+    #: Pace-aware scheduling's counters (None: fcfs).
+    pacing: dict[str, float | int] | None = None
 
 
 @dataclass(slots=True)

@@ -18,12 +18,14 @@ from sluicegate.admission.slo import (
     TTFTPredictor,
     auto_ttft_seconds,
 )
-from sluicegate.admission.tenants import TenantRegistry
+from sluicegate.admission.tenants import Tenant, TenantRegistry
 from sluicegate.config import Settings
 from sluicegate.engine.factory import LoadedEngine
 from sluicegate.errors import APIError
 from sluicegate.queue.fair_queue import FairQueueConfig
+from sluicegate.scheduler.pacing import PacingConfig, seat_objective_seconds
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
+from sluicegate.scheduler.request import Request
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.store.errors import StoreUnavailable
@@ -45,6 +47,12 @@ class Admission:
 def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
     """The scheduler for ``loaded``: its context is the smaller of the configured and the
     model's, and every capacity figure (slots, KV blocks) derives from it once, here."""
+    pacing = PacingConfig(
+        enabled=settings.scheduling == "qoe",
+        reading_tokens_per_second=settings.reading_tokens_per_second,
+        lead_seconds=settings.qoe_lead_seconds,
+    )
+    tpot = settings.tpot_slo_ms / 1000.0 if settings.admission == "slo" else None
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=min(settings.max_num_seqs, loaded.max_num_seqs),
@@ -57,12 +65,27 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
                 num_tokens=speculative_tokens(settings), max_batch=settings.speculative_max_batch
             ),
             pause_preempt_seconds=pause_preempt_seconds(settings),
-            tpot_objective_seconds=(
-                settings.tpot_slo_ms / 1000.0 if settings.admission == "slo" else None
-            ),
+            pacing=pacing,
+            tpot_objective_seconds=seat_objective_seconds(tpot, pacing),
         ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
     )
+
+
+def apply_pace(
+    settings: Settings, tenant: Tenant, request: Request, max_tokens_per_second: float | None
+) -> None:
+    """A request's pace: its cap (the request's or its tenant's ``max_tokens_per_second``,
+    the lower of the two) and its readers' declared pace (the tenant's)."""
+    pace = max_tokens_per_second or tenant.max_tokens_per_second
+    if tenant.max_tokens_per_second and max_tokens_per_second:
+        pace = min(max_tokens_per_second, tenant.max_tokens_per_second)
+    if pace:
+        # Never below the floor (checked at the front door; a stream continued from an
+        # older replica's log is held to it too).
+        pace = max(pace, settings.pace_floor_tokens_per_second)
+        request.min_token_interval_seconds = 1.0 / pace
+    request.reading_tokens_per_second = tenant.reading_tokens_per_second
 
 
 def speculative_tokens(settings: Settings) -> int:

@@ -61,6 +61,8 @@ class Generation:
     first_meaningful_time: float | None = None
     last_write_time: float | None = None
     num_tokens_written: int = 0
+    #: Tokens written no later than a reader at its pace needed them (QoE, after Andes).
+    num_tokens_on_time: int = 0
 
     @property
     def ended(self) -> bool:

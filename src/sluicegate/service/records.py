@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from sluicegate.metrics.request_log import request_logger
 from sluicegate.metrics.tracing import RequestTimeline, record_request_spans
 from sluicegate.metrics.window import SlidingWindow
 from sluicegate.service.generation import Generation
+from sluicegate.types import PriorityClass
 
 #: Every ``status`` a request can end with (the ``requests_total{status}`` label values):
 #: OpenAI's finish reasons, an engine ``error``, ``cancelled`` (the client went away or
@@ -29,16 +31,21 @@ class LatencyWindows:
     tpot: SlidingWindow = field(default_factory=SlidingWindow)
     queue_wait: SlidingWindow = field(default_factory=SlidingWindow)
     ttfmt: SlidingWindow = field(default_factory=SlidingWindow)
+    qoe: SlidingWindow = field(default_factory=SlidingWindow)
 
 
 def record_delivery(
     metrics: Metrics, generation: Generation, num_tokens: int, slo: SLOAdmission | None,
-    text: str = "",
+    text: str = "", reading_pace: float = 8.0,
 ) -> None:  # fmt: skip
-    """Time to first token (and to the first meaningful one) and inter-token gaps of one
-    write to the client; the TTFT prediction's error teaches admission its margin."""
+    """Time to first token (and to the first meaningful one), inter-token gaps and tokens
+    on time for their reader of one write to the client; the TTFT prediction's error
+    teaches admission its margin."""
+    before = generation.num_tokens_written
     ttft, gaps = generation.record_write(num_tokens)
     written = generation.last_write_time  # this write's time
+    if num_tokens and written is not None and slo is not None:
+        count_on_time(generation, before, num_tokens, written, slo, reading_pace)
     if (
         num_tokens
         and written is not None
@@ -62,6 +69,24 @@ def record_delivery(
                 slo.predictor.observe_ttft(raw, ttft)
     for gap in gaps:
         metrics.inter_token_latency_seconds.observe(gap)
+
+
+def count_on_time(
+    generation: Generation, first: int, num_tokens: int, written: float, slo: SLOAdmission,
+    reading_pace: float,
+) -> None:  # fmt: skip
+    """QoE's numerator (after Andes, as ``sluicegate bench`` scores it): token ``i`` of an
+    interactive answer is on time if written by arrival + the TTFT objective + ``i / pace``,
+    at its reader's pace (measured from its client, else declared, else the default)."""
+    if generation.priority_label != PriorityClass.INTERACTIVE.value:
+        return
+    request = generation.request
+    pace = request.measured_tokens_per_second or request.reading_tokens_per_second
+    pace = pace or reading_pace
+    objective = slo.objectives[PriorityClass.INTERACTIVE].ttft_seconds
+    # On time: i >= (written - arrival - objective) * pace.
+    earliest = math.ceil((written - request.arrival_time - objective) * pace - 1e-9)
+    generation.num_tokens_on_time += max(0, first + num_tokens - max(first, earliest))
 
 
 def meaningful(text: str) -> bool:
@@ -89,6 +114,10 @@ def record_end(
         windows.ttft.add(ttft)
     if (ttfmt := timing["ttfmt_seconds"]) is not None:
         windows.ttfmt.add(ttfmt)
+    if generation.num_tokens_written and generation.priority_label == "interactive":
+        qoe = generation.num_tokens_on_time / generation.num_tokens_written
+        metrics.qoe.observe(qoe)
+        windows.qoe.add(qoe)
     if (tpot := timing["tpot_seconds"]) is not None:
         metrics.time_per_output_token_seconds.observe(tpot)
         windows.tpot.add(tpot)

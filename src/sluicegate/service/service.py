@@ -35,6 +35,7 @@ from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 from sluicegate.service.build import (
+    apply_pace,
     build_admission,
     build_scheduler,
     build_slo,
@@ -254,14 +255,7 @@ class Service:
             upstream_call=upstream_call,
             prefix_namespace=prefix_namespace(self.settings, tenant.name),
         )
-        pace = max_tokens_per_second or tenant.max_tokens_per_second
-        if tenant.max_tokens_per_second and max_tokens_per_second:
-            pace = min(max_tokens_per_second, tenant.max_tokens_per_second)
-        if pace:
-            # Never below the floor (checked at the front door; a stream continued from an
-            # older replica's log is held to it too).
-            pace = max(pace, self.settings.pace_floor_tokens_per_second)
-            request.min_token_interval_seconds = 1.0 / pace
+        apply_pace(self.settings, tenant, request, max_tokens_per_second)
         priority_class = PriorityClass(priority) if priority else tenant.priority_class
         request.priority = priority_class.rank
         admitted = await self._admit(
@@ -426,7 +420,10 @@ class Service:
     # ------------------------------------------------------------ output
     def delivered(self, generation: Generation, num_tokens: int, text: str = "") -> None:
         """``num_tokens`` tokens of ``generation`` (``text``) were written to its client."""
-        record_delivery(self.metrics, generation, num_tokens, self.slo, text)
+        record_delivery(
+            self.metrics, generation, num_tokens, self.slo, text,
+            self.settings.reading_tokens_per_second,
+        )  # fmt: skip
 
     def position(self, generation: Generation) -> tuple[int, float]:
         """(0-based position, expected wait in seconds) of a queued request."""

@@ -12,6 +12,11 @@ skips it; it keeps its KV cache until the scheduler decides to free it); at
 (``Request.paused``): flow control reads it and asks, and asking twice is harmless.
 When the client accepts no bytes for ``stall_timeout_seconds``, the stream is evicted.
 
+A client with a backlog takes tokens in as fast as its reader reads, so that rate is
+its reader's pace: measured over windows of ``PACE_WINDOW_SECONDS`` while at least
+``PACE_BACKLOG_TOKENS`` wait, and kept on the request (``measured_tokens_per_second``)
+for QoE and pace-aware scheduling.  A client with no backlog shows no pace.
+
 A resumable stream outlives its connection: while no client is attached
 (:meth:`StreamFlow.detach`) nothing is received, so its backlog grows to the high-water
 mark and the sequence pauses like any slow reader's; a client that reattaches
@@ -38,6 +43,11 @@ from sluicegate.scheduler.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 _SIOCOUTQ = termios.TIOCOUTQ  # same request number on Linux
+
+#: A reader's pace is measured while at least this many tokens wait for it ...
+PACE_BACKLOG_TOKENS = 16
+#: ... over windows of at least this long (then smoothed: half the old, half the new).
+PACE_WINDOW_SECONDS = 2.0
 
 
 def unsent_socket_bytes(transport: Any) -> int:
@@ -97,6 +107,8 @@ class StreamFlow:
     detached: bool = False
     #: Bumped by every attach, so a writer of an earlier connection stops counting.
     attachment: int = 0
+    #: (time, tokens received) when the current pace window opened (None: no backlog).
+    pace_mark: tuple[float, int] | None = None
 
     def attach(self, tokens_received: int) -> int:
         """A client (re)connected holding ``tokens_received`` tokens; returns its attachment.
@@ -114,6 +126,7 @@ class StreamFlow:
         self.tokens_received = tokens_received
         self.sending = False
         self.last_progress_time = time.monotonic()
+        self.pace_mark = None
         return self.attachment
 
     def detach(self) -> None:
@@ -154,6 +167,25 @@ class StreamFlow:
         while self.writes and self.writes[0][0] <= acked:
             self.tokens_received = self.writes.popleft()[1]
         return self.tokens_received
+
+    def measure_pace(self, now: float) -> None:
+        """While a backlog waits for its client, how fast the client takes tokens in is
+        its reader's pace (see the module's docstring)."""
+        if self.detached or self.unreceived_tokens < PACE_BACKLOG_TOKENS:
+            self.pace_mark = None
+            return
+        if self.pace_mark is None:
+            self.pace_mark = (now, self.tokens_received)
+            return
+        since, received = self.pace_mark
+        if now - since < PACE_WINDOW_SECONDS:
+            return
+        rate = (self.tokens_received - received) / (now - since)
+        self.pace_mark = (now, self.tokens_received)
+        if rate <= 0:
+            return  # a stalled reader: the stall timeout's business, not a pace
+        old = self.request.measured_tokens_per_second
+        self.request.measured_tokens_per_second = rate if old is None else (old + rate) / 2
 
     @property
     def unreceived_tokens(self) -> int:
@@ -199,6 +231,8 @@ class FlowController:
                 "sending": f.sending,
                 "paused": f.paused,
                 "preempted": f.request.status == RequestStatus.PREEMPTED,
+                "reader_tokens_per_second": _rounded(f.request.measured_tokens_per_second),
+                "yielding": f.request.yielding,
             }
             for f in flows[:limit]
         ]
@@ -230,6 +264,7 @@ class FlowController:
         now = time.monotonic() if now is None else now
         cfg = self.config
         flow.refresh_received()
+        flow.measure_pace(now)
         if (
             cfg.stall_timeout_seconds > 0
             and flow.waiting_on_client
@@ -274,3 +309,7 @@ class FlowController:
                         self.check(flow, now)
                     except Exception:  # one broken stream must not stop the monitor
                         logger.exception("flow check failed for %s", flow.stream.request_id)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
