@@ -124,6 +124,23 @@ def test_unsupported_parameter_is_a_400(client: openai.OpenAI) -> None:
     assert "'n'" in str(info.value)
 
 
+def test_structured_output_on_the_sim_engine_is_a_400_that_says_why(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+    assert "sim engine" in str(info.value)
+    assert info.value.body["param"] == "response_format"  # type: ignore[index]
+    text = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+        response_format={"type": "text"},
+    )  # fmt: skip
+    assert text.choices[0].message.content
+
+
 def test_unknown_model_is_a_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-nonexistent", prompt="x", max_tokens=2)

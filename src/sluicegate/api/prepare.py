@@ -18,6 +18,7 @@ from sluicegate.api.schemas import (
     parse_body,
     stop_sequences,
 )
+from sluicegate.engine.grammar import GrammarError, grammar_for_response_format
 from sluicegate.engine.output import RequestOutput
 from sluicegate.engine.tokenizer import ChatTemplateError
 from sluicegate.engine.upstream.wire import UpstreamCall, forwarded_body
@@ -64,7 +65,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
             requested = chat.max_tokens
         max_tokens = resolve_max_tokens(service, requested, len(prompt_ids))
         check_pace(service, chat.max_tokens_per_second)
-        sampling = build_sampling(service, chat, max_tokens)
+        sampling = build_sampling(service, chat, max_tokens, response_grammar(service, chat))
         return Prepared(
             kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling, model,
             upstream_call(service, kind, body, model, sampling),
@@ -178,7 +179,32 @@ def resolve_max_tokens(service: Service, requested: int | None, num_prompt_token
     return requested
 
 
-def build_sampling(service: Service, req: CommonParams, max_tokens: int) -> SamplingParams:
+def response_grammar(service: Service, chat: ChatCompletionRequest) -> str | None:
+    """The grammar that enforces ``response_format`` on the embedded engine (None: free
+    text, or an upstream engine, which is sent ``response_format`` and enforces it)."""
+    fmt = chat.response_format
+    if fmt is None or fmt.get("type", "text") == "text" or service.settings.engine == "upstream":
+        return None
+    if service.settings.engine == "sim":
+        raise APIError(
+            400, "Structured output (response_format) needs a model: the sim engine makes "
+            "no logits to mask. Use the embedded engine or an upstream.",
+            param="response_format", code="unsupported_parameter",
+        )  # fmt: skip
+    if chat.ignore_eos:
+        raise invalid_param(
+            "ignore_eos", "ignore_eos cannot be combined with response_format: the answer "
+            "ends when its JSON is complete",
+        )  # fmt: skip
+    try:
+        return grammar_for_response_format(fmt)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
+
+
+def build_sampling(
+    service: Service, req: CommonParams, max_tokens: int, grammar: str | None = None
+) -> SamplingParams:
     """The request's sampling; what it does not set is the model's recommended sampling
     (:attr:`Service.sampling_defaults`)."""
     defaults = service.sampling_defaults
@@ -191,6 +217,7 @@ def build_sampling(service: Service, req: CommonParams, max_tokens: int) -> Samp
         top_k=top_k,
         stop=stop_sequences(req.stop),
         ignore_eos=req.ignore_eos,
+        grammar=grammar,
     )
 
 

@@ -186,10 +186,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise _unsupported("logprobs", "log probabilities are not returned")
     if req.top_logprobs:
         raise _unsupported("top_logprobs", "log probabilities are not returned")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise _unsupported(
-            "response_format", f"only type 'text'; got {req.response_format.get('type')!r}"
-        )
     if req.modalities and any(m != "text" for m in req.modalities):
         raise _unsupported("modalities", "only text output")
     if req.audio is not None:

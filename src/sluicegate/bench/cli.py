@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated
 
 import httpx
 import typer
 
-if TYPE_CHECKING:
-    from rich.console import Console
+from sluicegate.bench.cli_common import OutOption, fail
+from sluicegate.bench.cli_common import console as _console
+from sluicegate.bench.cli_more import batch_command, speculative_command, structured_command
 
+if TYPE_CHECKING:
     from sluicegate.bench.client import Target
     from sluicegate.bench.scenario import Scenario
 
@@ -33,9 +35,6 @@ ScenarioOption = Annotated[
     typer.Option(
         "--scenario", help="A built-in scenario name (see `bench scenarios`) or a YAML file."
     ),
-]
-OutOption = Annotated[
-    Path, typer.Option("--out", help="Directory for results.json, summary.md and PNG plots.")
 ]
 DurationOption = Annotated[
     float | None,
@@ -70,24 +69,13 @@ ModelOption = Annotated[
 ]
 
 
-def _console() -> Console:
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
 def _scenario(name: str) -> Scenario:
     from sluicegate.bench.scenario import ScenarioError, load_scenario
 
     try:
         return load_scenario(name)
     except ScenarioError as exc:
-        _fail(str(exc))
-
-
-def _fail(message: str) -> NoReturn:
-    _console().print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(2)
+        fail(str(exc))
 
 
 def _target(url: str) -> Target:
@@ -96,7 +84,7 @@ def _target(url: str) -> Target:
     try:
         return Target.parse(url)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 @bench_app.command("run")
@@ -144,7 +132,7 @@ def run_command(
         )
         result = runner.run(schedule, label, capacity_rps=capacity_rps)
     except (BenchError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     from sluicegate.bench.targets import targets_markdown
 
     outputs = write_outputs(out, [result], capacity)
@@ -201,7 +189,7 @@ def capacity_command(
             on_trial=lambda t: console.print(trial_line(t), highlight=False),
         )  # fmt: skip
     except (BenchError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if out is not None:
         outputs = write_outputs(out, [], result)
         console.print(f"wrote {outputs.results_json} and {outputs.summary_md}")
@@ -235,7 +223,7 @@ def compare_command(
     from sluicegate.bench.runner import BenchError
 
     if len(configs) < 2:
-        _fail("compare needs at least two config files (e.g. A.yaml B.yaml)")
+        fail("compare needs at least two config files (e.g. A.yaml B.yaml)")
     loaded = _scenario(scenario)
     try:
         results, _, outputs = run_compare(
@@ -243,7 +231,7 @@ def compare_command(
             seed=seed, console=_console(), show_progress=progress,
         )  # fmt: skip
     except (BenchError, RuntimeError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     from sluicegate.bench.targets import targets_markdown
 
     order = " then ".join(r.label for r in results)
@@ -295,7 +283,7 @@ def upstream_command(
             console=_console(), show_progress=progress,
         )  # fmt: skip
     except (BenchError, RuntimeError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     from sluicegate.bench.compare import headline_line
 
     for result in results:
@@ -320,7 +308,7 @@ def relay_command(
     try:
         results = relay_throughput(out, streams=streams, max_tokens=max_tokens, console=_console())
     except (RuntimeError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for result in results:
         typer.echo(result.line())
 
@@ -341,7 +329,7 @@ def prefix_command(
     try:
         runs = prefix_reuse(out, repeats=repeats, llama_server=peer_llama_server)
     except (RuntimeError, OSError, httpx.HTTPError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for run in runs:
         typer.echo(run.line())
     cached, plain = runs[:2]
@@ -358,39 +346,9 @@ def prefix_command(
         typer.echo(line)
 
 
-@bench_app.command("speculative")
-def speculative_command(
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Greedy runs a prompt.")] = 2,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=16)] = 160,
-    out: OutOption = Path("bench-speculative"),
-) -> None:
-    """Single-stream decode speed with prompt-lookup speculative decoding and without, on
-    edit prompts and on prompts where nothing repeats (two servers, in turn)."""
-    from sluicegate.bench.speculative import speculative_decoding
-
-    try:
-        results = speculative_decoding(out, repeats=repeats, max_tokens=max_tokens)
-    except (RuntimeError, OSError, httpx.HTTPError) as exc:
-        _fail(str(exc))
-    for result in results:
-        typer.echo(result.line())
-
-
-@bench_app.command("batch")
-def batch_command(
-    lines: Annotated[int, typer.Option("--lines", min=10, help="Requests in the batch.")] = 10000,
-    seconds: Annotated[float, typer.Option("--seconds", help="Interactive phase length.")] = 20.0,
-    out: OutOption = Path("bench-batch"),
-) -> None:
-    """A Batch API batch across a SIGKILL beside interactive streams (sim engine)."""
-    from sluicegate.bench.batch import batch_beside_interactive
-
-    try:
-        run = batch_beside_interactive(out, lines=lines, seconds=seconds)
-    except (RuntimeError, OSError, httpx.HTTPError) as exc:
-        _fail(str(exc))
-    for line in run.lines_out():
-        typer.echo(line)
+bench_app.command("speculative")(speculative_command)
+bench_app.command("batch")(batch_command)
+bench_app.command("structured")(structured_command)
 
 
 @bench_app.command("soak")
@@ -432,7 +390,7 @@ def soak_command(
         )
         result = runner.run(schedule, "soak", settle_seconds=3.0)
     except (BenchError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     trend = memory_trend(result.series)
     live_after = scrape_live_work(runner.target.base_url)
     outputs = write_outputs(out, [result])

@@ -52,6 +52,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    #: Structured output: an llguidance grammar the output must follow (None: free text).
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -125,6 +125,7 @@ def sampling_to_json(sampling: SamplingParams) -> dict[str, JSONValue]:
         "stop": list(sampling.stop),
         "stop_token_ids": list(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
+        "grammar": sampling.grammar,
     }
 
 
@@ -138,6 +139,7 @@ def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
         stop=tuple(str(s) for s in data.get("stop", ())),
         stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
         ignore_eos=bool(data.get("ignore_eos", False)),
+        grammar=None if data.get("grammar") is None else str(data["grammar"]),
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from sluicegate.engine.base import Engine, EngineLimits
+from sluicegate.engine.grammar import GrammarMasks, apply_masks
 from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
@@ -191,6 +192,9 @@ class TorchEngine:
         self._model_name = served_model_name or checkpoint.name
         #: The sampling its authors recommend: the default of requests that set none.
         self.sampling_defaults = recommended_sampling(checkpoint.name, checkpoint.sampling)
+        #: Structured output's matchers (made at the first constrained request: building
+        #: the grammar engine's view of the vocabulary takes ~0.2 s).
+        self._grammars: GrammarMasks | None = None
         #: Seconds spent loading weights and tokenizer (a warm cache makes this small).
         self.load_seconds = time.perf_counter() - start
 
@@ -235,6 +239,8 @@ class TorchEngine:
             return StepResult()
         sequences = plan.sequences
         self._validate(sequences)
+        if self._grammars is not None:
+            self._grammars.release_slots(plan.freed_kv_slots)
         for source, dest, num_tokens in plan.kv_copies:
             model.copy_kv(source, dest, num_tokens)
         chunks = [
@@ -259,6 +265,7 @@ class TorchEngine:
             logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
             if not sampled:
                 return StepResult()
+            self._mask_grammars(logits, sampled)
             # The label costs ~1 us when no profiler listens; the step profile
             # (engine_profile, under bench/) reads it.
             with record_function("sluicegate.sample"):
@@ -273,6 +280,30 @@ class TorchEngine:
                 result.draft_sampled_token_ids[s.request_id] = after
             row += 1 + len(s.draft_token_ids)
         return result
+
+    def _mask_grammars(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> None:
+        """Structured output: forbid, in each constrained sequence's rows (one, and one
+        per draft), the tokens its grammar does not allow there."""
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        row = 0
+        for s in sampled:
+            num_rows = 1 + len(s.draft_token_ids)
+            grammar = s.sampling.grammar
+            if grammar is not None:
+                if self._grammars is None:
+                    self._grammars = GrammarMasks(
+                        self.tokenizer.tokenizer, self.eos_token_ids, logits.shape[-1]
+                    )
+                output = s.all_token_ids[s.num_prompt_tokens :]
+                masks.append(
+                    self._grammars.masks(
+                        s.request_id, s.kv_slot, grammar, output, s.draft_token_ids
+                    )
+                )
+                rows.extend(range(row, row + num_rows))
+            row += num_rows
+        apply_masks(logits, rows, masks)
 
     def close(self) -> None:
         """Release the weights and the KV cache; :meth:`step` fails afterwards."""

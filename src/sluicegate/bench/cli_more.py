@@ -1,0 +1,66 @@
+"""``sluicegate bench`` commands that run their own servers for one feature each:
+speculative decoding, the Batch API, structured output (registered by
+:mod:`sluicegate.bench.cli`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+
+from sluicegate.bench.cli_common import OutOption, fail
+
+
+def speculative_command(
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Greedy runs a prompt.")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=16)] = 160,
+    out: OutOption = Path("bench-speculative"),
+) -> None:
+    """Single-stream decode speed with prompt-lookup speculative decoding and without, on
+    edit prompts and on prompts where nothing repeats (two servers, in turn)."""
+    from sluicegate.bench.speculative import speculative_decoding
+
+    try:
+        results = speculative_decoding(out, repeats=repeats, max_tokens=max_tokens)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for result in results:
+        typer.echo(result.line())
+
+
+def batch_command(
+    lines: Annotated[int, typer.Option("--lines", min=10, help="Requests in the batch.")] = 10000,
+    seconds: Annotated[float, typer.Option("--seconds", help="Interactive phase length.")] = 20.0,
+    out: OutOption = Path("bench-batch"),
+) -> None:
+    """A Batch API batch across a SIGKILL beside interactive streams (sim engine)."""
+    from sluicegate.bench.batch import batch_beside_interactive
+
+    try:
+        run = batch_beside_interactive(out, lines=lines, seconds=seconds)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in run.lines_out():
+        typer.echo(line)
+
+
+def structured_command(
+    requests: Annotated[
+        int, typer.Option("--requests", min=8, help="Answers under a schema (and as many without).")
+    ] = 100,
+    streams: Annotated[int, typer.Option("--streams", min=1, help="Concurrent streams.")] = 8,
+    out: OutOption = Path("bench-structured"),
+) -> None:
+    """Structured output on the embedded engine: answers under JSON schemas, checked
+    against them, and the time per output token against free answers of the same lengths
+    at the same concurrency (one server)."""
+    from sluicegate.bench.structured import structured_output
+
+    try:
+        result = structured_output(out, num_requests=requests, streams=streams)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in result.lines():
+        typer.echo(line)
