@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 
@@ -14,8 +16,10 @@ MODEL = "sluicegate-sim"
 
 
 @pytest.fixture
-def client(sim_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=sim_server.v1, api_key="unused", max_retries=0)
+def client(sim_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    """A client per test, closed after it (its pooled connections with it)."""
+    with openai.OpenAI(base_url=sim_server.v1, api_key="unused", max_retries=0) as client:
+        yield client
 
 
 def test_models_lists_served_model(client: openai.OpenAI) -> None:

@@ -171,12 +171,13 @@ def _body(prompt: str, max_tokens: int, seed: int) -> dict[str, Any]:
 
 
 def structured_output(
-    out: Path, num_requests: int = 100, streams: int = 8, max_tokens: int = 160
+    out: Path, num_requests: int = 100, streams: int = 8, max_tokens: int = 512
 ) -> StructuredResult:
     out.mkdir(parents=True, exist_ok=True)
     result = StructuredResult(num_requests, streams)
     server = start_server_with_args(
-        ["--max-num-seqs", str(streams), "--max-model-len", "1024"], out / "server.log"
+        ["--max-num-seqs", str(streams), "--max-model-len", "1024", "--admission", "static"],
+        out / "server.log",
     )
     clients = [httpx.Client(base_url=server.base_url, timeout=600) for _ in range(streams)]
     samples: list[dict[str, Any]] = []
