@@ -7,6 +7,8 @@ cycle hidden that way is still a cycle in the design.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,6 +143,14 @@ def test_the_scheduler_never_imports_torch_and_the_api_no_engine_internals() -> 
             assert not any(t == "torch" or t.startswith("torch.") for t in found), name
         if stage(name) in ("api", "stream", "service", "queue"):
             assert not any(t.startswith("sluicegate.engine.torch") for t in found), name
+
+
+def test_the_api_process_loads_without_torch() -> None:
+    """A server on the sim engine or an upstream never needs torch, and importing it costs
+    over a second at every start (it once crept in through a module the API imports)."""
+    code = "import sys, sluicegate.api.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", "sluicegate.api.app imports torch"
 
 
 @pytest.mark.parametrize("name", sorted(modules()))

@@ -15,11 +15,11 @@ import torch
 from torch.profiler import record_function
 
 from sluicegate.engine.base import Engine, EngineLimits
-from sluicegate.engine.grammar import GrammarMasks, apply_masks
 from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
+from sluicegate.engine.torch.grammar_masks import GrammarMasks, apply_masks
 from sluicegate.engine.torch.loader import (
     build_model,
     default_model_path,
