@@ -74,3 +74,21 @@ def test_answers_follow_the_schema_alike_batched_with_drafts_and_after_preemptio
         request.all_token_ids.extend(tokens[: len(tokens) // 2])
     run_requests(engine, resumed)
     assert [r.output_token_ids for r in resumed] == expected
+
+
+def test_an_output_its_grammar_cannot_follow_ends_the_answer(engine_bf16: TorchEngine) -> None:
+    """A matcher that cannot catch up (an output that is not JSON: it should never happen)
+    ends that answer with end-of-sequence instead of failing the whole step."""
+    engine = engine_bf16
+    grammar = grammar_for_response_format({"type": "json_object"})
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "JSON, please."}])
+    bad = Request("bad", list(prompt), SamplingParams(max_tokens=20, seed=0, temperature=0.0,
+                                                      grammar=grammar))  # fmt: skip
+    not_json = engine.tokenizer.tokenizer.encode("hello", add_special_tokens=False).ids
+    bad.all_token_ids.extend(not_json)
+    good = requests(engine, "beside")[0]
+    run_requests(engine, [bad, good])
+    assert bad.output_token_ids == [*not_json, bad.output_token_ids[-1]]
+    assert bad.output_token_ids[-1] in engine.eos_token_ids
+    text = engine.tokenizer.decode(good.output_token_ids)
+    jsonschema.validate(json.loads(text), SCHEMA)  # the other request in the step is unharmed

@@ -15,6 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from sluicegate.engine.base import Engine, EngineLimits
+from sluicegate.engine.grammar import GrammarError
 from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
@@ -296,11 +297,17 @@ class TorchEngine:
                         self.tokenizer.tokenizer, self.eos_token_ids, logits.shape[-1]
                     )
                 output = s.all_token_ids[s.num_prompt_tokens :]
-                masks.append(
-                    self._grammars.masks(
+                try:
+                    mask = self._grammars.masks(
                         s.request_id, s.kv_slot, grammar, output, s.draft_token_ids
                     )
-                )
+                except GrammarError as exc:
+                    # Its matcher failed (it should not): end the answer where it is
+                    # rather than let it leave the grammar or stop the whole step.
+                    logger.warning("structured output: %s; ending the answer", exc)
+                    mask = torch.zeros(num_rows, logits.shape[-1], dtype=torch.bool)
+                    mask[:, list(self.eos_token_ids)] = True
+                masks.append(mask)
                 rows.extend(range(row, row + num_rows))
             row += num_rows
         apply_masks(logits, rows, masks)
