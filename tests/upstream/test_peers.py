@@ -90,8 +90,8 @@ def transformers_serve(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     # here) and takes 20 s to set it up.
     args = [str(command), "serve", "--continuous-batching", "--device", "cpu",
             "--cb-num-blocks", "128", "--cb-block-size", "32", str(hf_dir)]  # fmt: skip
-    # Offline, with no hub cache: its model list then fails (500), and the gateway asks
-    # its /health instead (its models are configured).
+    # Offline, with no hub cache: nothing may come from the hub.  Its model list may then
+    # fail; the gateway asks its /health instead (its models are configured).
     absent = tmp_path_factory.mktemp("hub") / "absent"
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(absent)}
     peer = Peer("transformers", args, env, model=str(hf_dir))
@@ -142,7 +142,8 @@ def test_transformers_serve_answers_pass_through_unchanged(
         assert whole.status_code == 200, whole.text
         assert whole.json()["choices"][0]["message"]["content"] == direct
         assert stream_text(gateway, body)[0] == direct
-        assert httpx.get(transformers_serve.base_url + "/v1/models").status_code == 500
+        # Whatever the peer's own model list answers (offline it may fail), the gateway
+        # lists its configured name.
         assert [m["id"] for m in httpx.get(gateway.v1 + "/models").json()["data"]] == [MODEL]
     finally:
         gateway.stop()
