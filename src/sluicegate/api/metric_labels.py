@@ -12,6 +12,7 @@ from sluicegate.admission.decision import RejectReason
 from sluicegate.api.resume import RESUME_STATUSES
 from sluicegate.config import Settings
 from sluicegate.metrics.registry import Metrics
+from sluicegate.pipeline.pipelines import stage_label_values
 from sluicegate.scheduler.scheduler import PreemptReason
 from sluicegate.service.records import REQUEST_STATUSES
 from sluicegate.store.records import StoreFailureMode, degraded_operation_labels
@@ -31,6 +32,13 @@ def declare_label_values(metrics: Metrics, settings: Settings) -> None:
         metrics.prefix_cache_tokens_total.labels(result)
     for status in RESUME_STATUSES:
         metrics.stream_resumes_total.labels(status)
+    for stage in stage_label_values(settings.pipelines):
+        metrics.stream_pauses_total.labels(stage)
+        metrics.streams_paused.labels(stage).set(0)
+        metrics.stream_buffer_tokens.labels(stage)
+    for pipeline in settings.pipelines:
+        metrics.retrieval_seconds.labels(pipeline.name)
+        metrics.guard_check_seconds.labels(pipeline.name)
     for checkpoint in CHECKPOINT_REASONS:
         metrics.streams_checkpointed_total.labels(checkpoint)
     for priority in PriorityClass:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
@@ -10,6 +12,7 @@ from sluicegate.api import prefill
 from sluicegate.api.access import not_found, owner_admits, presented_resume_token
 from sluicegate.api.body import parse_json, read_body
 from sluicegate.api.jobs import job_payload, job_view
+from sluicegate.api.pipelines import submit_prepared
 from sluicegate.api.prepare import Kind, Prepared, prepare, response_body, stream_format
 from sluicegate.api.state import app_state, ready_state
 from sluicegate.api.stats import json_response
@@ -40,13 +43,14 @@ async def list_models(request: HTTPRequest) -> Response:
                     "owned_by": "sluicegate",
                     "max_model_len": service.max_model_len,
                 }
-                for name in service.model_names
+                for name in [*service.model_names, *service.pipelines.names]
             ],
         }
     )
 
 
 async def handle(request: HTTPRequest, kind: Kind) -> Response:
+    arrival = time.monotonic()
     state = app_state(request)
     ready = state.require_ready()
     service = ready.service
@@ -73,10 +77,7 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
         return json_response(job_view(record), status_code=202)
     req = prepared.req
     prefill.supersede(state, service, tenant.name, req.user or "")
-    generation = await service.submit(
-        tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
-        req.max_tokens_per_second, request_charged=True, upstream_call=prepared.upstream_call,
-    )  # fmt: skip
+    generation = await submit_prepared(service, tenant, prepared, arrival)
     if req.stream:
         # A resumable stream: logged event by event, it survives its connection.
         session = await ready.sessions.open(

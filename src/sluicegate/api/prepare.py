@@ -23,6 +23,8 @@ from sluicegate.engine.output import RequestOutput
 from sluicegate.engine.tokenizer import ChatTemplateError
 from sluicegate.engine.upstream.wire import UpstreamCall, forwarded_body
 from sluicegate.errors import APIError, invalid_param
+from sluicegate.pipeline.pipelines import Pipeline
+from sluicegate.pipeline.retrieve import Retrieved
 from sluicegate.scheduler.request import SamplingParams
 from sluicegate.service.generation import Generation, finish_reason_text, new_request_id
 from sluicegate.service.service import Service
@@ -44,6 +46,12 @@ class Prepared:
     model: str
     #: Upstream mode: what the upstream is sent.
     upstream_call: UpstreamCall | None = None
+    #: The pipeline it names (``model`` is then the pipeline's name).
+    pipeline: Pipeline | None = None
+    #: What the pipeline retrieved for it.
+    retrieved: Retrieved | None = None
+    #: The text its pipeline's input guard checks (the last user message).
+    guarded_text: str = ""
 
 
 def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
@@ -53,9 +61,18 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         chat: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
         check_chat(chat)
         model = check_model(service, chat.model)
+        pipeline = service.pipelines.get(model)
+        engine_model = model if pipeline is None else pipeline.settings.model or service.model_name
         check_top_k(service, chat)
+        messages = chat_messages(chat)
+        guarded = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        retrieved = None
+        if pipeline is not None:
+            messages, retrieved = pipeline.messages(messages)
+            if service.pool is not None:
+                body = {**body, "messages": messages}
         try:
-            prompt_ids = tokenizer.encode_chat(chat_messages(chat))
+            prompt_ids = tokenizer.encode_chat(messages)
         except ChatTemplateError as exc:
             raise APIError(
                 400, f"The messages cannot be formatted: {exc}", param="messages"
@@ -68,11 +85,17 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         sampling = build_sampling(service, chat, max_tokens, response_grammar(service, chat))
         return Prepared(
             kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling, model,
-            upstream_call(service, kind, body, model, sampling),
+            upstream_call(service, kind, body, engine_model, sampling), pipeline, retrieved,
+            guarded,
         )  # fmt: skip
     comp: CompletionRequest = parse_body(CompletionRequest, body)
     check_completion(comp)
     model = check_model(service, comp.model)
+    if service.pipelines.get(model) is not None:
+        raise APIError(
+            400, f"'{model}' is a pipeline: it serves chat completions (/v1/chat/completions).",
+            param="model", code="model_not_supported",
+        )  # fmt: skip
     check_top_k(service, comp)
     prompt = completion_prompt(comp)
     if isinstance(prompt, str):
@@ -98,8 +121,9 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
 
 
 def check_model(service: Service, model: str | None) -> str:
-    """The model asked for is one served (a request that names none gets the first)."""
-    names = service.model_names
+    """The model asked for is one served, or a pipeline (a request that names none gets
+    the first model)."""
+    names = [*service.model_names, *service.pipelines.names]
     if model is None:
         model = service.model_name
     if model not in names:
@@ -266,4 +290,7 @@ def stream_format(service: Service, prepared: Prepared, generation: Generation) 
         priority=generation.priority_label,
         max_tokens_per_second=req.max_tokens_per_second,
         upstream_call=None if prepared.upstream_call is None else prepared.upstream_call.to_json(),
+        sources=None
+        if prepared.pipeline is None
+        else (prepared.retrieved.sources if prepared.retrieved is not None else []),
     )

@@ -74,7 +74,11 @@ def refresh_state_metrics(state: AppState) -> None:
     sched = core.scheduler
     metrics.requests_running.set(sched.num_running)
     metrics.concurrency_limit.set(service.capacity.seat_limit)
-    metrics.streams_paused.set(sched.num_paused)
+    by_stage = ready.flow.paused_by_stage()
+    held_by_stages = sum(n for stage, n in by_stage.items() if stage != "client")
+    metrics.streams_paused.labels("client").set(max(0, sched.num_paused - held_by_stages))
+    for stage in service.pipelines.stage_names:
+        metrics.streams_paused.labels(stage).set(by_stage.get(stage, 0))
     queued = service.dispatcher.queued_by_class()
     for pc in PriorityClass:
         metrics.requests_waiting.labels(pc.value).set(

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, TypeGuard
 
 import orjson
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from sluicegate.api.pipelines import submit_prepared
 from sluicegate.api.prepare import prepare
 from sluicegate.api.state import Ready, app_state, ready_state
 from sluicegate.errors import APIError
@@ -117,6 +119,7 @@ async def _start(
     if header is None and isinstance(first.get("api_key"), str):
         header = f"Bearer {first['api_key']}"
     tenant = service.authenticate(header)
+    arrival = time.monotonic()
     await service.charge_request(tenant)
     body = first.get("body")
     if not isinstance(body, dict):
@@ -129,12 +132,11 @@ async def _start(
     prepared = await app_state(websocket).body_workers.run(
         size, lambda: prepare(service, "chat", body)
     )
-    req = prepared.req
-    generation = await service.submit(
-        tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
-        req.max_tokens_per_second, request_charged=True, upstream_call=prepared.upstream_call,
-    )  # fmt: skip
-    return generation, StreamFlow(generation.stream, generation.request, credit_tokens=credits)
+    generation = await submit_prepared(service, tenant, prepared, arrival)
+    flow = StreamFlow(generation.stream, generation.request, credit_tokens=credits)
+    if (chain := generation.chain) is not None:
+        flow.source, flow.holdup = chain.head, chain.holdup
+    return generation, flow
 
 
 async def _serve(

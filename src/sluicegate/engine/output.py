@@ -82,6 +82,8 @@ class RequestStream:
         self._last_take_time = 0.0
         #: Called after every put (flow control checks the water marks there).
         self.on_put: Callable[[RequestStream], None] | None = None
+        #: Set whenever output is taken (a pipeline stage waits on it for room).
+        self._taken = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
         if self.finished:
@@ -153,6 +155,19 @@ class RequestStream:
             taken.append(out)
         return _merge(taken) if taken else None
 
+    async def get_one(self) -> RequestOutput:
+        """Wait for output; return the oldest delta alone (a pipeline stage's input)."""
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._take_one()
+
+    async def wait_room(self, capacity_tokens: int) -> None:
+        """Wait until fewer than ``capacity_tokens`` tokens are pending (a bounded channel)."""
+        while self.pending_tokens >= capacity_tokens and not self.finished:
+            self._taken.clear()
+            await self._taken.wait()
+
     async def wait(self) -> None:
         """Wait until something is pending."""
         while not self._pending:
@@ -163,6 +178,7 @@ class RequestStream:
         output = self._pending.popleft()
         self.pending_tokens -= output.num_new_tokens
         self.pending_bytes -= len(output.text.encode())
+        self._taken.set()
         return output
 
     def _take(self) -> RequestOutput:
@@ -170,13 +186,12 @@ class RequestStream:
         self._pending.clear()
         self.pending_tokens = 0
         self.pending_bytes = 0
+        self._taken.set()
         return merged
 
 
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive deltas of one request as one delta (the last one's totals and finish)."""
-    if len(outputs) == 1:
-        return outputs[0]
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one new delta (the last one's totals and finish)."""
     last = outputs[-1]
     return RequestOutput(
         request_id=last.request_id,
@@ -191,3 +206,7 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         committed_token_ids=[t for o in outputs for t in o.committed_token_ids],
         num_cached_tokens=last.num_cached_tokens,
     )
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    return outputs[0] if len(outputs) == 1 else merge_outputs(outputs)

@@ -127,8 +127,15 @@ class Metrics:
 
         # --- flow control ---
         self.streams_paused = Gauge(
-            p + "streams_paused", "Streams whose sequence is paused for a slow reader.", registry=r
-        )
+            p + "streams_paused",
+            "Streams whose sequence is paused, by where the backlog is held: client (a slow "
+            "reader) or a pipeline stage.",
+            ["stage"], registry=r,
+        )  # fmt: skip
+        self.stream_pauses_total = Counter(
+            p + "stream_pauses", "Pauses flow control asked for, by where the backlog was held.",
+            ["stage"], registry=r,
+        )  # fmt: skip
         self.stream_pause_seconds = Histogram(
             p + "stream_pause_seconds", "Duration of each pause.", buckets=_PAUSE, registry=r
         )
@@ -138,8 +145,23 @@ class Metrics:
         )  # fmt: skip
         self.stream_buffer_tokens = Histogram(
             p + "stream_buffer_tokens",
-            "Tokens produced but not yet received by the client, sampled at each flush.",
-            buckets=_COUNTS, registry=r,
+            "Tokens produced but not yet received by the client (stage=client), or waiting "
+            "in front of a pipeline stage, sampled at each flush.",
+            ["stage"], buckets=_COUNTS, registry=r,
+        )  # fmt: skip
+
+        # --- pipelines (docs/pipelines.md) ---
+        self.retrieval_seconds = Histogram(
+            p + "retrieval_seconds", "Retrieval before generation, per request.", ["pipeline"],
+            buckets=_FAST, registry=r,
+        )  # fmt: skip
+        self.guard_trips_total = Counter(
+            p + "guard_trips", "Answers (input: prompts) stopped by a guard check.",
+            ["pipeline", "check", "where"], registry=r,
+        )  # fmt: skip
+        self.guard_check_seconds = Histogram(
+            p + "guard_check_seconds", "One guard window's checks.", ["pipeline"],
+            buckets=_FAST, registry=r,
         )  # fmt: skip
         self.stream_send_blocked_seconds = Histogram(
             p + "stream_send_blocked_seconds", "Time one write to the client socket blocked.",

@@ -32,6 +32,8 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    #: A pipeline's guard stopped the answer (OpenAI's name).
+    CONTENT_FILTER = "content_filter"
 
 
 @dataclass(slots=True, frozen=True)

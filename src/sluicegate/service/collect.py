@@ -45,7 +45,8 @@ async def collect(
                 raise service.failure(generation, output)
             service.delivered(generation, output.num_output_tokens)
             service.complete(generation, finish_reason_text(output.finish_reason) or "")
-            output.text = "".join(text)
+            if output.finish_reason != FinishReason.CONTENT_FILTER:
+                output.text = "".join(text)  # else: the guard's replacement is the answer
             return output
     finally:
         if watcher is not None:

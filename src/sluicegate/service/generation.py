@@ -7,9 +7,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from sluicegate.engine.output import RequestStream
+from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.pipeline.chain import StageChain
 from sluicegate.queue.ticket import Ticket
-from sluicegate.scheduler.request import FinishReason, Request
+from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 from sluicegate.service.ownership import RESUME_TOKEN_HEADER, Owner
 
 
@@ -63,6 +64,15 @@ class Generation:
     num_tokens_written: int = 0
     #: Tokens written no later than a reader at its pace needed them (QoE, after Andes).
     num_tokens_on_time: int = 0
+    #: A pipeline's output stages: the engine writes their head, ``stream`` is their tail.
+    chain: StageChain | None = None
+    #: A pipeline's retrieval before generation, in seconds.
+    retrieval_seconds: float | None = None
+
+    @property
+    def produced(self) -> RequestStream:
+        """The stream the engine writes (a pipeline's head; else :attr:`stream`)."""
+        return self.stream if self.chain is None else self.chain.head
 
     @property
     def ended(self) -> bool:
@@ -110,6 +120,11 @@ class Generation:
             "tpot_seconds": tpot,
             "e2e_seconds": now - request.arrival_time,
             "paused_seconds": request.total_paused_seconds,
+            **(
+                {}
+                if self.retrieval_seconds is None
+                else {"retrieval_seconds": self.retrieval_seconds}
+            ),
         }
 
     def record_write(self, num_tokens: int) -> tuple[float | None, list[float]]:
@@ -147,6 +162,23 @@ def finish_reason_text(reason: FinishReason | None) -> str | None:
     """A finish reason as OpenAI names it."""
     if reason is None:
         return None
-    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+    if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTENT_FILTER):
         return reason.value
     return "stop" if reason == FinishReason.ABORT else "error"
+
+
+def completed_generation(
+    request_id: str,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    sampling: SamplingParams,
+    owner: Owner,
+) -> Generation:
+    """A resumed stream whose every token was delivered (only its end was not logged): it
+    ends at once, without the engine (nor the service's live requests)."""
+    request = Request(request_id, prompt_ids, sampling, all_token_ids=[*prompt_ids, *output_ids])
+    stream = RequestStream(request_id)
+    stream.put(
+        RequestOutput(request_id, "", 0, len(prompt_ids), len(output_ids), FinishReason.LENGTH)
+    )
+    return Generation(request_id, request, stream, None, owner, num_resumed_tokens=len(output_ids))

@@ -19,7 +19,8 @@ from sluicegate.types import PriorityClass
 #: cancelled, or its detached stream's grace ran out), ``evicted`` (it stopped reading),
 #: ``drained`` (stopped by a shutdown) and ``moved`` (another replica continues it).
 REQUEST_STATUSES = (
-    "stop", "length", "error", "refused", "cancelled", "evicted", "drained", "moved",
+    "stop", "length", "content_filter", "error", "refused", "cancelled", "evicted", "drained",
+    "moved",
 )  # fmt: skip
 
 

@@ -30,6 +30,8 @@ from sluicegate.engine.upstream.core import UpstreamCore
 from sluicegate.engine.upstream.pool import PoolCollector, UpstreamPool
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
+from sluicegate.pipeline.chain import StageChain
+from sluicegate.pipeline.pipelines import Pipelines, check_pipeline_models
 from sluicegate.queue.dispatcher import Dispatcher
 from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.capacity import DispatchCapacity
@@ -124,6 +126,7 @@ class Service:
         self.capacity.on_change = self._capacity_changed
         #: Live requests by id; an entry leaves when its request ends.
         self.generations: dict[str, Generation] = {}
+        self.pipelines = Pipelines([])
         self.latency = LatencyWindows()
         #: Sequences in the latest engine step (written by the engine thread).
         self.last_batch_size = 0
@@ -142,6 +145,8 @@ class Service:
         service = cls(
             settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory, require_store
         )
+        service.pipelines = await asyncio.to_thread(Pipelines, settings.pipelines)
+        check_pipeline_models(service.pipelines, service.model_names, service.pool is not None)
         if isinstance(service.core, UpstreamCore):
             pool = service.core.pool
             service._calibration = await start_pool(
@@ -237,6 +242,8 @@ class Service:
         request_charged: bool = False,
         rate_limits_charged: bool = False,
         upstream_call: object | None = None,
+        chain: StageChain | None = None,
+        arrival_time: float | None = None,
     ) -> Generation:
         """Admit and queue a request; it reaches the engine when the dispatcher has room.
 
@@ -245,7 +252,9 @@ class Service:
         it keeps its resume token (``resume_token_sha256``).  A new request gets a new one.
         ``request_charged``: :meth:`charge_request` took its request as it arrived;
         ``rate_limits_charged``: a background job, whose buckets were charged at
-        submission.  Raises the :class:`APIError` that refuses it.
+        submission.  Raises the :class:`APIError` that refuses it.  A pipeline's request
+        comes with its output stages (``chain``: the engine writes its head; the caller
+        closes it if this raises) and arrived before its retrieval (``arrival_time``).
         """
         request = Request(
             request_id=request_id,
@@ -255,6 +264,8 @@ class Service:
             upstream_call=upstream_call,
             prefix_namespace=prefix_namespace(self.settings, tenant.name),
         )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         apply_pace(self.settings, tenant, request, max_tokens_per_second)
         priority_class = PriorityClass(priority) if priority else tenant.priority_class
         request.priority = priority_class.rank
@@ -266,8 +277,9 @@ class Service:
         token = new_resume_token() if resume_token_sha256 is None else None
         digest = resume_token_digest(token) if token is not None else resume_token_sha256 or ""
         generation = Generation(
-            request_id, request, RequestStream(request_id), ticket, Owner(tenant.name, digest),
-            priority_class.value, resume_token=token, num_resumed_tokens=len(output_token_ids),
+            request_id, request, RequestStream(request_id) if chain is None else chain.tail,
+            ticket, Owner(tenant.name, digest), priority_class.value, resume_token=token,
+            num_resumed_tokens=len(output_token_ids), chain=chain,
         )  # fmt: skip
         self.generations[request_id] = generation
         try:
@@ -279,29 +291,6 @@ class Service:
             raise
         if not resumed:
             self.metrics.prompt_tokens_total.inc(len(prompt_ids))
-        return generation
-
-    def completed_generation(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        output_ids: list[int],
-        sampling: SamplingParams,
-        owner: Owner,
-    ) -> Generation:
-        """A resumed stream whose every token was delivered (only its end was not logged):
-        it ends at once, without the engine."""
-        request = Request(
-            request_id, prompt_ids, sampling, all_token_ids=[*prompt_ids, *output_ids]
-        )
-        stream = RequestStream(request_id)
-        stream.put(
-            RequestOutput(request_id, "", 0, len(prompt_ids), len(output_ids), FinishReason.LENGTH)
-        )
-        generation = Generation(
-            request_id, request, stream, None, owner, num_resumed_tokens=len(output_ids)
-        )
-        self.generations[request_id] = generation
         return generation
 
     async def charge_request(self, tenant: Tenant) -> None:
@@ -411,6 +400,8 @@ class Service:
 
     def _end(self, generation: Generation, life: Life, status: str) -> None:
         generation.life = life
+        if generation.chain is not None:
+            generation.chain.close()
         self.generations.pop(generation.request_id, None)
         if generation.ticket is not None:
             keep = life is Life.STOPPED and generation.resumable
@@ -464,7 +455,7 @@ class Service:
         if generation is None:  # cannot happen: an ending request leaves the queue first
             self.capacity.release(ticket.request_id)
             return
-        self.core.add_request(ticket.request, generation.stream)
+        self.core.add_request(ticket.request, generation.produced)
 
     def _refused(self, ticket: Ticket) -> None:
         generation = self.generations.get(ticket.request_id)

@@ -35,6 +35,9 @@ class StreamFormat:
     #: Upstream mode: what the upstream is sent (a replica that takes the stream over
     #: continues it from this).
     upstream_call: dict[str, Any] | None = None
+    #: A pipeline's stream (``model`` is the pipeline's name): the sources its answer was
+    #: retrieved from (a takeover rebuilds its stages with them).
+    sources: list[str] | None = None
 
     def chunk(
         self, stream_id: str, text: str, finish: str | None, use: dict[str, Any] | None
@@ -96,6 +99,7 @@ class StreamFormat:
             "priority": self.priority,
             "max_tokens_per_second": self.max_tokens_per_second,
             "upstream_call": self.upstream_call,
+            "sources": None if self.sources is None else list[JSONValue](self.sources),
         }
 
     @classmethod
@@ -112,6 +116,9 @@ class StreamFormat:
             priority=str(data.get("priority") or "interactive"),
             max_tokens_per_second=_optional_float(data.get("max_tokens_per_second")),
             upstream_call=call if isinstance(call := data.get("upstream_call"), dict) else None,
+            sources=[str(x) for x in found]
+            if isinstance(found := data.get("sources"), list)
+            else None,
         )
 
 

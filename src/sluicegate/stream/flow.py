@@ -109,6 +109,22 @@ class StreamFlow:
     attachment: int = 0
     #: (time, tokens received) when the current pace window opened (None: no backlog).
     pace_mark: tuple[float, int] | None = None
+    #: A pipeline's head, where the engine writes (None: the engine writes ``stream``):
+    #: tokens held in the stages between it and ``stream`` are not received either.
+    source: RequestStream | None = None
+    #: Where a pipeline's backlog is held (a stage's name, or ``client``).
+    holdup: Callable[[], str] | None = None
+    #: A pause was asked for and not yet a resume (the scheduler sets ``paused`` later).
+    pause_asked: bool = False
+
+    @property
+    def produced(self) -> RequestStream:
+        """The stream the engine writes."""
+        return self.stream if self.source is None else self.source
+
+    def stage(self) -> str:
+        """Who holds the backlog: ``client`` (the reader), or a pipeline stage."""
+        return "client" if self.holdup is None else self.holdup()
 
     def attach(self, tokens_received: int) -> int:
         """A client (re)connected holding ``tokens_received`` tokens; returns its attachment.
@@ -189,7 +205,7 @@ class StreamFlow:
 
     @property
     def unreceived_tokens(self) -> int:
-        return self.stream.total_tokens - self.tokens_received
+        return self.produced.total_tokens - self.tokens_received
 
     @property
     def waiting_on_client(self) -> bool:
@@ -203,15 +219,31 @@ class StreamFlow:
 class FlowController:
     """Watches every live stream; pauses, resumes, preempts and evicts."""
 
-    def __init__(self, config: FlowConfig, actions: FlowActions) -> None:
+    def __init__(
+        self,
+        config: FlowConfig,
+        actions: FlowActions,
+        on_pause: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.actions = actions
+        #: Told the stage that held the backlog of each pause it asks for.
+        self.on_pause = on_pause
         self._flows: dict[str, StreamFlow] = {}
         self._task: asyncio.Task[None] | None = None
 
     @property
     def num_paused(self) -> int:
         return sum(1 for f in self._flows.values() if f.paused)
+
+    def paused_by_stage(self) -> dict[str, int]:
+        """Paused streams by where their backlog is held (only stages with any)."""
+        out: dict[str, int] = {}
+        for flow in self._flows.values():
+            if flow.paused:
+                stage = flow.stage()
+                out[stage] = out.get(stage, 0) + 1
+        return out
 
     def snapshot(self, limit: int | None = 20) -> list[dict[str, object]]:
         """The streams furthest behind (``limit`` of them; None: all), with their request
@@ -233,19 +265,20 @@ class FlowController:
                 "preempted": f.request.status == RequestStatus.PREEMPTED,
                 "reader_tokens_per_second": _rounded(f.request.measured_tokens_per_second),
                 "yielding": f.request.yielding,
+                "held_by": f.stage(),
             }
             for f in flows[:limit]
         ]
 
     def register(self, flow: StreamFlow) -> None:
         self._flows[flow.stream.request_id] = flow
-        flow.stream.on_put = lambda _stream: self.check(flow)
+        flow.produced.on_put = lambda _stream: self.check(flow)
 
     def unregister(self, request_id: str) -> None:
         flow = self._flows.pop(request_id, None)
         if flow is not None:
-            flow.stream.on_put = None
-            if flow.paused and not flow.stream.finished:
+            flow.produced.on_put = None
+            if flow.paused and not flow.produced.finished:
                 self.actions.resume(request_id)  # nobody will ask any more
 
     def start(self) -> None:
@@ -273,7 +306,7 @@ class FlowController:
             self._evict(flow)
             return
         request_id = flow.stream.request_id
-        if not cfg.enabled or flow.stream.finished:
+        if not cfg.enabled or flow.produced.finished:
             if flow.paused:
                 self.actions.resume(request_id)
             return
@@ -288,8 +321,12 @@ class FlowController:
             caught_up = backlog <= cfg.low_water_tokens and pending_bytes < cfg.high_water_bytes
         if behind and not flow.paused:
             self.actions.pause(request_id)
+            if not flow.pause_asked and self.on_pause is not None:
+                self.on_pause(flow.stage())
+            flow.pause_asked = True
         elif caught_up and flow.paused:
             self.actions.resume(request_id)
+            flow.pause_asked = False
 
     def _evict(self, flow: StreamFlow) -> None:
         flow.evicted = True

@@ -104,6 +104,8 @@ class StreamSession:
         self.tenant_name = tenant_name
         self.format = fmt
         self.flow = StreamFlow(generation.stream, generation.request)
+        if (chain := generation.chain) is not None:
+            self.flow.source, self.flow.holdup = chain.head, chain.holdup
         context.flow.register(self.flow)
         self.feed: Feed | None = None
         #: Seq of the last event this replica logged (or found logged, at a takeover).
@@ -307,7 +309,7 @@ class StreamSession:
             if output is None:
                 continue  # heartbeats are the writer's
             service.delivered(generation, output.num_new_tokens, output.text)
-            service.metrics.stream_buffer_tokens.observe(self.flow.unreceived_tokens)
+            self._observe_backlog()
             use = usage(output) if fmt.continuous_usage else None
             num_tokens = output.num_new_tokens + carried
             committed = carried_ids + output.committed_token_ids
@@ -323,6 +325,15 @@ class StreamSession:
                 # Tokens with no text yet (part of a UTF-8 character) ride with the next
                 # write, so delivery accounting counts every token exactly once.
                 carried, carried_ids = num_tokens, committed
+
+    def _observe_backlog(self) -> None:
+        """Tokens not yet received by the client, and (a pipeline) in front of each stage."""
+        flow = self.flow
+        histogram = self.service.metrics.stream_buffer_tokens
+        histogram.labels("client").observe(flow.stream.total_tokens - flow.tokens_received)
+        if (chain := self.generation.chain) is not None:
+            for stage, tokens in chain.backlog().items():
+                histogram.labels(stage).observe(tokens)
 
     def _last(
         self,
