@@ -18,6 +18,7 @@ from tests.resume.conftest import (
     SIM,
     Received,
     assert_continues,
+    chat_body,
     completion_body,
     config_file,
     kill,
@@ -25,7 +26,7 @@ from tests.resume.conftest import (
     resume,
     servers,
 )
-from tests.simtext import expected_completion
+from tests.simtext import expected_chat, expected_completion
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +45,23 @@ def replica_args(redis_url: str, config: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+#: A pipeline whose guard never trips and whose format wraps the answer.
+PIPELINES = [
+    {
+        "name": "wrapped",
+        "stages": [
+            {"guard": {"window_tokens": 8, "stride_tokens": 4,
+                       "checks": [{"type": "regex", "patterns": ["never-in-sim-text"]}]}},
+            {"format": {"prefix": "<<", "suffix": ">>"}},
+        ],
+    }
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return config_file(tmp_path_factory.mktemp("replicas"), "replicas", {"tenants": TENANTS})
+    settings = {"tenants": TENANTS, "pipelines": PIPELINES}
+    return config_file(tmp_path_factory.mktemp("replicas"), "replicas", settings)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +106,23 @@ def test_client_reconnects_to_another_replica_while_the_first_still_runs(
     # B relays A's log, then continues the stream once A gives it up (its grace).
     rest = resume(b, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=OPEN)
     assert first.text + rest.text == expected_completion("moved", 4, n)
+    assert_continues(first, rest)
+
+
+def test_a_pipeline_stream_moves_to_another_replica_through_its_stages(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    """The replica that takes the stream over rebuilds its stages: what the guard held
+    back (never logged) is regenerated, and the prefix is not sent twice."""
+    a, b = pair
+    n = 400
+    body = {**chat_body("moved through stages", 8, n), "model": "wrapped"}
+    first = read_stream(
+        "POST", a.v1 + "/chat/completions", json=body, headers=OPEN, stop_after_events=10
+    )
+    rest = resume(b, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=OPEN)
+    messages = [{"role": "user", "content": "moved through stages"}]
+    assert first.text + rest.text == "<<" + expected_chat(messages, 8, n) + ">>"
     assert_continues(first, rest)
 
 

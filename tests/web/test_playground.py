@@ -27,8 +27,16 @@ API_KEY = "sk-web-test"
 
 
 @pytest.fixture(scope="module")
-def web_server() -> Iterator[ServerProcess]:
-    server = start_server(SLOW_SIM, "web")
+def web_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """With a pipeline whose guard trips on any letter: its answers are the replacement."""
+    config = tmp_path_factory.mktemp("web") / "pipelines.yaml"
+    config.write_text(
+        "pipelines:\n  - name: guarded\n    stages:\n      - guard:\n"
+        "          replacement: Filtered.\n          checks:\n"
+        "            - {type: regex, patterns: ['[a-z]']}\n",
+        encoding="utf-8",
+    )
+    server = start_server([*SLOW_SIM, "--config", str(config)], "web")
     yield server
     server.stop()
 
@@ -135,6 +143,48 @@ def test_a_bad_request_shows_the_server_reason(page: Page, web_server: ServerPro
     assert error.startswith("400 Bad Request: "), error
     assert "max_tokens" in error
     assert text(page, "output") == ""
+
+
+def test_a_pipeline_is_picked_and_its_tripped_guard_shown(
+    page: Page, web_server: ServerProcess
+) -> None:
+    open_playground(page, web_server)
+    assert page.locator("optgroup[label=Pipelines] option").all_text_contents() == ["guarded"]
+    page.select_option("[data-testid=model]", "guarded")
+    assert text(page, "pipeline-info") == "Pipeline: generate → guard"
+    ask(page, "Tell me a story.", 100)
+    wait_until(lambda: state(page) == "done", "the answer ends")
+    assert text(page, "output") == "Filtered."
+    assert text(page, "finish") == "finish: content_filter"
+    assert page.is_visible("[data-testid=guard]")
+    assert "guard stopped this answer" in text(page, "guard")
+    page.select_option("[data-testid=model]", MODEL)
+    assert page.is_hidden("[data-testid=pipeline-info]")
+    ask(page, "Tell me a story.", 20)
+    wait_until(lambda: state(page) == "done", "the next answer ends")
+    assert page.is_hidden("[data-testid=guard]")
+
+
+def test_json_mode_asks_for_a_json_answer(page: Page, web_server: ServerProcess) -> None:
+    """The sim engine cannot constrain its output: the request's response_format is
+    refused by name, which shows the page sent it (the embedded engine's JSON answers
+    are tested in tests/engine/torch/test_server.py)."""
+    open_playground(page, web_server)
+    page.check("[data-testid=json-mode]")
+    assert page.is_visible("[data-testid=schema]")
+    page.fill("[data-testid=schema]", "{not json")
+    ask(page, "A person, as JSON.", 50)
+    wait_until(lambda: state(page) == "error", "the bad schema is refused in the page")
+    assert "not valid JSON" in text(page, "error")
+    page.fill("[data-testid=schema]", '{"type": "object"}')
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        page.click("[data-testid=send]")
+    body = sent.value.post_data_json
+    assert body["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "playground", "schema": {"type": "object"}}
+    }  # fmt: skip
+    wait_until(lambda: state(page) == "error", "the sim refuses it")
+    assert "response_format" in text(page, "error")
 
 
 def test_api_key_and_rate_limit(page: Page, auth_server: ServerProcess) -> None:

@@ -32,21 +32,20 @@ async def list_models(request: HTTPRequest) -> Response:
     header = request.headers.get("authorization")
     if service.tenants.auth_enabled and not state.admin_key.admits(header):
         service.authenticate(header)
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(app_state(request).started_at),
-                    "owned_by": "sluicegate",
-                    "max_model_len": service.max_model_len,
-                }
-                for name in [*service.model_names, *service.pipelines.names]
-            ],
-        }
-    )
+    created = int(app_state(request).started_at)
+    models: list[dict[str, object]] = [
+        {"id": name, "object": "model", "created": created, "owned_by": "sluicegate",
+         "max_model_len": service.max_model_len}
+        for name in service.model_names
+    ]  # fmt: skip
+    for pipeline in service.pipelines.by_name.values():
+        models.append(
+            {"id": pipeline.name, "object": "model", "created": created,
+             "owned_by": "sluicegate", "max_model_len": service.max_model_len,
+             "pipeline": {"stages": [s.name for s in pipeline.settings.stages],
+                          "retrieval": pipeline.retriever is not None}}
+        )  # fmt: skip
+    return json_response({"object": "list", "data": models})
 
 
 async def handle(request: HTTPRequest, kind: Kind) -> Response:

@@ -24,7 +24,7 @@ async def open_stages(service: Service, prepared: Prepared) -> StageChain | None
     tokenizer = service.tokenizer
     trip = await pipeline.check_input(prepared.guarded_text, tokenizer.encode, tokenizer.decode)
     if trip is not None:
-        metrics.guard_trips_total.labels(pipeline.name, trip.check, "input").inc()
+        pipeline.count_trip(trip, "input", metrics)
         raise APIError(
             400,
             f"The prompt was refused by the '{pipeline.name}' pipeline's input guard "

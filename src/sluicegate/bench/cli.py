@@ -16,7 +16,12 @@ import typer
 
 from sluicegate.bench.cli_common import OutOption, fail
 from sluicegate.bench.cli_common import console as _console
-from sluicegate.bench.cli_more import batch_command, speculative_command, structured_command
+from sluicegate.bench.cli_more import (
+    batch_command,
+    guard_command,
+    speculative_command,
+    structured_command,
+)
 
 if TYPE_CHECKING:
     from sluicegate.bench.client import Target
@@ -349,6 +354,7 @@ def prefix_command(
 bench_app.command("speculative")(speculative_command)
 bench_app.command("batch")(batch_command)
 bench_app.command("structured")(structured_command)
+bench_app.command("guard")(guard_command)
 
 
 @bench_app.command("soak")

@@ -64,3 +64,19 @@ def structured_command(
         fail(str(exc))
     for line in result.lines():
         typer.echo(line)
+
+
+def guard_command(
+    out: OutOption = Path("bench-guard"),
+) -> None:
+    """Streaming guardrails on the embedded engine: trips on 50 clean prompts and on the
+    same 50 with a banned topic injected, the guard's cost at 8 streams, and a stalled
+    stage beside 7 other streams (one server)."""
+    from sluicegate.bench.guard import guard_bench
+
+    try:
+        result = guard_bench(out)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in result.lines():
+        typer.echo(line)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluicegate.metrics.registry import Metrics
 from sluicegate.pipeline.chain import StageChain
@@ -25,6 +25,23 @@ class Pipeline:
     input_checks: list[Check]
     #: The checks of each guard stage, by stage name.
     stage_checks: dict[str, list[Check]]
+    #: Trips so far: ``input`` (prompts refused) and ``output`` (answers stopped).
+    trips: dict[str, int] = field(default_factory=lambda: {"input": 0, "output": 0})
+
+    def count_trip(self, trip: Trip, where: str, metrics: Metrics) -> None:
+        self.trips[where] += 1
+        metrics.guard_trips_total.labels(self.name, trip.check, where).inc()
+
+    def snapshot(self) -> dict[str, object]:
+        """For ``/v1/stats``."""
+        return {
+            "name": self.name,
+            "model": self.settings.model,
+            "stages": [s.name for s in self.settings.stages],
+            "passages": None if self.retriever is None else len(self.retriever.passages),
+            "input_guard": self.settings.input_guard is not None,
+            "trips": dict(self.trips),
+        }
 
     @property
     def name(self) -> str:
@@ -75,12 +92,11 @@ class Pipeline:
         """The request's output stages (None: the pipeline has none)."""
         if not self.settings.stages:
             return None
-        name = self.name
-        histogram = metrics.guard_check_seconds.labels(name)
+        histogram = metrics.guard_check_seconds.labels(self.name)
 
         def tripped(trip: Trip) -> None:
             abort()
-            metrics.guard_trips_total.labels(name, trip.check, "output").inc()
+            self.count_trip(trip, "output", metrics)
 
         stages: list[Stage] = []
         for stage in self.settings.stages:
@@ -127,6 +143,9 @@ class Pipelines:
 
     def get(self, name: str | None) -> Pipeline | None:
         return None if name is None else self.by_name.get(name)
+
+    def snapshot(self) -> list[dict[str, object]]:
+        return [p.snapshot() for p in self.by_name.values()]
 
 
 def stage_label_values(settings: list[PipelineSettings]) -> list[str]:

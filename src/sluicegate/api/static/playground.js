@@ -18,6 +18,22 @@ export function initPlayground({ onModel }) {
   let controller = null; // the AbortController of the answer being streamed, if any
   let current = null; // { id, resumeToken } of that answer, once its headers arrived
 
+  const jsonMode = $("json-mode");
+  jsonMode.addEventListener("change", () => {
+    $("schema-label").hidden = !jsonMode.checked;
+  });
+  let pipelines = {}; // pipeline name -> its description from /v1/models
+  model.addEventListener("change", showPipeline);
+
+  function showPipeline() {
+    const info = $("pipeline-info");
+    const pipeline = pipelines[model.value];
+    info.hidden = !pipeline;
+    if (!pipeline) return;
+    const steps = [pipeline.retrieval ? "retrieve" : null, "generate", ...pipeline.stages];
+    info.textContent = `Pipeline: ${steps.filter(Boolean).join(" → ")}`;
+  }
+
   temperature.addEventListener("input", () => {
     $("temperature-value").value = Number(temperature.value).toFixed(2);
   });
@@ -37,7 +53,7 @@ export function initPlayground({ onModel }) {
 
   function warm() {
     if (controller || !prompt.value.trim() || !model.value) return;
-    const { messages } = requestBody();
+    const messages = conversation();
     fetch("/v1/prefill", {
       method: "POST",
       headers: authHeaders({ "content-type": "application/json" }),
@@ -86,11 +102,25 @@ export function initPlayground({ onModel }) {
     try {
       const response = await fetch("/v1/models", { headers: authHeaders() });
       if (!response.ok) throw await errorFromResponse(response);
-      const ids = (await response.json()).data.map((m) => m.id);
+      const data = (await response.json()).data;
+      const ids = data.map((m) => m.id);
+      pipelines = Object.fromEntries(data.filter((m) => m.pipeline).map((m) => [m.id, m.pipeline]));
       const previous = model.value;
-      model.replaceChildren(...ids.map((id) => new Option(id, id)));
+      const group = (label, entries) => {
+        const element = document.createElement("optgroup");
+        element.label = label;
+        element.append(...entries.map((m) => new Option(m.id, m.id)));
+        return element;
+      };
+      const plain = data.filter((m) => !m.pipeline);
+      const piped = data.filter((m) => m.pipeline);
+      model.replaceChildren(
+        ...(piped.length ? [group("Models", plain), group("Pipelines", piped)]
+          : plain.map((m) => new Option(m.id, m.id))),
+      );
       if (ids.includes(previous)) model.value = previous;
-      onModel(ids[0] ?? null, null);
+      showPipeline();
+      onModel(plain[0]?.id ?? null, null);
       if (errorBox.dataset.source === "models") showError("");
     } catch (err) {
       const message = err instanceof ApiError ? err.describe() : String(err);
@@ -102,13 +132,20 @@ export function initPlayground({ onModel }) {
     }
   }
 
-  function requestBody() {
+  function conversation() {
     const messages = [];
     const system = $("system").value.trim();
     if (system) messages.push({ role: "system", content: system });
     messages.push({ role: "user", content: prompt.value });
+    return messages;
+  }
+
+  function requestBody() {
+    const messages = conversation();
+    const format = responseFormat();
     return {
       model: model.value,
+      ...(format ? { response_format: format } : {}),
       messages,
       temperature: Number(temperature.value),
       // Sent as typed: the server checks the range and says what is wrong.
@@ -120,6 +157,45 @@ export function initPlayground({ onModel }) {
     };
   }
 
+  // JSON mode: any JSON object, or one that follows the schema typed (the server checks
+  // the schema and says what is wrong with it).
+  function responseFormat() {
+    if (!jsonMode.checked) return null;
+    const text = $("schema").value.trim();
+    if (!text) return { type: "json_object" };
+    let schema;
+    try {
+      schema = JSON.parse(text);
+    } catch {
+      throw new Error("The JSON schema is not valid JSON.");
+    }
+    return { type: "json_schema", json_schema: { name: "playground", schema } };
+  }
+
+  function showGuard(finish) {
+    const guard = $("guard");
+    guard.hidden = finish !== "content_filter";
+    root.dataset.guard = finish === "content_filter" ? "tripped" : "";
+    if (!guard.hidden) {
+      guard.textContent = "A guard stopped this answer: what followed was replaced.";
+    }
+  }
+
+  function checkJson(format) {
+    const badge = $("json-check");
+    badge.hidden = !format;
+    if (!format) return;
+    try {
+      const value = JSON.parse(output.textContent);
+      output.textContent = JSON.stringify(value, null, 2);
+      badge.textContent = "valid JSON";
+      badge.dataset.valid = "true";
+    } catch {
+      badge.textContent = "not valid JSON (cut by max tokens?)";
+      badge.dataset.valid = "false";
+    }
+  }
+
   async function ask() {
     if (controller || !prompt.value.trim()) return;
     clearTimeout(warmTimer);
@@ -129,12 +205,17 @@ export function initPlayground({ onModel }) {
     errorBox.dataset.source = "";
     const timing = new Timing();
     timing.render();
+    showGuard(null);
+    checkJson(null);
     setState("waiting", "waiting for the first token…");
+    let finish = null;
+    let body = null;
     try {
+      body = requestBody();
       const response = await fetch("/v1/chat/completions", {
         method: "POST",
         headers: authHeaders({ "content-type": "application/json" }),
-        body: JSON.stringify(requestBody()),
+        body: JSON.stringify(body),
         signal: controller.signal,
       });
       if (!response.ok) throw await errorFromResponse(response);
@@ -155,7 +236,10 @@ export function initPlayground({ onModel }) {
           if (root.dataset.state === "waiting") setState("streaming", "streaming…");
         }
         timing.update(text, event.usage?.completion_tokens, choice?.finish_reason);
+        finish = choice?.finish_reason || finish;
       }
+      showGuard(finish);
+      if (finish !== "content_filter") checkJson(body.response_format);
       setState("done", "");
     } catch (err) {
       if (err?.name === "AbortError") {
