@@ -83,7 +83,6 @@ def _cli_type(name: str, annotation: Any) -> Any | None:
 
 def _serve(**kwargs: Any) -> None:
     from sluicegate.config import load_settings
-    from sluicegate.server import run_server
 
     config = kwargs.pop("config", None)
     flags = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in kwargs.items()}
@@ -92,6 +91,9 @@ def _serve(**kwargs: Any) -> None:
         settings = load_settings(config, **flags)
     except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"sluicegate: invalid configuration: {settings_error(exc)}") from None
+    # Imported once the settings are good: a bad configuration is told at once.
+    from sluicegate.server import run_server
+
     run_server(settings)
 
 

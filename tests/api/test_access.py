@@ -37,7 +37,16 @@ def auth(key: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def open_server() -> Iterator[ServerProcess]:
     srv = start_server(
-        [*SIM, "--flush-interval-ms", "0", "--detached-grace-seconds", "5"], "access-open"
+        [
+            *SIM,
+            "--flush-interval-ms",
+            "0",
+            "--detached-grace-seconds",
+            "5",
+            "--drain-grace-seconds",
+            "0.5",
+        ],
+        "access-open",
     )
     yield srv
     srv.stop()
@@ -135,7 +144,17 @@ def test_with_tenants_a_key_sees_only_its_own_streams_and_models_needs_one(
 ) -> None:
     config = config_file(tmp_path, "tenants", {"tenants": TENANTS})
     srv = start_server(
-        [*SIM, "--config", config, "--flush-interval-ms", "0", "--detached-grace-seconds", "5"],
+        [
+            *SIM,
+            "--config",
+            config,
+            "--flush-interval-ms",
+            "0",
+            "--detached-grace-seconds",
+            "5",
+            "--drain-grace-seconds",
+            "0.5",
+        ],
         "access-tenants",
     )
     try:
@@ -173,7 +192,7 @@ def test_with_tenants_a_key_sees_only_its_own_streams_and_models_needs_one(
 def test_the_admin_key_guards_stats_and_metrics(tmp_path: Path) -> None:
     config = config_file(tmp_path, "admin", {"tenants": TENANTS})
     srv = start_server(
-        [*SIM, "--config", config, "--detached-grace-seconds", "5"],
+        [*SIM, "--config", config, "--detached-grace-seconds", "5", "--drain-grace-seconds", "0.5"],
         "access-admin",
         env={"SLUICEGATE_ADMIN_API_KEY": "key-admin"},
     )

@@ -209,19 +209,19 @@ async def test_queued_stream_is_told_its_position(tmp_path: Path) -> None:
 
 
 async def test_retry_after_matches_the_wait_actually_experienced(tmp_path: Path) -> None:
-    # One slot, 50 tokens at 10 ms a step: 0.5 s per request, 2 requests/s.
+    # One slot, 30 tokens at 10 ms a step: 0.3 s per request, 3.3 requests/s.
     settings = {"max_num_seqs": 1, "max_queued_requests": 8, "sim_step_base_ms": 10}
     with server(tmp_path, "retryafter", **settings) as srv:
         client = httpx.AsyncClient(timeout=60)
         url = srv.v1 + "/completions"
         for _ in range(6):  # let the server measure its service rate
-            assert (await client.post(url, json=completion(max_tokens=50))).status_code == 200
+            assert (await client.post(url, json=completion(max_tokens=30))).status_code == 200
         tasks = []
         for _ in range(9):  # 1 running + 8 queued
-            tasks.append(asyncio.create_task(client.post(url, json=completion(max_tokens=50))))
+            tasks.append(asyncio.create_task(client.post(url, json=completion(max_tokens=30))))
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
-        refused = await client.post(url, json=completion(max_tokens=50))
+        refused = await client.post(url, json=completion(max_tokens=30))
         assert refused.status_code == 429
         advertised = float(refused.headers["retry-after"])
         started = time.monotonic()
@@ -231,7 +231,7 @@ async def test_retry_after_matches_the_wait_actually_experienced(tmp_path: Path)
         experienced = time.monotonic() - started
         assert abs(advertised - experienced) <= 0.3 * experienced, (advertised, experienced)
         await asyncio.sleep(max(0.0, advertised - experienced))
-        back = await client.post(url, json=completion(max_tokens=50))
+        back = await client.post(url, json=completion(max_tokens=30))
         assert back.status_code == 200
         await asyncio.gather(*tasks)
         await client.aclose()
@@ -254,8 +254,9 @@ async def test_fair_share_between_tenants_by_weight(tmp_path: Path) -> None:
             assert r.status_code == 200
             done.append((time.monotonic(), name))
 
-        # Both tenants backlogged: heavy floods 10x as many requests as light.
-        tasks = [asyncio.create_task(one("kh", "heavy")) for _ in range(100)]
+        # Both tenants backlogged: heavy floods 4x as many requests as light (still
+        # queued when light's 10 are done).
+        tasks = [asyncio.create_task(one("kh", "heavy")) for _ in range(40)]
         tasks += [asyncio.create_task(one("kl", "light")) for _ in range(10)]
         await asyncio.gather(*tasks)
         # The first two started before light arrived; then, while both had work queued,

@@ -15,9 +15,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
-from sluicegate.pipeline.embedding import default_embedding
 from sluicegate.pipeline_settings import CheckSettings
 
 
@@ -51,6 +48,9 @@ class SemanticCheck:
     """Banned topics by similarity of static embeddings (microseconds per window)."""
 
     def __init__(self, label: str, topics: dict[str, list[str]], threshold: float) -> None:
+        # Imported here: numpy and the table load only for a server with a semantic check.
+        from sluicegate.pipeline.embedding import default_embedding
+
         self.label = label
         self.threshold = threshold
         self.model = default_embedding()
@@ -60,7 +60,7 @@ class SemanticCheck:
     def similarity(self, text: str) -> tuple[float, str]:
         """The closest banned topic and how close it is."""
         scores = self.phrases @ self.model.embed([text])[0]
-        best = int(np.argmax(scores))
+        best = int(scores.argmax())
         return float(scores[best]), self.topic_of[best]
 
     async def check(self, text: str) -> Trip | None:

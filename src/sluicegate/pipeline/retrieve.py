@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-
-import bm25s
-import Stemmer
+from typing import Any
 
 from sluicegate.pipeline_settings import RetrieveSettings
 
@@ -74,6 +72,11 @@ class Retriever:
         if not self.passages:
             raise ValueError(f"no .md or .txt documents under {root}")
         started = time.perf_counter()
+        # Imported here: a server without retrieval does not pay for them at start-up.
+        import bm25s
+        import Stemmer
+
+        self._bm25s: Any = bm25s
         self.stemmer = Stemmer.Stemmer("english")
         self.index = bm25s.BM25()
         corpus = bm25s.tokenize(
@@ -88,7 +91,7 @@ class Retriever:
 
     def retrieve(self, query: str) -> Retrieved:
         started = time.perf_counter()
-        tokens = bm25s.tokenize(
+        tokens = self._bm25s.tokenize(
             [query], stopwords="en", stemmer=self.stemmer, return_ids=False, show_progress=False
         )
         if not tokens or not tokens[0]:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-
-from redis.commands.core import AsyncScript
+from typing import TYPE_CHECKING
 
 from sluicegate.store.errors import StoreUnavailable
 from sluicegate.store.records import DegradedOutcome, StoreFailureMode
-from sluicegate.store.redis_connection import RedisConnection
 from sluicegate.store.token_bucket import Acquire, TokenBucket
 from sluicegate.types import Clock
+
+if TYPE_CHECKING:  # the redis client loads only for a Redis store (a faster start-up)
+    from redis.commands.core import AsyncScript
+
+    from sluicegate.store.redis_connection import RedisConnection
 
 
 def check_bucket_params(rate_per_second: float, burst: float) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from sluicegate.store.base import Store
 from sluicegate.store.memory import MemoryStore
 from sluicegate.store.records import StoreConfig
-from sluicegate.store.redis_store import RedisStore
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -20,6 +19,9 @@ def open_store(url: str, config: StoreConfig | None = None) -> Store:
     if spec == "memory":
         return MemoryStore(config)
     if spec.startswith(_REDIS_SCHEMES):
+        # Imported here: the redis client costs a tenth of a second at every start-up.
+        from sluicegate.store.redis_store import RedisStore
+
         return RedisStore(spec, config)
     raise ValueError(
         f"--store must be 'memory' or a Redis URL like redis://HOST:PORT/DB; got {url!r}"

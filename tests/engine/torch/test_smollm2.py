@@ -198,26 +198,6 @@ def test_seeded_sampling_is_independent_of_the_batch(engine: TorchEngine) -> Non
     assert generate(engine, [prompt], max_new_tokens=20, sampling=other_seed)[0] != alone
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [greedy(24), SamplingParams(max_tokens=24, seed=99, temperature=0.8, top_p=0.9)],
-    ids=["greedy", "sampled"],
-)
-def test_resume_after_preemption_continues_identically(
-    engine: TorchEngine, sampling: SamplingParams
-) -> None:
-    prompt = encode(engine, PROMPTS[2])
-    full = Request("full", list(prompt), sampling)
-    run_requests(engine, [full], max_num_batched_tokens=16)
-    assert full.num_output_tokens == 24
-    # "Preempted" after 10 outputs: KV dropped, tokens kept, re-prefilled in another slot
-    # (5; the lower ones held) in chunks under a 9-token budget.
-    resumed = Request("resumed", list(prompt), sampling)
-    resumed.all_token_ids.extend(full.output_token_ids[:10])
-    run_requests(engine, [resumed], max_num_batched_tokens=9, hold_slots=5)
-    assert resumed.output_token_ids == full.output_token_ids
-
-
 CHAT_QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -248,7 +228,9 @@ def chat_prompts(engine: TorchEngine) -> list[list[int]]:
 def test_nine_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngine) -> None:
     """Bit-exact batch invariance at scale: 9 sampled chat answers, each computed alone,
     eight at a time in other slots with chunked prefill (the ninth in a slot another has
-    left), and re-prefilled after a "preemption" half-way, give the same tokens."""
+    left), and re-prefilled after a "preemption" half-way (KV dropped, tokens kept, in
+    chunks, in another slot), give the same tokens.  (Greedy decoding is the argmax of
+    the same logits.)"""
     prompts = chat_prompts(engine)[:9]
     params = [
         SamplingParams(max_tokens=10, seed=100 + i, temperature=0.8, top_p=0.95, ignore_eos=True)
@@ -280,8 +262,8 @@ def test_bfloat16_departs_from_float32_only_at_near_ties(
     departs, float32 itself scored the two tokens within a small margin."""
     prompts = chat_prompts(engine_f32)
     assert prompts == chat_prompts(engine_bf16)
-    f32 = generate(engine_f32, prompts, max_new_tokens=48)
-    bf16 = generate(engine_bf16, prompts, max_new_tokens=48)
+    f32 = generate(engine_f32, prompts, max_new_tokens=32)
+    bf16 = generate(engine_bf16, prompts, max_new_tokens=32)
     identical = 0
     for prompt, a, b in zip(prompts, f32, bf16, strict=True):
         first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
