@@ -162,7 +162,7 @@ def test_a_failover_onto_transformers_serve_continues_as_a_completion(
         "tf-failover", tmp_path,
     )  # fmt: skip
     try:
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 40, "temperature": 0.0,
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0.0,
                 "stream": True}  # fmt: skip
         port = int(gateway.base_url.rsplit(":", 1)[1])
         stream = open_stream("127.0.0.1", port, "/v1/chat/completions", body)

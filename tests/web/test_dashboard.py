@@ -64,7 +64,7 @@ def test_dashboard_follows_the_load(page: Page, load_server: ServerProcess) -> N
 
         for chart in ("requests", "kv", "rejections", "steps"):
             assert page.is_visible(f"[data-testid=chart-{chart}]"), chart
-        time.sleep(2)  # let the charts fill for the picture
+        time.sleep(0.5)  # let the charts fill a little more for the picture
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=ARTIFACTS / "dashboard.png", full_page=True)
     assert load.completed > 0 and load.errors == []

@@ -157,10 +157,16 @@ def test_greedy_continuation_matches_transformers(
     outputs = generate(engine_f32, prompts, max_new_tokens=16, max_num_batched_tokens=5)
     with torch.inference_mode():
         for ids, ours in zip(prompts, outputs, strict=True):
-            seq = list(ids)
-            for _ in range(len(ours)):
-                seq.append(int(hf_model(torch.tensor([seq])).logits[0, -1].argmax()))
-            assert ours == seq[len(ids) :]
+            # transformers with its own KV cache, one token a step, greedy.
+            out = hf_model(torch.tensor([ids]), use_cache=True)
+            theirs = [int(out.logits[0, -1].argmax())]
+            while len(theirs) < len(ours):
+                out = hf_model(
+                    torch.tensor([[theirs[-1]]]), past_key_values=out.past_key_values,
+                    use_cache=True,
+                )  # fmt: skip
+                theirs.append(int(out.logits[0, -1].argmax()))
+            assert ours == theirs
 
 
 def test_batched_generation_equals_each_alone(engine: TorchEngine) -> None:
@@ -260,8 +266,8 @@ def test_bfloat16_departs_from_float32_only_at_near_ties(
 ) -> None:
     """Greedy chat answers in bfloat16 against float32: most are identical, and where one
     departs, float32 itself scored the two tokens within a small margin."""
-    prompts = chat_prompts(engine_f32)
-    assert prompts == chat_prompts(engine_bf16)
+    prompts = chat_prompts(engine_f32)[:8]
+    assert prompts == chat_prompts(engine_bf16)[:8]
     f32 = generate(engine_f32, prompts, max_new_tokens=32)
     bf16 = generate(engine_bf16, prompts, max_new_tokens=32)
     identical = 0
