@@ -247,3 +247,30 @@ def test_a_client_that_leaves_a_stalled_pipeline_cancels_its_sequence(
     finally:
         stall_file.unlink()
     wait_for(lambda: server.stats()["requests_running"] == 0, 10, "nothing left running")
+
+
+def test_a_pipeline_over_the_websocket_trips_like_over_http(server: ServerProcess) -> None:
+    from websockets.sync.client import connect
+
+    seed = next(s for s in range(1, 50) if "queue" in expected_chat(QUESTION_WS, s, 200))
+    body = {"model": "guarded", "messages": QUESTION_WS, "max_tokens": 200, "seed": seed,
+            "ignore_eos": True}  # fmt: skip
+    text, _, _ = stream(server, body)
+    url = server.base_url.replace("http://", "ws://") + "/v1/ws"
+    received, done = "", None
+    with connect(url) as ws:
+        ws.send(orjson.dumps({"type": "request", "body": body}).decode())
+        while done is None:
+            message = orjson.loads(ws.recv(timeout=10))
+            if message.get("object") == "chat.completion.chunk":
+                assert message["model"] == "guarded"
+                received += message["choices"][0]["delta"]["content"]
+            elif message.get("type") == "done":
+                done = message
+            else:
+                raise AssertionError(message)
+    assert done["finish_reason"] == "content_filter"
+    assert received == text and received.endswith("[filtered]")
+
+
+QUESTION_WS = [{"role": "user", "content": "over the websocket"}]

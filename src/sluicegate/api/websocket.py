@@ -97,19 +97,19 @@ async def chat_websocket(websocket: WebSocket) -> None:
     try:
         first, size = await _receive_message(websocket)
         ready = ready_state(websocket)
-        generation, flow = await _start(ready, websocket, first, size)
+        generation, flow, model = await _start(ready, websocket, first, size)
     except WebSocketDisconnect:
         return
     except APIError as error:
         with contextlib.suppress(Exception):
             await _send_error(websocket, error)
         return
-    await _serve(ready, websocket, generation, flow)
+    await _serve(ready, websocket, generation, flow, model)
 
 
 async def _start(
     ready: Ready, websocket: WebSocket, first: dict[str, Any], size: int
-) -> tuple[Generation, StreamFlow]:
+) -> tuple[Generation, StreamFlow, str]:
     if first.get("type", "request") != "request":
         raise APIError(
             400, 'The first message must be {"type": "request", "body": {...}}.', param="type"
@@ -136,11 +136,11 @@ async def _start(
     flow = StreamFlow(generation.stream, generation.request, credit_tokens=credits)
     if (chain := generation.chain) is not None:
         flow.source, flow.holdup = chain.head, chain.holdup
-    return generation, flow
+    return generation, flow, prepared.model
 
 
 async def _serve(
-    ready: Ready, websocket: WebSocket, generation: Generation, flow: StreamFlow
+    ready: Ready, websocket: WebSocket, generation: Generation, flow: StreamFlow, model: str
 ) -> None:
     service = ready.service
     stream = generation.stream
@@ -207,7 +207,7 @@ async def _serve(
                     "id": generation.request_id,
                     "object": "chat.completion.chunk",
                     "created": created,
-                    "model": service.model_name,
+                    "model": model,
                     "choices": [{"index": 0, "delta": {"content": output.text},
                                  "logprobs": None, "finish_reason": None}],
                 }  # fmt: skip
