@@ -18,6 +18,7 @@ from sluicegate.bench.cli_common import OutOption, fail
 from sluicegate.bench.cli_common import console as _console
 from sluicegate.bench.cli_more import (
     batch_command,
+    engine_peer_command,
     guard_command,
     speculative_command,
     structured_command,
@@ -355,6 +356,7 @@ bench_app.command("speculative")(speculative_command)
 bench_app.command("batch")(batch_command)
 bench_app.command("structured")(structured_command)
 bench_app.command("guard")(guard_command)
+bench_app.command("engine-peer")(engine_peer_command)
 
 
 @bench_app.command("soak")

@@ -80,3 +80,24 @@ def guard_command(
         fail(str(exc))
     for line in result.lines():
         typer.echo(line)
+
+
+def engine_peer_command(
+    peer_llama_server: Annotated[
+        str | None,
+        typer.Option("--peer-llama-server", help="A llama-server binary to measure too."),
+    ] = None,
+    seconds: Annotated[float, typer.Option("--seconds", min=5.0, help="Per concurrency.")] = 30.0,
+    out: OutOption = Path("bench-engine-peer"),
+) -> None:
+    """The embedded engine through the real server against llama.cpp's llama-server on
+    the same GGUF: output tokens/s at 1, 8 and 32 closed-loop streams, and the prompt
+    rate (docs/engine-performance.md has how to build llama-server)."""
+    from sluicegate.bench.peer_engine import engine_vs_peer, table
+
+    try:
+        runs = engine_vs_peer(out, peer_llama_server, seconds=seconds)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in table(runs):
+        typer.echo(line)

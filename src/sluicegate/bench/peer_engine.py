@@ -1,0 +1,253 @@
+"""``sluicegate bench engine-peer``: the embedded engine through the real server against
+llama.cpp's ``llama-server`` on the same GGUF, side by side (docs/engine-performance.md).
+
+For each server in turn (ours with its defaults and ``--max-num-seqs 32``; llama-server
+with 2 threads and 32 slots): closed-loop streams at 1, 8 and 32 at once, each asking
+for 128-token answers (``ignore_eos``) back to back for ``seconds``; output tokens per
+second over the window, and TTFT p50.  Then the prompt rate: 512-token prompts no cache
+has seen, one at a time, prompt tokens over time to first token.  Without a binary the
+peer is skipped with one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+
+from sluicegate.bench.server_process import free_port, start_server_with_args
+
+CONCURRENCY = (1, 8, 32)
+#: Words of the prompt-rate prompts: about 512 tokens with the chat template.
+PROMPT_WORDS = 330
+WORDS = [
+    "river",
+    "gate",
+    "water",
+    "flow",
+    "lock",
+    "valve",
+    "pressure",
+    "channel",
+    "basin",
+    "weir",
+    "canal",
+    "dam",
+    "spillway",
+    "turbine",
+    "sluice",
+    "reservoir",
+    "current",
+    "tide",
+    "level",
+    "meter",
+    "gauge",
+    "stream",
+    "bank",
+    "ditch",
+]
+
+
+@dataclass(slots=True)
+class Point:
+    streams: int
+    tokens_per_second: float
+    ttft_p50: float
+    requests: int
+    refused: int
+
+
+@dataclass(slots=True)
+class PeerRun:
+    label: str
+    points: list[Point] = field(default_factory=list)
+    #: Prompt tokens per second to the first token, uncached prompts of ``prompt_tokens``.
+    prompt_rate: float = 0.0
+    prompt_tokens: int = 0
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, log_path: Path, slots: int = 32) -> Iterator[str]:
+    """llama.cpp's server on the SmolLM2 GGUF: 2 threads, ``slots`` slots of 1,024."""
+    from sluicegate.engine.torch import default_model_path
+
+    port = free_port()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [binary, "-m", default_model_path(), "-t", "2", "-np", str(slots),
+             "-c", str(1024 * slots), "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"llama-server exited; see {log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server did not start; see {log_path}")
+                time.sleep(0.5)
+            yield base_url
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+async def _one(
+    client: httpx.AsyncClient, body: dict[str, object]
+) -> tuple[int, float | None, float | None]:
+    """(output tokens, TTFT, retry-after when refused) of one streamed chat."""
+    started = time.monotonic()
+    first: float | None = None
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code == 429:
+            await response.aread()
+            return 0, None, float(response.headers.get("retry-after") or 1)
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"answered {response.status_code}: {response.text[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            usage = event.get("usage")
+            if usage:
+                tokens = int(usage.get("completion_tokens") or tokens)
+            choices = event.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                first = first or time.monotonic() - started
+    return tokens, first, None
+
+
+async def _closed_loop(base_url: str, streams: int, seconds: float, max_tokens: int) -> Point:
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=0)
+    tokens = 0
+    ttfts: list[float] = []
+    requests = refused = 0
+    deadline = time.monotonic() + seconds
+
+    async def worker(client: httpx.AsyncClient, index: int) -> None:
+        nonlocal tokens, requests, refused
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            words = " ".join(WORDS[(index * 7 + n * 3 + k) % len(WORDS)] for k in range(12))
+            body = {
+                "messages": [{"role": "user", "content": f"Tell a story about: {words}"}],
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7,
+                "seed": index * 1000 + n, "stream": True,
+                "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            got, first, retry = await _one(client, body)
+            if retry is not None:
+                refused += 1
+                await asyncio.sleep(min(retry, max(0.0, deadline - time.monotonic())))
+                continue
+            requests += 1
+            tokens += got
+            if first is not None:
+                ttfts.append(first)
+
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        await asyncio.gather(*(worker(client, i) for i in range(streams)))
+    elapsed = time.monotonic() - started
+    ttft = statistics.median(ttfts) if ttfts else 0.0
+    return Point(streams, tokens / elapsed, ttft, requests, refused)
+
+
+async def _prompt_rate(base_url: str, count: int, prompt_words: int) -> tuple[float, int]:
+    """Prompt tokens per second to the first token, for prompts no cache has seen (and
+    the prompts' length in tokens)."""
+    rates = []
+    prompt_tokens = 0
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        for i in range(count):
+            words = " ".join(WORDS[(i * 5 + k * k) % len(WORDS)] for k in range(prompt_words))
+            body = {
+                "messages": [{"role": "user", "content": f"{i} {words}"}], "max_tokens": 1,
+                "stream": True, "stream_options": {"include_usage": True},
+                "cache_prompt": False,  # llama-server: do not reuse an earlier prompt
+            }  # fmt: skip
+            started = time.monotonic()
+            prompt_tokens = 0
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        usage = orjson.loads(line[6:]).get("usage")
+                        if usage:
+                            prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            rates.append(prompt_tokens / (time.monotonic() - started))
+    return statistics.median(rates), prompt_tokens
+
+
+def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> PeerRun:
+    run = PeerRun(label)
+    asyncio.run(_closed_loop(base_url, 1, 3.0, 16))  # first-use costs
+    for streams in CONCURRENCY:
+        run.points.append(asyncio.run(_closed_loop(base_url, streams, seconds, max_tokens)))
+    run.prompt_rate, run.prompt_tokens = asyncio.run(_prompt_rate(base_url, 5, PROMPT_WORDS))
+    return run
+
+
+def engine_vs_peer(
+    out: Path, llama_server_binary: str | None, seconds: float = 30.0, max_tokens: int = 128
+) -> list[PeerRun]:
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    server = start_server_with_args(["--max-num-seqs", "32"], out / "server.log")
+    try:
+        runs.append(_measure("sluicegate", server.base_url, seconds, max_tokens))
+    finally:
+        server.stop()
+    if llama_server_binary:
+        with llama_server(llama_server_binary, out / "llama-server.log") as base_url:
+            runs.append(_measure("llama-server", base_url, seconds, max_tokens))
+    document = [dataclasses.asdict(r) for r in runs]
+    (out / "results.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    return runs
+
+
+def table(runs: Sequence[PeerRun]) -> list[str]:
+    ours = runs[0]
+    peer = runs[1] if len(runs) > 1 else None
+    lines = [
+        "| concurrent streams | Sluicegate tok/s | llama-server tok/s | ratio "
+        "| TTFT p50 (ours / peer) |",
+        "|---|---|---|---|---|",
+    ]
+    for i, point in enumerate(ours.points):
+        if peer is None:
+            lines.append(f"| {point.streams} | {point.tokens_per_second:.1f} | – | – | "
+                         f"{point.ttft_p50 * 1000:.0f} ms |")  # fmt: skip
+            continue
+        other = peer.points[i]
+        ratio = point.tokens_per_second / other.tokens_per_second if other.tokens_per_second else 0
+        lines.append(
+            f"| {point.streams} | {point.tokens_per_second:.1f} | {other.tokens_per_second:.1f} "
+            f"| **{ratio:.2f}** | {point.ttft_p50 * 1000:.0f} / {other.ttft_p50 * 1000:.0f} ms |"
+        )
+    refused = sum(p.refused for p in ours.points)
+    lines.append("")
+    lines.append(f"prompt rate ({ours.prompt_tokens}-token prompts, uncached): "
+                 f"{ours.prompt_rate:.0f} tokens/s"
+                 + (f" vs {peer.prompt_rate:.0f} ({ours.prompt_rate / peer.prompt_rate:.2f}x)"
+                    if peer else ""))  # fmt: skip
+    if refused:
+        lines.append(f"sluicegate refused {refused} requests (429), each retried after Retry-After")
+    if peer is None:
+        lines.append("llama-server: skipped (no --peer-llama-server binary)")
+    return lines
