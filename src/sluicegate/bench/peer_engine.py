@@ -28,7 +28,7 @@ from sluicegate.bench.server_process import free_port, start_server_with_args
 
 CONCURRENCY = (1, 8, 32)
 #: Words of the prompt-rate prompts: about 512 tokens with the chat template.
-PROMPT_WORDS = 330
+PROMPT_WORDS = 400
 WORDS = [
     "river",
     "gate",
