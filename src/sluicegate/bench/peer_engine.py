@@ -12,19 +12,18 @@ peer is skipped with one line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import statistics
-import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import orjson
 
-from sluicegate.bench.server_process import free_port, start_server_with_args
+from sluicegate.bench.prefix import run_llama_server
+from sluicegate.bench.server_process import start_server_with_args
 
 CONCURRENCY = (1, 8, 32)
 #: Words of the prompt-rate prompts: about 512 tokens with the chat template.
@@ -73,36 +72,6 @@ class PeerRun:
     #: Prompt tokens per second to the first token, uncached prompts of ``prompt_tokens``.
     prompt_rate: float = 0.0
     prompt_tokens: int = 0
-
-
-@contextlib.contextmanager
-def llama_server(binary: str, log_path: Path, slots: int = 32) -> Iterator[str]:
-    """llama.cpp's server on the SmolLM2 GGUF: 2 threads, ``slots`` slots of 1,024."""
-    from sluicegate.engine.torch import default_model_path
-
-    port = free_port()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [binary, "-m", default_model_path(), "-t", "2", "-np", str(slots),
-             "-c", str(1024 * slots), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"llama-server exited; see {log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not start; see {log_path}")
-                time.sleep(0.5)
-            yield base_url
-        finally:
-            process.terminate()
-            process.wait(10)
 
 
 async def _one(
@@ -214,7 +183,9 @@ def engine_vs_peer(
     finally:
         server.stop()
     if llama_server_binary:
-        with llama_server(llama_server_binary, out / "llama-server.log") as base_url:
+        # 2 threads, 32 slots of 1,024 tokens.
+        slots = ("-np", "32", "-c", str(1024 * 32))
+        with run_llama_server(llama_server_binary, out / "llama-server.log", slots) as base_url:
             runs.append(_measure("llama-server", base_url, seconds, max_tokens))
     document = [dataclasses.asdict(r) for r in runs]
     (out / "results.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))

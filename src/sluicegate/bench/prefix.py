@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median_high
@@ -102,14 +102,17 @@ def _measure(label: str, base_url: str, repeats: int) -> PrefixRun:
 
 
 @contextlib.contextmanager
-def _llama_server(binary: str, log_path: Path) -> Iterator[str]:
-    """llama.cpp's server on the same GGUF (2 threads, its prompt cache on by default)."""
+def run_llama_server(
+    binary: str, log_path: Path, args: Sequence[str] = ("-c", "4096")
+) -> Iterator[str]:
+    """llama.cpp's server on the same GGUF (2 threads, its prompt cache on by default),
+    with ``args`` (context, slots)."""
     from sluicegate.engine.torch import default_model_path
 
     port = free_port()
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [binary, "-m", default_model_path(), "-t", "2", "-c", "4096", "--host",
+            [binary, "-m", default_model_path(), "-t", "2", *args, "--host",
              "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -146,7 +149,7 @@ def prefix_reuse(out: Path, repeats: int = 5, llama_server: str | None = None) -
         finally:
             server.stop()
     if llama_server:
-        with _llama_server(llama_server, out / "llama-server.log") as base_url:
+        with run_llama_server(llama_server, out / "llama-server.log") as base_url:
             runs.append(_measure("llama-server", base_url, repeats))
     return runs
 

@@ -13,7 +13,7 @@ from sluicegate.pipeline.chain import StageChain
 from sluicegate.pipeline.checks import Check, Trip, build_check, first_trip
 from sluicegate.pipeline.retrieve import Retrieved, Retriever
 from sluicegate.pipeline.stages import FormatStage, GuardStage, Stage
-from sluicegate.pipeline_settings import PipelineSettings, StageSettings
+from sluicegate.pipeline_settings import PipelineSettings
 
 Messages = list[dict[str, str]]
 
@@ -136,10 +136,8 @@ class Pipelines:
     @property
     def stage_names(self) -> list[str]:
         """Every stage name (the ``stage`` label's values, beside ``client``)."""
-        names: dict[str, None] = {}
-        for pipeline in self.by_name.values():
-            names.update((s.name, None) for s in pipeline.settings.stages)
-        return list(names)
+        settings = [p.settings for p in self.by_name.values()]
+        return [n for n in stage_label_values(settings) if n != "client"]
 
     def get(self, name: str | None) -> Pipeline | None:
         return None if name is None else self.by_name.get(name)
@@ -153,9 +151,6 @@ def stage_label_values(settings: list[PipelineSettings]) -> list[str]:
     for pipeline in settings:
         out.update((s.name, None) for s in pipeline.stages)
     return list(out)
-
-
-__all__ = ["Pipeline", "Pipelines", "StageSettings", "stage_label_values"]
 
 
 def check_pipeline_models(pipelines: Pipelines, served: list[str], upstream: bool) -> None:
