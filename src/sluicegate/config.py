@@ -91,6 +91,13 @@ class Settings(FlowSettings, BaseSettings):
     torch_threads: int | None = Field(
         None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
     )
+    engine_compile: Literal["off", "decode"] = Field(
+        "off",
+        description="Torch engine: decode through a compiled step (AOTInductor; built once "
+        "per model and cache shape in a background process, cached under cache_dir; eager "
+        "until ready). ~1.5-2x the decode speed; logits differ from eager in the last bits "
+        "(docs/engine-performance.md).",
+    )
     kv_cache_memory: str = Field(
         "auto",
         description="Memory of the torch engine's KV cache, allocated in full at start: a "

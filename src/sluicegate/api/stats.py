@@ -141,6 +141,8 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
             "bytes": service.kv_cache_bytes,
         },
         "prefix_cache": sched.prefix_cache,
+        # The torch engine's compiled decode step (--engine-compile): off, building, ready.
+        "engine_compile": getattr(getattr(service.core, "engine", None), "compile_status", "off"),
         "prefill_requests": {**state.warmup_counts, "running": len(state.warmups)},
         "speculation": sched.speculation,
         "scheduling": {"policy": service.settings.scheduling, **(sched.pacing or {})},

@@ -1,8 +1,9 @@
 """``sluicegate bench engine-peer``: the embedded engine through the real server against
 llama.cpp's ``llama-server`` on the same GGUF, side by side (docs/engine-performance.md).
 
-For each server in turn (ours with its defaults and ``--max-num-seqs 32``; llama-server
-with 2 threads and 32 slots): closed-loop streams at 1, 8 and 32 at once, each asking
+For each server in turn (ours with its defaults and ``--max-num-seqs 32``, eager and with
+``--engine-compile decode`` once its package is built; llama-server with 2 threads and
+32 slots): closed-loop streams at 1, 8 and 32 at once, each asking
 for 128-token answers (``ignore_eos``) back to back for ``seconds``; output tokens per
 second over the window, and TTFT p50.  Then the prompt rate: 512-token prompts no cache
 has seen, one at a time, prompt tokens over time to first token.  Without a binary the
@@ -172,16 +173,36 @@ def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> Peer
     return run
 
 
+#: Our second server: the compiled decode step (built once, then loaded at start).
+COMPILED = ["--engine-compile", "decode"]
+
+
+def _wait_compiled(base_url: str, timeout: float = 900.0) -> None:
+    """Until the server's compiled decode step is ready (a first build takes minutes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = httpx.get(f"{base_url}/v1/stats", timeout=30).json()["engine_compile"]
+        if status == "ready":
+            return
+        if status != "building" or time.monotonic() > deadline:
+            raise RuntimeError(f"the compiled decode step is {status}")
+        asyncio.run(_closed_loop(base_url, 1, 2.0, 4))  # steps look at the build
+        time.sleep(3)
+
+
 def engine_vs_peer(
     out: Path, llama_server_binary: str | None, seconds: float = 30.0, max_tokens: int = 128
 ) -> list[PeerRun]:
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    server = start_server_with_args(["--max-num-seqs", "32"], out / "server.log")
-    try:
-        runs.append(_measure("sluicegate", server.base_url, seconds, max_tokens))
-    finally:
-        server.stop()
+    for label, extra in (("sluicegate", []), ("sluicegate compiled", COMPILED)):
+        server = start_server_with_args(["--max-num-seqs", "32", *extra], out / f"{label}.log")
+        try:
+            if extra:
+                _wait_compiled(server.base_url)
+            runs.append(_measure(label, server.base_url, seconds, max_tokens))
+        finally:
+            server.stop()
     if llama_server_binary:
         # 2 threads, 32 slots of 1,024 tokens.
         slots = ("-np", "32", "-c", str(1024 * 32))
@@ -193,32 +214,38 @@ def engine_vs_peer(
 
 
 def table(runs: Sequence[PeerRun]) -> list[str]:
-    ours = runs[0]
-    peer = runs[1] if len(runs) > 1 else None
+    eager, ours = runs[0], runs[1]
+    peer = runs[2] if len(runs) > 2 else None
     lines = [
-        "| concurrent streams | Sluicegate tok/s | llama-server tok/s | ratio "
-        "| TTFT p50 (ours / peer) |",
-        "|---|---|---|---|---|",
+        "| concurrent streams | Sluicegate eager tok/s | compiled tok/s | llama-server tok/s "
+        "| compiled / llama-server | eager / llama-server | TTFT p50 (compiled / peer) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for i, point in enumerate(ours.points):
+        base = eager.points[i].tokens_per_second
         if peer is None:
-            lines.append(f"| {point.streams} | {point.tokens_per_second:.1f} | – | – | "
-                         f"{point.ttft_p50 * 1000:.0f} ms |")  # fmt: skip
+            lines.append(f"| {point.streams} | {base:.1f} | {point.tokens_per_second:.1f} | – "
+                         f"| – | – | {point.ttft_p50 * 1000:.0f} ms |")  # fmt: skip
             continue
         other = peer.points[i]
-        ratio = point.tokens_per_second / other.tokens_per_second if other.tokens_per_second else 0
+        theirs = other.tokens_per_second or float("nan")
         lines.append(
-            f"| {point.streams} | {point.tokens_per_second:.1f} | {other.tokens_per_second:.1f} "
-            f"| **{ratio:.2f}** | {point.ttft_p50 * 1000:.0f} / {other.ttft_p50 * 1000:.0f} ms |"
+            f"| {point.streams} | {base:.1f} | {point.tokens_per_second:.1f} | {theirs:.1f} "
+            f"| **{point.tokens_per_second / theirs:.2f}** | {base / theirs:.2f} "
+            f"| {point.ttft_p50 * 1000:.0f} / {other.ttft_p50 * 1000:.0f} ms |"
         )
-    refused = sum(p.refused for p in ours.points)
     lines.append("")
-    lines.append(f"prompt rate ({ours.prompt_tokens}-token prompts, uncached): "
-                 f"{ours.prompt_rate:.0f} tokens/s"
-                 + (f" vs {peer.prompt_rate:.0f} ({ours.prompt_rate / peer.prompt_rate:.2f}x)"
-                    if peer else ""))  # fmt: skip
-    if refused:
-        lines.append(f"sluicegate refused {refused} requests (429), each retried after Retry-After")
+    for run in (eager, ours):
+        lines.append(
+            f"prompt rate, {run.label} ({run.prompt_tokens}-token prompts, uncached): "
+            f"{run.prompt_rate:.0f} tokens/s"
+            + (f" vs {peer.prompt_rate:.0f} ({run.prompt_rate / peer.prompt_rate:.2f}x)"
+               if peer else "")
+        )  # fmt: skip
+        refused = sum(p.refused for p in run.points)
+        if refused:
+            lines.append(f"{run.label} refused {refused} requests (429), each retried after "
+                         "Retry-After")  # fmt: skip
     if peer is None:
         lines.append("llama-server: skipped (no --peer-llama-server binary)")
     return lines

