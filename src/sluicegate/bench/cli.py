@@ -442,6 +442,9 @@ def engine_command(
     server_streams: Annotated[
         int, typer.Option(help="Streams through the real server (0: skip; must be a --batch).")
     ] = 32,
+    engine_compile: Annotated[
+        str, typer.Option(help="off or decode: the compiled decode step (waits for its build).")
+    ] = "off",
 ) -> None:
     """The embedded engine against its raw forward pass and against transformers."""
     from sluicegate.bench.engine_bench import markdown_table, run_engine_bench
@@ -450,7 +453,7 @@ def engine_command(
     report = run_engine_bench(
         model, dtype, batch or [1, 8, 32, 64], prompt_tokens, new_tokens, mixed_requests,
         mixed_rate, peer, threads, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-        server_streams=server_streams,
+        server_streams=server_streams, compile=engine_compile,
     )  # fmt: skip
     table = markdown_table(report)
     console.print(table)

@@ -266,7 +266,7 @@ async def _stream_all(base_url: str, prompts: list[list[int]], new_tokens: int) 
 
 def server_rate(
     model_path: str | None, dtype: str, threads: int | None, prompts: list[list[int]],
-    new_tokens: int, log_dir: Path,
+    new_tokens: int, log_dir: Path, compile: str = "off",
 ) -> float:  # fmt: skip
     """Aggregate output tok/s of ``prompts`` streamed at once through ``sluicegate serve``."""
     from sluicegate.bench.server_process import start_server
@@ -275,6 +275,7 @@ def server_rate(
         "engine": "torch", "dtype": dtype, "max_num_seqs": len(prompts),
         "max_model_len": 1024, "request_log": False, "log_level": "warning",
         "max_num_batched_tokens": max(512, len(prompts)), "breaker": False,
+        "engine_compile": compile,
     }  # fmt: skip
     if model_path is not None:
         config["model"] = model_path
@@ -284,6 +285,10 @@ def server_rate(
         path = Path(tmp) / "engine-bench.yaml"
         path.write_text(yaml.safe_dump(config))
         with start_server(path, log_dir / "engine-bench-server.log") as server:
+            if compile != "off":
+                from sluicegate.bench.peer_engine import wait_compiled
+
+                wait_compiled(server.base_url)
             asyncio.run(_stream_all(server.base_url, prompts[:2], 8))  # warm-up
             return asyncio.run(_stream_all(server.base_url, prompts, new_tokens))
 
@@ -305,9 +310,18 @@ def run_engine_bench(
     progress: Any = print,
     server_streams: int = 32,
     log_dir: Path | None = None,
+    compile: str = "off",
 ) -> dict[str, Any]:
     max_seqs = max(batch_sizes)
-    engine = TorchEngine(model_path, dtype=dtype, max_num_seqs=max_seqs, num_threads=num_threads)
+    engine = TorchEngine(
+        model_path, dtype=dtype, max_num_seqs=max_seqs, num_threads=num_threads, compile=compile
+    )
+    if engine.compiled is not None:
+        progress(f"compiled decode step: {engine.compiled.status}")
+        while not engine.call(engine.compiled.poll):  # built in the background
+            if engine.compiled.status != "building":
+                raise RuntimeError(f"the compiled decode step is {engine.compiled.status}")
+            time.sleep(2)
     context = prompt_tokens + new_tokens // 2
     progress("GEMM peak")
     peak = engine.call(gemm_peak_gflops, engine.dtype)
@@ -317,6 +331,7 @@ def run_engine_bench(
         "threads": torch.get_num_threads(), "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens, "gemm_peak_gflops": peak, "bound_tok_s": bound,
         "flops_per_token": flops_per_token(engine.args, context), "batch": {},
+        "engine_compile": compile,
     }  # fmt: skip
     rng = random.Random(0)
     peer_model = engine.call(load_peer, engine) if peer else None
@@ -378,7 +393,7 @@ def run_engine_bench(
         progress(f"server: {server_streams} streams of {new_tokens} tokens")
         rate = server_rate(
             model_path_used, dtype_name, num_threads, prompts_by_n[server_streams], new_tokens,
-            log_dir or Path(tempfile.gettempdir()),
+            log_dir or Path(tempfile.gettempdir()), compile,
         )  # fmt: skip
         engine_rate = report["batch"][str(server_streams)]["ours_e2e_tok_s"]
         report["server"] = {

@@ -177,7 +177,7 @@ def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> Peer
 COMPILED = ["--engine-compile", "decode"]
 
 
-def _wait_compiled(base_url: str, timeout: float = 900.0) -> None:
+def wait_compiled(base_url: str, timeout: float = 900.0) -> None:
     """Until the server's compiled decode step is ready (a first build takes minutes)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -199,7 +199,7 @@ def engine_vs_peer(
         server = start_server_with_args(["--max-num-seqs", "32", *extra], out / f"{label}.log")
         try:
             if extra:
-                _wait_compiled(server.base_url)
+                wait_compiled(server.base_url)
             runs.append(_measure(label, server.base_url, seconds, max_tokens))
         finally:
             server.stop()

@@ -164,6 +164,10 @@ def build_package(model: Transformer, out: Path) -> None:
     partial.replace(out)
 
 
+#: The build process (``-m`` would import this module twice: the package imports it).
+BUILD_COMMAND = "import sys; from sluicegate.engine.torch.compiled import main; main(sys.argv[1:])"
+
+
 class CompiledDecode:
     """The engine's handle on the compiled decode step: building, ready or failed.
 
@@ -186,8 +190,7 @@ class CompiledDecode:
         self.log_path = package.with_suffix(".log")
         with open(self.log_path, "wb") as out:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "sluicegate.engine.torch.compiled", *build_args,
-                 "--out", str(package)],
+                [sys.executable, "-c", BUILD_COMMAND, *build_args, "--out", str(package)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         log.info("compiled decode step: building in the background (log: %s)", self.log_path)
@@ -260,7 +263,7 @@ class CompiledDecode:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Build a package: ``python -m sluicegate.engine.torch.compiled --model ... --out ...``."""
+    """Build a package (what :data:`BUILD_COMMAND` runs): ``--model ... --out ...``."""
     from sluicegate.engine.torch.loader import build_model, load_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -287,7 +290,3 @@ def main(argv: list[str] | None = None) -> None:
     model.v_cache = torch.empty(shape, dtype=model.dtype)
     build_package(model, Path(args.out))
     print(f"built {args.out} in {time.perf_counter() - start:.0f} s", flush=True)
-
-
-if __name__ == "__main__":
-    main()
