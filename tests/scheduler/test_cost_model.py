@@ -81,3 +81,23 @@ def test_long_prefill_steps_do_not_drag_the_decode_predictions() -> None:
             model.observe(StepShape(n + 1, n + chunk, n * 200 + chunk), seconds)
     assert model.predict(decode(8)) == pytest.approx(0.036, rel=0.1)
     assert model.predict(decode(16)) == pytest.approx(0.052, rel=0.1)
+
+
+def test_decode_steps_are_relearnt_when_the_engine_computes_them_faster() -> None:
+    """The compiled decode step comes into use: the decode steps seen before (warm-up
+    anchors included) are forgotten and refitted from the next ones; prefill keeps its."""
+    model = StepCostModel(refit_every=32)
+
+    def decode(n: int) -> StepShape:
+        return StepShape(n, n, n * 200)
+
+    prefill = StepShape(1, 512, 512)
+    model.calibrate([(decode(n), 0.03 + 0.002 * n) for n in (1, 4, 16)] + [(prefill, 0.5)])
+    for n in range(1, 33):
+        model.observe(decode(n), 0.03 + 0.002 * n)
+    assert model.predict(decode(8)) == pytest.approx(0.046, rel=0.05)
+    model.forget_decode_steps()
+    for n in (1, 4, 8, 16, 32, 2, 24, 12):  # the compiled step: half the time
+        model.observe(decode(n), 0.015 + 0.001 * n)
+    assert model.predict(decode(8)) == pytest.approx(0.023, rel=0.1)
+    assert model.predict(prefill) == pytest.approx(0.5, rel=0.15)

@@ -108,6 +108,8 @@ class EngineCore:
         self._hooks = hooks or CoreHooks()
         self._thread = threading.Thread(target=self._run, name="sluicegate-engine", daemon=True)
         self._num_steps = 0
+        #: The torch engine's compiled decode step as last seen (None: another engine).
+        self._compile_status: str | None = getattr(engine, "compile_status", None)
         self.engine_up = True
         self._stats_lock = threading.Lock()
         self._stats = EngineCoreStats(scheduler.make_stats(), 0, True)
@@ -167,7 +169,8 @@ class EngineCore:
                 continue
             elapsed = time.perf_counter() - started
             self._num_steps += 1
-            self.scheduler.record_step(plan, elapsed)
+            if not self._compiled_step_changed():  # that step loaded it: not a sample
+                self.scheduler.record_step(plan, elapsed)
             events = self.scheduler.update_from_output(plan, result)
             outputs = self._assemble(events)
             if outputs:
@@ -178,6 +181,18 @@ class EngineCore:
                 )
             self._publish_stats()
         self._fail_batch(list(self.scheduler.requests), reason="server shutting down")
+
+    def _compiled_step_changed(self) -> bool:
+        """Whether the torch engine's compiled decode step came into use (or failed) in the
+        step just run.  From then on decode steps take less time than the cost model
+        learnt: it relearns them."""
+        status = getattr(self.engine, "compile_status", None)
+        if status == self._compile_status:
+            return False
+        if status == "ready":
+            self.scheduler.cost.forget_decode_steps()
+        self._compile_status = status
+        return True
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> bool:
         """Apply every queued command (waiting for the first one when ``block``), then

@@ -75,6 +75,19 @@ class StepCostModel:
             if self._since_fit >= self._refit_every:
                 self._fit()
 
+    def forget_decode_steps(self) -> None:
+        """Drop every decode-only step seen (anchors included): the engine now computes
+        them another way (its compiled decode step became ready).  The next few refit them;
+        prefill and mixed steps keep their history."""
+        with self._lock:
+
+            def prefill(row: tuple[tuple[float, float, float, float], float]) -> bool:
+                return row[0][2] != row[0][1]  # more batched tokens than sequences
+
+            self._anchors = [r for r in self._anchors if prefill(r)]
+            self._window = deque(filter(prefill, self._window), maxlen=self._window.maxlen)
+            self._since_fit = max(0, self._refit_every - 8)  # refit after 8 new steps
+
     def predict(self, shape: StepShape) -> float:
         """Predicted seconds of a step of this shape."""
         theta = self.coefficients

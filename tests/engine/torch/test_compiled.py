@@ -1,38 +1,143 @@
-"""The compiled decode step (``--engine-compile decode``) on tiny random weights: the same
-logits as the eager step within rounding, the same keys and values written, and a row's
-result independent of the batch around it."""
+"""``--engine-compile decode``: through the real server it serves eagerly while the
+package builds in the background, then decodes through it, and a restart loads it; in the
+engine, the compiled step gives the eager step's logits within rounding, writes the same
+keys and values, and a row's result does not depend on the batch around it.
+
+The model is SmolLM2 cut to its first layer (same widths, tokenizer and template), in
+float32, so the build takes seconds rather than a minute and the comparisons are tight.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import openai
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
-from sluicegate.engine.torch.compiled import CompiledDecode, build_package
+from sluicegate.engine.torch.compiled import CompiledDecode
 from sluicegate.engine.torch.model import Transformer
-from tests.engine.torch.test_model import VOCAB, tiny_args, tiny_model
+from tests.conftest import ServerProcess, start_server
 
-pytestmark = pytest.mark.slow
+if TYPE_CHECKING:
+    from sluicegate.engine.torch import TorchEngine
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 SLOTS = 4
-LENGTH = 128
+LENGTH = 256
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, CompiledDecode]:
-    from sluicegate.engine.torch.runner import run_on_torch_thread
+def cut_model(
+    smollm2_path: str, torch_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """SmolLM2's first layer, as a Hugging Face directory."""
+    from sluicegate.engine.torch.export import export_hf_directory
 
-    def build() -> tuple[Transformer, CompiledDecode]:
-        model = tiny_model(tiny_args(tied=False), slots=SLOTS, length=LENGTH)
-        package = tmp_path_factory.mktemp("compiled") / "tiny-decode.pt2"
-        build_package(model, package)
-        handle = CompiledDecode(package, build_args=None)
-        assert handle.status == "ready" and handle.poll()
-        return model, handle
+    out = export_hf_directory(
+        smollm2_path, tmp_path_factory.mktemp("smollm2-cut"), cache_dir=torch_cache_dir
+    )
+    weights = load_file(out / "model.safetensors")
+    kept = {
+        name: tensor
+        for name, tensor in weights.items()
+        if not name.startswith("model.layers.") or name.startswith("model.layers.0.")
+    }
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1}))
+    return out
 
-    return run_on_torch_thread(build)
+
+def serve(model: Path, cache: Path) -> ServerProcess:
+    return start_server(
+        ["--model", str(model), "--dtype", "float32", "--engine-compile", "decode",
+         "--max-num-seqs", str(SLOTS), "--max-model-len", str(LENGTH), "--cache-dir", str(cache),
+         # The build competes for the CPU; these tests are not about admission.
+         "--ttft-slo-ms", "60000"],
+        "compiled",
+    )  # fmt: skip
+
+
+def complete(server: ServerProcess, seed: int) -> str:
+    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+        reply = client.completions.create(
+            model=str(server.stats()["model"]), prompt="Once upon a time", max_tokens=24,
+            temperature=0.8, seed=seed, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    return reply.choices[0].text
+
+
+def wait_until_built(server: ServerProcess) -> None:
+    deadline = time.monotonic() + 300
+    while server.stats()["engine_compile"] == "building":  # each step looks at the build
+        assert time.monotonic() < deadline, "the compiled decode step was not built"
+        complete(server, 1)
+        time.sleep(1)
+    assert server.stats()["engine_compile"] == "ready"
+
+
+@pytest.fixture(scope="module")
+def compiled_server(
+    cut_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, Path]]:
+    cache = tmp_path_factory.mktemp("compiled-cache")
+    server = serve(cut_model, cache)
+    yield server, cache
+    server.stop()
+
+
+def test_builds_in_the_background_then_decodes_compiled(
+    compiled_server: tuple[ServerProcess, Path],
+) -> None:
+    server, cache = compiled_server
+    if server.stats()["engine_compile"] == "building":
+        assert complete(server, 1)  # served eagerly meanwhile
+    wait_until_built(server)
+    assert list((cache / "compiled").glob("*.pt2"))
+    alone = complete(server, 7)
+    with ThreadPoolExecutor(4) as pool:
+        batched = list(pool.map(lambda seed: complete(server, seed), [7, 8, 9, 7]))
+    assert batched[0] == batched[3] == alone  # seeded: the same alone and batched
+    assert len(set(batched[:3])) == 3
+
+
+def test_a_restart_loads_the_package(
+    compiled_server: tuple[ServerProcess, Path], cut_model: Path
+) -> None:
+    server, cache = compiled_server
+    wait_until_built(server)
+    expected = complete(server, 7)
+    restarted = serve(cut_model, cache)
+    try:
+        assert restarted.stats()["engine_compile"] == "ready"
+        assert complete(restarted, 7) == expected
+    finally:
+        restarted.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(compiled_server: tuple[ServerProcess, Path], cut_model: Path) -> Iterator[TorchEngine]:
+    """The cut model in this process, with the package the server built."""
+    from sluicegate.engine.torch import TorchEngine
+
+    server, cache = compiled_server
+    wait_until_built(server)
+    engine = TorchEngine(
+        str(cut_model), dtype="float32", max_num_seqs=SLOTS, max_model_len=LENGTH,
+        cache_dir=str(cache), compile="decode",
+    )  # fmt: skip
+    assert engine.compile_status == "ready"
+    yield engine
+    engine.close()
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, slot: int) -> None:
@@ -40,50 +145,55 @@ def prefill(model: Transformer, tokens: torch.Tensor, slot: int) -> None:
     model(tokens, batch)
 
 
-def eager_decode(model: Transformer, tokens: list[int], positions: list[int], slots: list[int]):
+def eager_decode(
+    model: Transformer, tokens: list[int], positions: list[int], slots: list[int]
+) -> torch.Tensor:
     chunks = [SequenceChunk(s, p, 1, 1) for s, p in zip(slots, positions, strict=True)]
     batch, order = build_batch(chunks)
     assert order == list(range(len(chunks)))
-    return model(torch.tensor(tokens), batch)
+    logits: torch.Tensor = model(torch.tensor(tokens), batch)
+    return logits
 
 
-def test_matches_eager_and_writes_the_same_cache(
-    compiled: tuple[Transformer, CompiledDecode],
-) -> None:
-    model, handle = compiled
+def random_tokens(gen: torch.Generator, count: int) -> torch.Tensor:
+    return torch.randint(100, 40000, (count,), generator=gen)
+
+
+def test_matches_eager_and_writes_the_same_cache(engine: TorchEngine) -> None:
+    model, handle = engine.model, engine.compiled
+    assert handle is not None
     gen = torch.Generator().manual_seed(3)
-    lengths = [5, 40, 77]
+    lengths = [5, 40, 150]
     slots = [2, 0, 3]
     with torch.inference_mode():
         for slot, n in zip(slots, lengths, strict=True):
-            prefill(model, torch.randint(0, VOCAB, (n,), generator=gen), slot)
+            prefill(model, random_tokens(gen, n), slot)
         saved = model.k_cache.clone(), model.v_cache.clone()
         positions = list(lengths)
-        for _ in range(6):  # decode six tokens per sequence, both ways
-            tokens = torch.randint(0, VOCAB, (3,), generator=gen).tolist()
-            model.k_cache.copy_(saved[0])
-            model.v_cache.copy_(saved[1])
+        for _ in range(4):  # decode four tokens per sequence, both ways
+            tokens = random_tokens(gen, 3).tolist()
             expected = eager_decode(model, tokens, positions, slots)
             eager_cache = model.k_cache.clone(), model.v_cache.clone()
             model.k_cache.copy_(saved[0])
             model.v_cache.copy_(saved[1])
             assert handle.accepts(model, positions)
             got = handle.run(model, tokens, positions, slots)
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(model.k_cache, eager_cache[0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(model.v_cache, eager_cache[1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+            torch.testing.assert_close(model.k_cache, eager_cache[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(model.v_cache, eager_cache[1], atol=1e-4, rtol=1e-4)
             saved = model.k_cache.clone(), model.v_cache.clone()
             positions = [p + 1 for p in positions]
 
 
-def test_a_row_does_not_depend_on_its_batch(compiled: tuple[Transformer, CompiledDecode]) -> None:
+def test_a_row_does_not_depend_on_its_batch(engine: TorchEngine) -> None:
     """Alone (one row, computed as two), beside a short context and beside one long enough
     to widen the key range: the same bits."""
-    model, handle = compiled
+    model, handle = engine.model, engine.compiled
+    assert handle is not None
     gen = torch.Generator().manual_seed(4)
     with torch.inference_mode():
-        for slot, n in ((0, 20), (1, 9), (2, 3 * KEY_ALIGN - 10)):
-            prefill(model, torch.randint(0, VOCAB, (n,), generator=gen), slot)
+        for slot, n in ((0, 20), (1, 9), (2, 200)):
+            prefill(model, random_tokens(gen, n), slot)
         saved = model.k_cache.clone(), model.v_cache.clone()
 
         def decode(rows: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -92,17 +202,16 @@ def test_a_row_does_not_depend_on_its_batch(compiled: tuple[Transformer, Compile
             tokens, positions, slots = (list(column) for column in zip(*rows, strict=True))
             return handle.run(model, tokens, positions, slots)
 
-        me = (7, 20, 0)
+        me = (7000, 20, 0)
         alone = decode([me])[0]
-        assert torch.equal(decode([(11, 9, 1), me])[1], alone)
-        assert torch.equal(decode([me, (5, 3 * KEY_ALIGN - 10, 2)])[0], alone)
-        assert torch.equal(decode([me, (11, 9, 1), (5, 3 * KEY_ALIGN - 10, 2)])[0], alone)
+        assert torch.equal(decode([(1100, 9, 1), me])[1], alone)
+        assert torch.equal(decode([me, (500, 200, 2)])[0], alone)
+        assert torch.equal(decode([me, (1100, 9, 1), (500, 200, 2)])[0], alone)
 
 
-def test_accepts_only_the_compiled_key_range(
-    compiled: tuple[Transformer, CompiledDecode],
-) -> None:
-    model, handle = compiled
+def test_accepts_only_the_compiled_key_range(engine: TorchEngine) -> None:
+    model, handle = engine.model, engine.compiled
+    assert handle is not None
     assert handle.accepts(model, [1, LENGTH - KEY_ALIGN])
     assert not handle.accepts(model, [0, 5])  # a one-token prompt: nothing to attend yet
     assert not handle.accepts(model, [5, LENGTH - KEY_ALIGN + 1])  # the last key block
