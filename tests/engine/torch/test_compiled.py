@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
-from sluicegate.engine.torch.compiled import CompiledDecode
+from sluicegate.engine.torch.compiled import CompiledDecode, main
 from sluicegate.engine.torch.model import Transformer
 from tests.conftest import ServerProcess, start_server
 
@@ -215,6 +215,21 @@ def test_accepts_only_the_compiled_key_range(engine: TorchEngine) -> None:
     assert handle.accepts(model, [1, LENGTH - KEY_ALIGN])
     assert not handle.accepts(model, [0, 5])  # a one-token prompt: nothing to attend yet
     assert not handle.accepts(model, [5, LENGTH - KEY_ALIGN + 1])  # the last key block
+
+
+def test_a_second_build_of_the_same_package_finds_it_done(
+    compiled_server: tuple[ServerProcess, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a replica on the same machine starts: it waits for the first build's lock,
+    then finds the package there (this returns without loading the model)."""
+    server, cache = compiled_server
+    wait_until_built(server)
+    (package,) = (cache / "compiled").glob("*.pt2")
+    built = package.stat().st_mtime_ns
+    main(["--model", "unused", "--dtype", "float32", "--slots", "4", "--max-model-len", "256",
+          "--out", str(package)])  # fmt: skip
+    assert "is built (by another process)" in capsys.readouterr().out
+    assert package.stat().st_mtime_ns == built
 
 
 def test_a_missing_package_without_a_build_is_off(tmp_path: Path) -> None:

@@ -12,8 +12,9 @@ dimensions, compiled by AOTInductor into a ``.pt2`` package under the cache dire
 (``<cache_dir>/compiled/``) and loaded from there at every later start (under a second).
 Without a package the engine starts at once, serves eagerly, and a separate process
 (:func:`main`, niced) exports and compiles the package (about a minute for SmolLM2 on two
-cores); the engine loads it between two steps when it is ready.  A build that fails is
-logged and the engine stays eager.
+cores); the engine loads it between two steps when it is ready.  Engines on one machine
+that need the same package build it once (the second build waits on a lock file and
+finds it done).  A build that fails is logged and the engine stays eager.
 
 **What changes against the eager engine** (why this is a flag): the graph is pure — it
 reads the KV cache and returns each layer's new keys and values, which the engine then
@@ -32,6 +33,7 @@ Tokens decoded before the package is ready are eager ones.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import logging
 import os
@@ -188,7 +190,7 @@ class CompiledDecode:
             return
         package.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = package.with_suffix(".log")
-        with open(self.log_path, "wb") as out:
+        with open(self.log_path, "ab") as out:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", BUILD_COMMAND, *build_args, "--out", str(package)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -264,8 +266,6 @@ class CompiledDecode:
 
 def main(argv: list[str] | None = None) -> None:
     """Build a package (what :data:`BUILD_COMMAND` runs): ``--model ... --out ...``."""
-    from sluicegate.engine.torch.loader import build_model, load_checkpoint
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", required=True, choices=["float32", "bfloat16"])
@@ -275,7 +275,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    os.nice(10)  # the serving engine comes first
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:
+        # Another engine (a replica on this machine) building the same package: wait for it.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            print(f"{out} is built (by another process)", flush=True)
+            return
+        os.nice(10)  # the serving engine comes first
+        _build(args, out)
+
+
+def _build(args: argparse.Namespace, out: Path) -> None:
+    from sluicegate.engine.torch.loader import build_model, load_checkpoint
+
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -288,5 +302,5 @@ def main(argv: list[str] | None = None) -> None:
     model.setup_caches(1, args.max_model_len)
     model.k_cache = torch.empty(shape, dtype=model.dtype)
     model.v_cache = torch.empty(shape, dtype=model.dtype)
-    build_package(model, Path(args.out))
-    print(f"built {args.out} in {time.perf_counter() - start:.0f} s", flush=True)
+    build_package(model, out)
+    print(f"built {out} in {time.perf_counter() - start:.0f} s", flush=True)
