@@ -10,6 +10,8 @@ float32, so the build takes seconds rather than a minute and the comparisons are
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -230,6 +232,19 @@ def test_a_second_build_of_the_same_package_finds_it_done(
           "--out", str(package)])  # fmt: skip
     assert "is built (by another process)" in capsys.readouterr().out
     assert package.stat().st_mtime_ns == built
+
+
+def test_closing_the_engine_stops_its_build(cut_model: Path, tmp_path: Path) -> None:
+    args = ["--model", str(cut_model), "--dtype", "float32", "--slots", "4",
+            "--max-model-len", "256", "--cache-dir", str(tmp_path)]  # fmt: skip
+    handle = CompiledDecode(tmp_path / "compiled" / "cut.pt2", build_args=args)
+    assert handle.status == "building" and not handle.poll()
+    process = handle._process
+    assert process is not None and process.poll() is None
+    handle.close()
+    assert process.returncode == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):  # its whole session is gone
+        os.killpg(process.pid, 0)
 
 
 def test_a_missing_package_without_a_build_is_off(tmp_path: Path) -> None:

@@ -33,10 +33,12 @@ Tokens decoded before the package is ready are eager ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -258,7 +260,9 @@ class CompiledDecode:
 
     def close(self) -> None:
         if self._process is not None and self._process.poll() is None:
-            self._process.kill()
+            # The build and its compiler processes: a session of their own (see __init__).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
         self._process = None
         self._runner = None
