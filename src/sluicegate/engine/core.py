@@ -83,6 +83,8 @@ class EngineCoreStats:
     scheduler: SchedulerStats
     num_steps: int
     engine_up: bool
+    #: The engine's compiled decode step (:attr:`Engine.compile_status`).
+    compile_status: str = "off"
 
 
 class EngineCore:
@@ -108,11 +110,11 @@ class EngineCore:
         self._hooks = hooks or CoreHooks()
         self._thread = threading.Thread(target=self._run, name="sluicegate-engine", daemon=True)
         self._num_steps = 0
-        #: The torch engine's compiled decode step as last seen (None: another engine).
-        self._compile_status: str | None = getattr(engine, "compile_status", None)
+        #: The engine's compiled decode step as last seen.
+        self._compile_status = engine.compile_status
         self.engine_up = True
         self._stats_lock = threading.Lock()
-        self._stats = EngineCoreStats(scheduler.make_stats(), 0, True)
+        self._stats = EngineCoreStats(scheduler.make_stats(), 0, True, self._compile_status)
 
     # ----------------------------------------------------- event-loop side API
     def start(self) -> None:
@@ -186,7 +188,7 @@ class EngineCore:
         """Whether the torch engine's compiled decode step came into use (or failed) in the
         step just run.  From then on decode steps take less time than the cost model
         learnt: it relearns them."""
-        status = getattr(self.engine, "compile_status", None)
+        status = self.engine.compile_status
         if status == self._compile_status:
             return False
         if status == "ready":
@@ -330,6 +332,8 @@ class EngineCore:
             stream.put(output)
 
     def _publish_stats(self) -> None:
-        stats = EngineCoreStats(self.scheduler.make_stats(), self._num_steps, self.engine_up)
+        stats = EngineCoreStats(
+            self.scheduler.make_stats(), self._num_steps, self.engine_up, self._compile_status
+        )
         with self._stats_lock:
             self._stats = stats

@@ -66,6 +66,10 @@ class SimEngine:
     def kv_cache_bytes(self) -> int:
         return 0  # no KV cache: the text is a function of (seed, prompt)
 
+    @property
+    def compile_status(self) -> str:
+        return "off"
+
     def step_seconds(self, num_batched_tokens: int) -> float:
         return self.step_base_seconds + self.step_per_token_seconds * num_batched_tokens
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import signal
@@ -46,16 +45,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, align_keys
-from sluicegate.engine.torch.model import Transformer, TransformerBlock, apply_rope
+from sluicegate.engine.torch.loader import build_model, cache_entry, load_checkpoint
+from sluicegate.engine.torch.model import Transformer, TransformerBlock
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever :class:`DecodeGraph` computes differently: old packages are not reused.
-GRAPH_VERSION = 1
+GRAPH_VERSION = 2
 
 
 class DecodeGraph(nn.Module):
@@ -87,7 +86,7 @@ class DecodeGraph(nn.Module):
         group = nh // nkv
         rows = tokens.shape[0]
         keys_len = bias.shape[-1] - 1
-        x = F.embedding(tokens, m.tok_embeddings.weight)  # [B, D]
+        x = m.tok_embeddings(tokens)  # [B, D]
         cos = m.rope_cos[positions][:, None, :]  # [B, 1, hd]
         sin = m.rope_sin[positions][:, None, :]
         new_k: list[Tensor] = []
@@ -95,25 +94,15 @@ class DecodeGraph(nn.Module):
         for i, module in enumerate(m.layers):
             layer = cast(TransformerBlock, module)
             attention = layer.attention
-            qkv = F.linear(layer.attention_norm(x), attention.wqkv.weight)
-            qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin)
-            q, k = torch.split(qk, [nh, nkv], dim=1)  # [B, H, hd], [B, KVH, hd]
-            v = qkv[:, (nh + nkv) * hd :].view(rows, nkv, hd)
+            q, k, v = attention.project(layer.attention_norm(x), cos, sin)
             new_k.append(k)
             new_v.append(v)
             keys = torch.cat((k_cache[i, slots, :, :keys_len], k[:, :, None, :]), dim=2)
             values = torch.cat((v_cache[i, slots, :, :keys_len], v[:, :, None, :]), dim=2)
-            queries = q.reshape(rows, nkv, group, hd)  # [B, KVH, G, hd]
-            scores = torch.matmul(queries, keys.transpose(-1, -2)).float()
-            scores = scores * attention.scale + bias  # [B, KVH, G, L + 1]
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
-            out = torch.matmul(probs, values).reshape(rows, nh * hd)
-            h = x + F.linear(out, attention.wo.weight)
-            ffn = layer.feed_forward
-            gate, up = F.linear(layer.ffn_norm(h), ffn.w_gate_up.weight).chunk(2, dim=-1)
-            x = h + F.linear(F.silu(gate) * up, ffn.w_down.weight)
-        head = m.tok_embeddings.weight if m.output is None else m.output.weight
-        logits = F.linear(m.norm(x), head).float()
+            out = attention.attend(q.reshape(rows, nkv, group, hd), keys, values, bias)
+            h = x + attention.wo(out.reshape(rows, nh * hd))  # [B, D]
+            x = h + layer.feed_forward(layer.ffn_norm(h))
+        logits = m.logits(x)
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 
@@ -122,24 +111,16 @@ def package_path(
     cache_dir: str | None,
 ) -> Path:  # fmt: skip
     """Where the package for this model file, dtype and cache shape lives."""
-    from sluicegate.engine.torch.loader import default_cache_dir, model_name_from_path
-
-    path = Path(model_path)
-    st = path.stat()
-    ident = "|".join(
-        str(part)
-        for part in (
-            path.resolve(), st.st_size, st.st_mtime_ns, dtype, num_slots, max_model_len,
-            torch.__version__, GRAPH_VERSION,
-        )
+    entry = cache_entry(
+        Path(model_path), cache_dir, "compiled", dtype, num_slots, max_model_len,
+        torch.__version__, GRAPH_VERSION,
     )  # fmt: skip
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return root / "compiled" / f"{model_name_from_path(path)}-decode-{key}.pt2"
+    return entry.with_name(f"{entry.name}.pt2")
 
 
 def build_package(model: Transformer, out: Path) -> None:
-    """Export and compile :class:`DecodeGraph` of ``model`` (caches set up) into ``out``."""
+    """Export and compile :class:`DecodeGraph` of ``model`` (caches set up, weights not
+    prepacked: ``build_model(..., pack=False)``) into ``out``."""
     import torch._inductor.config as inductor_config
     from torch.export import Dim, export
 
@@ -292,13 +273,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _build(args: argparse.Namespace, out: Path) -> None:
-    from sluicegate.engine.torch.loader import build_model, load_checkpoint
-
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     checkpoint = load_checkpoint(args.model, getattr(torch, args.dtype), args.cache_dir)
-    model = build_model(checkpoint.args, checkpoint.state_dict)
+    model = build_model(checkpoint.args, checkpoint.state_dict, pack=False)
     # The graph's caches are inputs: shaped like the engine's, never filled here.
     length = align_keys(args.max_model_len)
     shape = (checkpoint.args.n_layers, args.slots, checkpoint.args.n_kv_heads, length,

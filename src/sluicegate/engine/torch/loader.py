@@ -137,13 +137,18 @@ class Checkpoint:
     sampling: RecommendedSampling = field(default_factory=RecommendedSampling)
 
 
-def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transformer:
-    """Construct on the meta device and adopt the loaded tensors (no init, no copy)."""
+def build_model(
+    args: ModelArgs, state_dict: dict[str, torch.Tensor], pack: bool = True
+) -> Transformer:
+    """Construct on the meta device and adopt the loaded tensors (no init, no copy);
+    prepack the projections for oneDNN unless ``pack`` is False (for ``torch.export``,
+    which packs them itself)."""
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.eval().requires_grad_(False)
-    model.pack_weights()
+    if pack:
+        model.pack_weights()
     return model
 
 
@@ -198,12 +203,21 @@ def model_name_from_path(path: Path) -> str:
     return re.sub(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE) or stem
 
 
-def _cache_entry(path: Path, cache_dir: str | os.PathLike[str] | None) -> Path:
+def cache_entry(
+    path: Path, cache_dir: str | os.PathLike[str] | None, kind: str, *identity: object
+) -> Path:
+    """``<cache_dir>/<kind>/<model name>-<key>``: where something derived from the model at
+    ``path`` is cached, keyed by the file (resolved path, size, modification time) and by
+    ``identity`` (what else it depends on)."""
     st = path.stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_FORMAT_VERSION}"
+    ident = "|".join(str(part) for part in (path.resolve(), st.st_size, st.st_mtime_ns, *identity))
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return root / "torch" / f"{model_name_from_path(path)}-{key}"
+    return root / kind / f"{model_name_from_path(path)}-{key}"
+
+
+def _cache_entry(path: Path, cache_dir: str | os.PathLike[str] | None) -> Path:
+    return cache_entry(path, cache_dir, "torch", f"v{CACHE_FORMAT_VERSION}")
 
 
 def _read_cached_meta(entry: Path) -> dict[str, Any] | None:

@@ -194,11 +194,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         group = nh // nkv
-        qkv: Tensor = self.wqkv(x)  # [T, (H + 2 KVH) * hd]
-        # q and k rotate together: one float32 round trip instead of two.
-        qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(num_tokens, nh + nkv, hd), cos, sin)
-        q, k = torch.split(qk, [nh, nkv], dim=1)  # [T, H, hd], [T, KVH, hd]
-        v = qkv[:, (nh + nkv) * hd :].view(num_tokens, nkv, hd)  # [T, KVH, hd]
+        q, k, v = self.project(x, cos, sin)
 
         # Write before attending, so each token sees itself through the cache: row
         # batch.cache_rows[t * KVH + h] of the cache seen as [S * KVH * L, hd] is token t's
@@ -222,7 +218,7 @@ class Attention(nn.Module):
             # The query heads sharing a KV head form one matrix, so grouped attention is two
             # batched matmuls with no repeat of K/V.
             queries = q[:nd].reshape(nd, nkv, group, hd)  # [B, KVH, G, hd]
-            out = self._attend(queries, keys, values, batch.decode_bias)  # [B, KVH, G, hd]
+            out = self.attend(queries, keys, values, batch.decode_bias)  # [B, KVH, G, hd]
             outputs.append(out.reshape(nd, nh * hd))
         for chunk in batch.prefills:
             end = chunk.num_keys
@@ -235,7 +231,7 @@ class Attention(nn.Module):
                 queries = q[lo : lo + rows].reshape(rows, nkv, group, hd).transpose(0, 1)
                 queries = queries.reshape(nkv, rows * group, hd)
                 bias = chunk.bias[first : first + rows]  # [C, 1, S]
-                out = self._attend(
+                out = self.attend(
                     queries, keys, values, bias.expand(rows, group, -1).reshape(rows * group, -1)
                 )
                 # [KVH, C * G, hd] -> [C, KVH, G, hd] -> [C, H * hd]
@@ -245,7 +241,19 @@ class Attention(nn.Module):
         result: Tensor = self.wo(attn)  # [T, D]
         return result
 
-    def _attend(self, queries: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` ``[T, D]`` to rotated ``q`` ``[T, H, hd]``, rotated ``k`` and ``v``
+        ``[T, KVH, hd]``."""
+        num_tokens = x.shape[0]
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv: Tensor = self.wqkv(x)  # [T, (H + 2 KVH) * hd]
+        # q and k rotate together: one float32 round trip instead of two.
+        qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(num_tokens, nh + nkv, hd), cos, sin)
+        q, k = torch.split(qk, [nh, nkv], dim=1)  # [T, H, hd], [T, KVH, hd]
+        v = qkv[:, (nh + nkv) * hd :].view(num_tokens, nkv, hd)  # [T, KVH, hd]
+        return q, k, v
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
         """``softmax(q·Kᵀ · scale + bias) · V`` with the softmax in float32.
 
         ``queries`` ``[..., Q, hd]``, ``keys``/``values`` ``[..., S, hd]``, ``bias``
@@ -405,7 +413,11 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, k_cache, v_cache, batch)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.args.vocab_size)
-        h = self.norm(x[batch.logits_indices])  # [N, D]
+        return self.logits(x[batch.logits_indices])
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The final norm and the output projection: ``[N, D]`` to float32 ``[N, V]``."""
+        h = self.norm(x)  # [N, D]
         if self._output_packed is not None:
             return linear_packed(h, self._output_packed).float()  # [N, V]
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
