@@ -95,7 +95,8 @@ class Settings(FlowSettings, BaseSettings):
         "off",
         description="Torch engine: decode through a compiled step (AOTInductor; built once "
         "per model and cache shape in a background process, cached under cache_dir; eager "
-        "until ready). ~1.5-2x the decode speed; logits differ from eager in the last bits "
+        "until ready). 1.3-1.6x the eager decode speed through the server; logits differ "
+        "from eager in the last bits "
         "(docs/engine-performance.md).",
     )
     kv_cache_memory: str = Field(
