@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,7 +224,9 @@ async def test_retry_after_matches_the_wait_actually_experienced(tmp_path: Path)
         await asyncio.sleep(0.1)
         refused = await client.post(url, json=completion(max_tokens=30))
         assert refused.status_code == 429
-        advertised = float(refused.headers["retry-after"])
+        # Retry-After is whole seconds (rounded up); retry-after-ms is the estimate itself.
+        advertised = int(refused.headers["retry-after-ms"]) / 1000
+        assert int(refused.headers["retry-after"]) == math.ceil(advertised)
         started = time.monotonic()
         # The wait actually experienced: until the queue has drained and a retry gets in.
         while (await client.get(srv.base_url + "/v1/stats")).json()["queue"]["queued"] > 0:  # noqa: ASYNC110

@@ -1,8 +1,11 @@
 """The warm-up that seeds the cost model: every shape paid for once, then timed three
-times on the engine's own clock; the median counts, so one disturbed step does not."""
+times on the engine's own clock; the median counts, so one disturbed step does not.  A
+warm start reuses the saved calibration when the cheap shapes confirm it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -16,7 +19,9 @@ class ScriptedEngine:
     """A step takes 1 ms per batched token, on a fake clock; the first step of a shape
     takes a second more (one-off costs), and so does the step ``disturbed`` (0-based)."""
 
-    def __init__(self, disturbed: int) -> None:
+    def __init__(self, disturbed: int = -1, base: float = 0.0, per_token: float = 0.001) -> None:
+        self.base = base
+        self.per_token = per_token
         self.now = 0.0
         self.steps: list[StepPlan] = []
         self.disturbed = disturbed
@@ -28,7 +33,8 @@ class ScriptedEngine:
     def step(self, plan: StepPlan) -> None:
         self.steps.append(plan)
         shape = (len(plan.sequences), plan.num_batched_tokens)
-        self.now += 0.001 * plan.num_batched_tokens
+        if plan.sequences:
+            self.now += self.base + self.per_token * plan.num_batched_tokens
         if shape not in self._seen or len(self.steps) - 1 == self.disturbed:
             self.now += 1.0
         self._seen.add(shape)
@@ -49,3 +55,71 @@ def test_medians_ignore_one_off_costs_and_a_disturbed_step(
     # Each shape once unmeasured, three times measured, then every slot handed back.
     assert len(engine.steps) == 9 * 4 + 1
     assert engine.steps[-1].freed_kv_slots == list(range(16))
+
+
+def saved_warm_up(
+    monkeypatch: pytest.MonkeyPatch, engine: ScriptedEngine, path: Path, slots: int = 16
+) -> list[tuple[int, int, int, float]]:
+    monkeypatch.setattr(calibrate.time, "perf_counter", engine.clock)
+    observations = calibrate.warm_up(cast(Engine, engine), slots, 1024, 512, saved=path)
+    return [(s.num_seqs, s.num_batched_tokens, s.num_context_tokens, t) for s, t in observations]
+
+
+def test_a_warm_start_measures_only_the_cheap_shapes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "calibration" / "engine.json"
+    first = saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), path)
+    assert [row[:4] for row in json.loads(path.read_text())["observations"]] == [
+        list(row) for row in first
+    ]
+    again = ScriptedEngine(base=0.01)
+    reused = saved_warm_up(monkeypatch, again, path)
+    assert [row[:3] for row in reused] == [row[:3] for row in first]
+    assert [t for *_, t in reused] == pytest.approx([t for *_, t in first])
+    # Seven shapes of at most 0.1 s (six decode batches and the 64-token prompt), each
+    # once unmeasured and three times measured; not the mixed and the full-batch step.
+    assert len(again.steps) == 7 * 4 + 1
+    assert max(p.num_batched_tokens for p in again.steps) == 64
+    assert again.steps[-1].freed_kv_slots == list(range(16))
+
+
+def test_a_machine_slower_alike_on_every_shape_scales_the_saved_calibration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "engine.json"
+    first = saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), path)
+    slower = ScriptedEngine(base=0.015, per_token=0.0015)
+    reused = saved_warm_up(monkeypatch, slower, path)
+    assert len(slower.steps) == 7 * 4 + 1
+    assert [t for *_, t in reused] == pytest.approx([1.5 * t for *_, t in first])
+
+
+def test_a_change_that_moves_shapes_unequally_measures_everything_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "engine.json"
+    saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), path)
+    # Tokens cost twice as much, a step's fixed part the same: the 64-token prompt moves
+    # by 1.9x, a one-token decode by 1.1x.  The saved full-batch step would be far off.
+    changed = ScriptedEngine(base=0.01, per_token=0.002)
+    measured = saved_warm_up(monkeypatch, changed, path)
+    assert len(changed.steps) == 7 * 4 + 9 * 4 + 1  # the check, then the whole warm-up
+    assert [t for *_, t in measured] == pytest.approx([0.01 + 0.002 * n for _, n, _, _ in measured])
+    assert [row[:4] for row in json.loads(path.read_text())["observations"]] == [
+        list(row) for row in measured
+    ]
+
+
+@pytest.mark.parametrize("saved", ["not json", '{"observations": [[1, 2]]}', "other shapes"])
+def test_a_corrupt_or_foreign_file_measures_everything(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, saved: str
+) -> None:
+    path = tmp_path / "engine.json"
+    if saved == "other shapes":  # saved by an engine with fewer slots
+        saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), path, slots=8)
+    else:
+        path.write_text(saved)
+    engine = ScriptedEngine(base=0.01)
+    saved_warm_up(monkeypatch, engine, path)
+    assert len(engine.steps) == 9 * 4 + 1

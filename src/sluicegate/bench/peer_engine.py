@@ -73,6 +73,12 @@ class PeerRun:
     #: Prompt tokens per second to the first token, uncached prompts of ``prompt_tokens``.
     prompt_rate: float = 0.0
     prompt_tokens: int = 0
+    #: Seconds from launching the server to its ``/ready`` (our servers).
+    ready_seconds: float = 0.0
+    #: Seconds from launching the server to its compiled decode step in use, and whether
+    #: it had to build the package first (else it loaded it).
+    compiled_seconds: float = 0.0
+    built: bool = False
 
 
 async def _one(
@@ -178,16 +184,18 @@ COMPILED = ["--engine-compile", "decode"]
 
 
 def wait_compiled(base_url: str, timeout: float = 900.0) -> None:
-    """Until the server's compiled decode step is ready (a first build takes minutes)."""
+    """Until the server's compiled decode step is ready (a first build takes minutes, a
+    load seconds)."""
     deadline = time.monotonic() + timeout
     while True:
         status = httpx.get(f"{base_url}/v1/stats", timeout=30).json()["engine_compile"]
         if status == "ready":
             return
-        if status != "building" or time.monotonic() > deadline:
+        if status not in ("building", "loading") or time.monotonic() > deadline:
             raise RuntimeError(f"the compiled decode step is {status}")
-        asyncio.run(_closed_loop(base_url, 1, 2.0, 4))  # steps look at the build
-        time.sleep(3)
+        # Steps look at the build and the load: one short request at a time.
+        asyncio.run(_closed_loop(base_url, 1, 0.2, 4))
+        time.sleep(0.1 if status == "loading" else 3)
 
 
 def engine_vs_peer(
@@ -196,11 +204,19 @@ def engine_vs_peer(
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for label, extra in (("sluicegate", []), ("sluicegate compiled", COMPILED)):
+        launched = time.monotonic()
         server = start_server_with_args(["--max-num-seqs", "32", *extra], out / f"{label}.log")
+        ready = time.monotonic() - launched
         try:
             if extra:
                 wait_compiled(server.base_url)
-            runs.append(_measure(label, server.base_url, seconds, max_tokens))
+            compiled = time.monotonic() - launched
+            run = _measure(label, server.base_url, seconds, max_tokens)
+            run.ready_seconds = ready
+            if extra:
+                run.compiled_seconds = compiled
+                run.built = "building in the background" in server.log()
+            runs.append(run)
         finally:
             server.stop()
     if llama_server_binary:
@@ -246,6 +262,12 @@ def table(runs: Sequence[PeerRun]) -> list[str]:
         if refused:
             lines.append(f"{run.label} refused {refused} requests (429), each retried after "
                          "Retry-After")  # fmt: skip
+    for run in (eager, ours):
+        lines.append(f"start-up, {run.label}: ready {run.ready_seconds:.1f} s after launch")
+    if ours.compiled_seconds:
+        how = "built, then loaded" if ours.built else "loaded from the cache"
+        lines.append(f"compiled decode step in use {ours.compiled_seconds:.1f} s after launch "
+                     f"({how})")  # fmt: skip
     if peer is None:
         lines.append("llama-server: skipped (no --peer-llama-server binary)")
     return lines

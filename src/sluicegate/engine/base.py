@@ -38,9 +38,15 @@ class Engine(Protocol):
     @property
     def compile_status(self) -> str:
         """The torch engine's compiled decode step: ``off`` (always, for other engines),
-        ``building``, ``ready`` or ``failed``."""
+        ``building``, ``loading``, ``ready`` or ``failed``."""
         ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
+
+    def warmed_up(self) -> None:
+        """The start-up calibration is over (:func:`~sluicegate.engine.calibrate.warm_up`):
+        background work that would skew its timings may begin (the torch engine's build or
+        load of its compiled decode step).  Called once, before the first request's step."""
+        ...
 
     def close(self) -> None: ...

@@ -6,12 +6,30 @@ placeholder tokens, each run once to pay its
 one-off costs and then timed three times (the median counts): enough for a first fit,
 which every real step then refines.  They write into KV
 slots that no request holds yet, and the slots are handed back clean.
+
+**A warm start reuses the last calibration.**  Given a file (the torch engine keeps one
+per model file, dtype, thread count, torch build and CPU in its cache directory), the
+warm-up saves its measurements there; the next start measures only the cheap shapes
+(each at most :data:`CHECK_SECONDS`: the small decode batches and the short prompt
+chunk, about a second on SmolLM2) and compares them with the saved ones (each shape's
+fastest step: noise only adds time).  If every cheap shape moved by the same factor
+(within :data:`CHECK_SPREAD` of each other) the saved measurements of the expensive
+shapes are reused, scaled by that factor; if not (a
+busier machine that slows some shapes more than others, another engine build, a
+corrupt file) the whole warm-up runs and its result replaces the file.  The full-batch
+shape alone costs ~2.4 s of the ~4.5 s warm-up on SmolLM2, so this is most of a warm
+start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
 import statistics
 import time
+from pathlib import Path
 
 from sluicegate.engine.base import Engine
 from sluicegate.scheduler.cost_model import StepShape
@@ -23,15 +41,43 @@ _TOKEN = 1
 _SAMPLING = SamplingParams(max_tokens=1, seed=0, temperature=0.0)
 
 
+logger = logging.getLogger(__name__)
+
+#: Shapes whose saved step took at most this long are the ones a warm start measures.
+CHECK_SECONDS = 0.1
+#: A warm start reuses the saved calibration only if its cheap shapes' ratios (measured
+#: over saved) agree within this factor of each other.
+CHECK_SPREAD = 1.25
+
+Observations = list[tuple[StepShape, float]]
+
+
 def warm_up(
     engine: Engine,
     num_slots: int,
     max_model_len: int,
     max_num_batched_tokens: int,
     repeats: int = 3,
-) -> list[tuple[StepShape, float]]:
+    saved: Path | None = None,
+) -> Observations:
     """Run the warm-up steps (every shape once unmeasured, then ``repeats`` times
-    measured); returns each shape and the median of its measured seconds."""
+    measured); returns each shape and the median of its measured seconds.  With ``saved``
+    (a file), reuse the calibration saved there when the cheap shapes confirm it, and save
+    a full warm-up's result there (see the module docstring)."""
+    plans = _plans(num_slots, max_model_len, max_num_batched_tokens)
+    if saved is not None:
+        reused = _reuse(engine, plans, repeats, saved)
+        if reused is not None:
+            engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
+            return reused
+    timings = _time(engine, plans, repeats)
+    engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
+    if saved is not None:
+        _save(saved, timings)
+    return _medians(timings)
+
+
+def _plans(num_slots: int, max_model_len: int, max_num_batched_tokens: int) -> list[StepPlan]:
     longest = max(1, max_model_len - 1)
     contexts = sorted({min(64, longest), min(512, longest)})
     plans: list[StepPlan] = []
@@ -51,6 +97,18 @@ def warm_up(
     chunk = min(max_num_batched_tokens - full, longest)
     if full > mixed and chunk > 0:
         plans.append(_prefill(full, chunk, full, contexts[-1]))
+    return plans
+
+
+def _shape(plan: StepPlan) -> StepShape:
+    return StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens)
+
+
+Timings = list[tuple[StepShape, list[float]]]
+
+
+def _time(engine: Engine, plans: list[StepPlan], repeats: int) -> Timings:
+    """Each plan's shape and its ``repeats`` timings (after one unmeasured run)."""
     for plan in plans:  # the first step of each shape pays one-off costs: not a sample
         engine.step(plan)
     timings: list[list[float]] = [[] for _ in plans]
@@ -59,16 +117,62 @@ def warm_up(
             started = time.perf_counter()
             engine.step(plan)
             seconds.append(time.perf_counter() - started)
-    engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
+    return [(_shape(plan), seconds) for plan, seconds in zip(plans, timings, strict=True)]
+
+
+def _medians(timings: Timings) -> Observations:
     # The median of each shape's timings: a step slowed by something else on the machine
     # (another process, a page fault) does not skew the first fit.
-    return [
-        (
-            StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens),
-            statistics.median(seconds),
-        )
-        for plan, seconds in zip(plans, timings, strict=True)
+    return [(shape, statistics.median(seconds)) for shape, seconds in timings]
+
+
+def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> Observations | None:
+    """The saved calibration, scaled to what the cheap shapes measure now; None when there
+    is none for these shapes or the cheap shapes do not agree on a factor."""
+    try:
+        rows = json.loads(saved.read_text(encoding="utf-8"))["observations"]
+        # shape, median and fastest step
+        before = {StepShape(*row[:3]): (float(row[3]), float(row[4])) for row in rows}
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    shapes = [_shape(plan) for plan in plans]
+    if set(shapes) != set(before) or len(before) != len(shapes):
+        return None
+    cheap = [plan for plan in plans if 0 < before[_shape(plan)][1] <= CHECK_SECONDS]
+    if not cheap:
+        return None
+    timings = _time(engine, cheap, repeats)
+    # Whether the shapes moved alike is judged on each one's fastest step, now and then:
+    # the others may have been slowed by something else on the machine (which only ever
+    # adds time), and so may a saved median.
+    moved = {shape: min(seconds) / before[shape][1] for shape, seconds in timings}
+    low, high = min(moved.values()), max(moved.values())
+    if high > CHECK_SPREAD * low:
+        logger.info("saved calibration not reused: the cheap shapes moved by %.2f-%.2fx",
+                    low, high)  # fmt: skip
+        return None
+    factor = statistics.median(moved.values())
+    logger.info("saved calibration reused: %d of %d shapes measured (%.2f-%.2fx the saved "
+                "times), the rest scaled by %.2f", len(moved), len(shapes), low, high,
+                factor)  # fmt: skip
+    now = dict(_medians(timings))
+    return [(shape, now.get(shape, before[shape][0] * factor)) for shape in shapes]
+
+
+def _save(path: Path, timings: Timings) -> None:
+    rows = [
+        [s.num_seqs, s.num_batched_tokens, s.num_context_tokens, statistics.median(t), min(t)]
+        for s, t in timings
     ]
+    partial = path.with_name(f".{os.getpid()}.{path.name}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"observations": rows}), encoding="utf-8")
+        partial.replace(path)
+    except OSError as exc:  # a read-only cache: the next start measures again
+        logger.warning("cannot save the calibration to %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            partial.unlink()
 
 
 def _decode(num_seqs: int, context: int) -> StepPlan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sluicegate.config import Settings
 from sluicegate.engine.base import Engine
@@ -34,6 +35,9 @@ class LoadedEngine:
     #: Sampling of a request that sets none: the model's recommended sampling under the
     #: ``default_*`` settings.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    #: Where the start-up calibration is saved and reused from (``reuse_calibration``;
+    #: the torch engine only: the sim's is instant, an upstream calibrates otherwise).
+    calibration_path: Path | None = None
 
 
 def build_engine(settings: Settings) -> LoadedEngine:
@@ -74,6 +78,7 @@ def build_engine(settings: Settings) -> LoadedEngine:
     return LoadedEngine(
         engine, engine.tokenizer, name, engine.max_model_len, engine.max_num_seqs,
         sampling_defaults(settings, engine.sampling_defaults),
+        engine.calibration_path() if settings.reuse_calibration else None,
     )  # fmt: skip
 
 

@@ -102,5 +102,8 @@ class SimEngine:
                 time.sleep(remaining)
         return result
 
+    def warmed_up(self) -> None:
+        pass
+
     def close(self) -> None:
         self._slot_text.clear()

@@ -168,8 +168,10 @@ class Service:
         observations = await asyncio.to_thread(
             warm_up, loaded.engine, config.max_num_seqs, config.max_model_len,
             config.max_num_batched_tokens, 1 if settings.engine == "sim" else 3,
+            loaded.calibration_path,
         )  # fmt: skip
         service.scheduler.calibrate(observations)
+        await asyncio.to_thread(loaded.engine.warmed_up)
         logger.info(
             "cost model calibrated in %.2fs: %s; seat limit %d",
             time.monotonic() - started, service.scheduler.cost.snapshot(),

@@ -80,7 +80,8 @@ def complete(server: ServerProcess, seed: int) -> str:
 
 def wait_until_built(server: ServerProcess) -> None:
     deadline = time.monotonic() + 300
-    while server.stats()["engine_compile"] == "building":  # each step looks at the build
+    # Each step looks at the build, then at the package's load.
+    while server.stats()["engine_compile"] in ("building", "loading"):
         assert time.monotonic() < deadline, "the compiled decode step was not built"
         complete(server, 1)
         time.sleep(1)
@@ -120,8 +121,15 @@ def test_a_restart_loads_the_package(
     expected = complete(server, 7)
     restarted = serve(cut_model, cache)
     try:
-        assert restarted.stats()["engine_compile"] == "ready"
+        # Ready to serve before the package is loaded (eagerly), then loaded, not rebuilt.
+        assert restarted.stats()["engine_compile"] in ("loading", "ready")
+        wait_until_built(restarted)
         assert complete(restarted, 7) == expected
+        assert "building in the background" not in restarted.log()
+        # The first start saved its calibration; the restart checked it against a few
+        # cheap steps (reused or measured again: tests/engine/test_calibrate.py).
+        assert list((cache / "calibration").glob("*.json"))
+        assert "saved calibration" in restarted.log()
     finally:
         restarted.stop()
 
@@ -137,9 +145,49 @@ def engine(compiled_server: tuple[ServerProcess, Path], cut_model: Path) -> Iter
         str(cut_model), dtype="float32", max_num_seqs=SLOTS, max_model_len=LENGTH,
         cache_dir=str(cache), compile="decode",
     )  # fmt: skip
+    assert engine.compile_status == "loading"  # once the engine is warmed up
+    engine.warmed_up()
+    wait_loaded(engine.compiled)
     assert engine.compile_status == "ready"
     yield engine
     engine.close()
+
+
+def test_prompt_only_steps_take_the_package_into_use_on_one_thread_until_then(
+    compiled_server: tuple[ServerProcess, Path], cut_model: Path
+) -> None:
+    """Steps without a decode row (one-token answers) follow the load too, and the engine
+    computes on one thread while it runs (the cores are shared with it)."""
+    from sluicegate.engine.calibrate import _prefill
+    from sluicegate.engine.torch import TorchEngine
+
+    server, cache = compiled_server
+    wait_until_built(server)
+    engine = TorchEngine(
+        str(cut_model), dtype="float32", max_num_seqs=SLOTS, max_model_len=LENGTH,
+        cache_dir=str(cache), compile="decode", num_threads=2,
+    )  # fmt: skip
+    try:
+        engine.warmed_up()
+        threads = []
+        deadline = time.monotonic() + 60
+        while engine.compile_status == "loading":
+            assert time.monotonic() < deadline
+            engine.step(_prefill(0, 8, num_decoding=0, context=0))
+            threads.append(engine.call(torch.get_num_threads))
+        assert engine.compile_status == "ready"
+        assert threads[-1] == 2 and set(threads[:-1]) <= {1}
+    finally:
+        engine.close()
+
+
+def wait_loaded(handle: CompiledDecode | None) -> None:
+    assert handle is not None
+    deadline = time.monotonic() + 60
+    while handle.status == "loading":
+        assert time.monotonic() < deadline, "the package did not load"
+        handle.poll()
+        time.sleep(0.05)
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, slot: int) -> None:
@@ -238,6 +286,8 @@ def test_closing_the_engine_stops_its_build(cut_model: Path, tmp_path: Path) -> 
     args = ["--model", str(cut_model), "--dtype", "float32", "--slots", "4",
             "--max-model-len", "256", "--cache-dir", str(tmp_path)]  # fmt: skip
     handle = CompiledDecode(tmp_path / "compiled" / "cut.pt2", build_args=args)
+    assert handle._process is None  # nothing before start
+    handle.start()
     assert handle.status == "building" and not handle.poll()
     process = handle._process
     assert process is not None and process.poll() is None
@@ -249,6 +299,7 @@ def test_closing_the_engine_stops_its_build(cut_model: Path, tmp_path: Path) -> 
 
 def test_a_missing_package_without_a_build_is_off(tmp_path: Path) -> None:
     handle = CompiledDecode(tmp_path / "absent.pt2", build_args=None)
+    handle.start()
     assert handle.status == "off" and not handle.poll()
 
 
@@ -256,4 +307,6 @@ def test_a_broken_package_leaves_the_engine_eager(tmp_path: Path) -> None:
     package = tmp_path / "broken.pt2"
     package.write_bytes(b"not a package")
     handle = CompiledDecode(package, build_args=None)
+    handle.start()
+    wait_loaded(handle)
     assert handle.status == "failed" and not handle.poll()

@@ -216,6 +216,19 @@ def cache_entry(
     return root / kind / f"{model_name_from_path(path)}-{key}"
 
 
+@functools.cache
+def cpu_name() -> str:
+    """This machine's CPU model and core count (what a measured speed depends on)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info
+                         if line.startswith("model name")), "")  # fmt: skip
+    except OSError:
+        pass
+    return f"{name or os.uname().machine} x{os.cpu_count()}"
+
+
 def _cache_entry(path: Path, cache_dir: str | os.PathLike[str] | None) -> Path:
     return cache_entry(path, cache_dir, "torch", f"v{CACHE_FORMAT_VERSION}")
 

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -24,6 +25,8 @@ from sluicegate.engine.torch.compiled import CompiledDecode, package_path
 from sluicegate.engine.torch.grammar_masks import GrammarMasks, apply_masks
 from sluicegate.engine.torch.loader import (
     build_model,
+    cache_entry,
+    cpu_name,
     default_model_path,
     dtype_name,
     load_checkpoint,
@@ -173,6 +176,7 @@ class TorchEngine:
         torch.set_num_threads(self.num_threads)
         self.model_path = model_path if model_path is not None else default_model_path()
         self.dtype = resolve_dtype(dtype)
+        self._cache_dir = cache_dir
         start = time.perf_counter()
         checkpoint = load_checkpoint(self.model_path, self.dtype, cache_dir)
         self.args: ModelArgs = checkpoint.args
@@ -224,6 +228,16 @@ class TorchEngine:
             build += ["--cache-dir", cache_dir]
         return CompiledDecode(package, build)
 
+    def calibration_path(self) -> Path:
+        """Where the start-up calibration of this engine is saved
+        (:func:`~sluicegate.engine.calibrate.warm_up`): per model file, dtype, threads,
+        torch build and CPU; the file records the shapes it measured."""
+        entry = cache_entry(
+            Path(self.model_path), self._cache_dir, "calibration", dtype_name(self.dtype),
+            self.num_threads, torch.__version__, cpu_name(),
+        )  # fmt: skip
+        return entry.with_name(f"{entry.name}.json")
+
     @classmethod
     def load_tokenizer(
         cls, model_path: str | None = None, cache_dir: str | None = None
@@ -245,8 +259,29 @@ class TorchEngine:
 
     @property
     def compile_status(self) -> str:
-        """The compiled decode step: ``off``, ``building``, ``ready`` or ``failed``."""
+        """The compiled decode step: ``off``, ``building``, ``loading``, ``ready``, ``failed``."""
         return "off" if self.compiled is None else self.compiled.status
+
+    def _share_cores(self) -> None:
+        """One intra-op thread while the compiled step builds or loads, every thread after.
+
+        Measured here on two cores: beside a process that wants a core (even one that runs
+        only on idle CPU time), the engine's two threads wait on each other and a step takes
+        3-5x longer; one thread leaves the build its core and takes ~1.4x.  Results are
+        bit-identical at any thread count (the GEMMs split rows, not sums)."""
+        compiled = self.compiled
+        if compiled is None:
+            return
+        compiled.poll()  # every step, whatever its rows, follows the build and the load
+        wanted = 1 if compiled.status in ("building", "loading") else self.num_threads
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+
+    def warmed_up(self) -> None:
+        """Start building or loading the compiled decode step (after the calibration: on
+        two cores either would slow its steps several-fold and skew the cost model)."""
+        if self.compiled is not None:
+            self.compiled.start()
 
     @property
     def model(self) -> Transformer:
@@ -270,6 +305,7 @@ class TorchEngine:
             return StepResult()
         sequences = plan.sequences
         self._validate(sequences)
+        self._share_cores()
         if self._grammars is not None:
             self._grammars.release_slots(plan.freed_kv_slots)
         for source, dest, num_tokens in plan.kv_copies:
