@@ -123,3 +123,14 @@ def test_a_corrupt_or_foreign_file_measures_everything(
     engine = ScriptedEngine(base=0.01)
     saved_warm_up(monkeypatch, engine, path)
     assert len(engine.steps) == 9 * 4 + 1
+
+
+def test_what_counts_as_cheap_scales_with_the_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A model whose every step takes over 0.1 s still checks only its cheap shapes."""
+    path = tmp_path / "engine.json"
+    saved_warm_up(monkeypatch, ScriptedEngine(base=0.2, per_token=0.01), path)
+    again = ScriptedEngine(base=0.2, per_token=0.01)
+    saved_warm_up(monkeypatch, again, path)
+    assert len(again.steps) == 7 * 4 + 1

@@ -10,15 +10,15 @@ slots that no request holds yet, and the slots are handed back clean.
 **A warm start reuses the last calibration.**  Given a file (the torch engine keeps one
 per model file, dtype, thread count, torch build and CPU in its cache directory), the
 warm-up saves its measurements there; the next start measures only the cheap shapes
-(each at most :data:`CHECK_SECONDS`: the small decode batches and the short prompt
-chunk, about a second on SmolLM2) and compares them with the saved ones (each shape's
-fastest step: noise only adds time).  If every cheap shape moved by the same factor
-(within :data:`CHECK_SPREAD` of each other) the saved measurements of the expensive
-shapes are reused, scaled by that factor; if not (a
-busier machine that slows some shapes more than others, another engine build, a
-corrupt file) the whole warm-up runs and its result replaces the file.  The full-batch
-shape alone costs ~2.4 s of the ~4.5 s warm-up on SmolLM2, so this is most of a warm
-start.
+(each at most :data:`CHECK_SHARE` of a pass over all of them: on SmolLM2 the decode
+batches and the short prompt chunk, about a second, not the mixed and the full-batch
+steps) and compares them with the saved ones (each shape's fastest step: noise only adds
+time).  If every cheap shape moved by the same factor (within :data:`CHECK_SPREAD` of
+each other) the saved measurements of the expensive shapes are reused, scaled by that
+factor; if not (a busier machine that slows some shapes more than others, another engine
+build, a corrupt file) the whole warm-up runs and its result replaces the file.  The
+full-batch shape alone costs ~2.4 s of the ~4.5 s warm-up on SmolLM2, so this is most of
+a warm start.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ _SAMPLING = SamplingParams(max_tokens=1, seed=0, temperature=0.0)
 
 logger = logging.getLogger(__name__)
 
-#: Shapes whose saved step took at most this long are the ones a warm start measures.
-CHECK_SECONDS = 0.1
+#: Shapes whose saved step took at most this share of one pass over every shape are the
+#: ones a warm start measures (a share, so that the rule does not depend on the model's
+#: size or the machine's speed).
+CHECK_SHARE = 0.1
 #: A warm start reuses the saved calibration only if its cheap shapes' ratios (measured
 #: over saved) agree within this factor of each other.
 CHECK_SPREAD = 1.25
@@ -138,7 +140,8 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
     shapes = [_shape(plan) for plan in plans]
     if set(shapes) != set(before) or len(before) != len(shapes):
         return None
-    cheap = [plan for plan in plans if 0 < before[_shape(plan)][1] <= CHECK_SECONDS]
+    one_pass = sum(fastest for _, fastest in before.values())
+    cheap = [plan for plan in plans if 0 < before[_shape(plan)][1] <= CHECK_SHARE * one_pass]
     if not cheap:
         return None
     timings = _time(engine, cheap, repeats)

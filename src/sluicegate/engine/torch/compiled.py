@@ -12,8 +12,11 @@ dimensions, compiled by AOTInductor into a ``.pt2`` package under the cache dire
 (``<cache_dir>/compiled/``) and loaded from there at every later start, on a thread of its
 own (about 4 s for SmolLM2: the package holds the packed weights) while the engine serves
 eagerly.  Without a package the engine starts at once, serves eagerly, and a separate
-process (:func:`main`, niced) exports and compiles the package (about a minute for SmolLM2
-on two cores), then loads it the same way.  The engine takes it into use between two
+process (:func:`main`, at idle priority) exports and compiles the package (about a
+minute for SmolLM2 on two cores), then loads it the same way.  Both begin once the
+engine's start-up calibration is over (:meth:`CompiledDecode.start`), and until the
+package is in use the engine computes on one thread (``TorchEngine._share_cores``: the
+build or the load has the other core).  The engine takes it into use between two
 steps.  Engines on one machine that need the same package build it once (the second build
 waits on a lock file and finds it done).  A build that fails is logged and the engine stays eager.
 
