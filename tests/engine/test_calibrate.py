@@ -68,15 +68,21 @@ def saved_warm_up(
     return [(s.num_seqs, s.num_batched_tokens, s.num_context_tokens, t) for s, t in observations]
 
 
+@pytest.mark.parametrize(
+    ("base", "per_token"),
+    # SmolLM2-like step times, and a model whose every step takes over 0.1 s: what counts
+    # as cheap scales with the model.
+    [(0.01, 0.001), (0.2, 0.01)],
+)
 def test_a_warm_start_measures_only_the_cheap_shapes(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, base: float, per_token: float
 ) -> None:
     path = tmp_path / "calibration" / "engine.json"
-    first = saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), path)
+    first = saved_warm_up(monkeypatch, ScriptedEngine(base=base, per_token=per_token), path)
     assert [row[:4] for row in json.loads(path.read_text())["observations"]] == [
         list(row) for row in first
     ]
-    again = ScriptedEngine(base=0.01)
+    again = ScriptedEngine(base=base, per_token=per_token)
     reused = saved_warm_up(monkeypatch, again, path)
     assert [row[:3] for row in reused] == [row[:3] for row in first]
     assert [t for *_, t in reused] == pytest.approx([t for *_, t in first])
@@ -127,17 +133,6 @@ def test_a_corrupt_or_foreign_file_measures_everything(
     engine = ScriptedEngine(base=0.01)
     saved_warm_up(monkeypatch, engine, path)
     assert len(engine.steps) == 9 * 4 + 1
-
-
-def test_what_counts_as_cheap_scales_with_the_model(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """A model whose every step takes over 0.1 s still checks only its cheap shapes."""
-    path = tmp_path / "engine.json"
-    saved_warm_up(monkeypatch, ScriptedEngine(base=0.2, per_token=0.01), path)
-    again = ScriptedEngine(base=0.2, per_token=0.01)
-    saved_warm_up(monkeypatch, again, path)
-    assert len(again.steps) == 7 * 4 + 1
 
 
 def test_a_check_disturbed_by_a_burst_of_other_work_gets_a_second_look(

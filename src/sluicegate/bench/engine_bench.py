@@ -319,10 +319,9 @@ def run_engine_bench(
     engine.warmed_up()  # no calibration here: the compiled step may build or load at once
     if engine.compiled is not None:
         progress(f"compiled decode step: {engine.compiled.status}")
-        while not engine.call(engine.compiled.poll):  # built in the background
-            if engine.compiled.status not in ("building", "loading"):
-                raise RuntimeError(f"the compiled decode step is {engine.compiled.status}")
-            time.sleep(0.5)
+        status = engine.call(engine.compiled.wait, 900.0)  # built in the background
+        if status != "ready":
+            raise RuntimeError(f"the compiled decode step is {status}")
     context = prompt_tokens + new_tokens // 2
     progress("GEMM peak")
     peak = engine.call(gemm_peak_gflops, engine.dtype)

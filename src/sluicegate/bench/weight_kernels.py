@@ -28,9 +28,12 @@ def _seconds(fn: Callable[[], object], repeats: int = 30) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+FORMATS = ("bfloat16 prepacked", "int8", "int4")
+
+
 def step_ms(rows: int, shapes: list[tuple[int, int, int]]) -> dict[str, float]:
     """Milliseconds per step for ``shapes`` (out, in, how many per step) at ``rows``."""
-    totals = {"bfloat16 prepacked": 0.0, "int8": 0.0, "int4": 0.0}
+    totals = dict.fromkeys(FORMATS, 0.0)
     for out_features, in_features, count in shapes:
         x = torch.randn(rows, in_features, dtype=torch.bfloat16)
         packed = pack_weight(torch.randn(out_features, in_features, dtype=torch.bfloat16))
@@ -59,8 +62,8 @@ def main() -> None:
     layers = 30
     shapes = [(960, 576, layers), (576, 576, layers), (3072, 576, layers),
               (576, 1536, layers), (49152, 576, 1)]  # fmt: skip
-    print("| rows | " + " | ".join(step_ms(1, shapes[:1]).keys()) + " |")
-    print("|---|---|---|---|")
+    print("| rows | " + " | ".join(FORMATS) + " |")
+    print("|---" * (len(FORMATS) + 1) + "|")
     for rows in args.rows:
         ms = step_ms(rows, shapes)
         print(f"| {rows} | " + " | ".join(f"{v:.1f} ms" for v in ms.values()) + " |")

@@ -73,16 +73,14 @@ def warm_up(
     (a file), reuse the calibration saved there when the cheap shapes confirm it, and save
     a full warm-up's result there (see the module docstring)."""
     plans = _plans(num_slots, max_model_len, max_num_batched_tokens)
-    if saved is not None:
-        reused = _reuse(engine, plans, repeats, saved)
-        if reused is not None:
-            engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
-            return reused
-    timings = _time(engine, plans, repeats)
+    observations = _reuse(engine, plans, repeats, saved) if saved is not None else None
+    if observations is None:
+        timings = _time(engine, plans, repeats)
+        if saved is not None:
+            _save(saved, timings)
+        observations = _medians(timings)
     engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
-    if saved is not None:
-        _save(saved, timings)
-    return _medians(timings)
+    return observations
 
 
 def _plans(num_slots: int, max_model_len: int, max_num_batched_tokens: int) -> list[StepPlan]:
@@ -144,7 +142,7 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     shapes = [_shape(plan) for plan in plans]
-    if set(shapes) != set(before) or len(before) != len(shapes):
+    if set(shapes) != set(before):
         return None
     one_pass = sum(fastest for _, fastest in before.values())
     cheap = [plan for plan in plans if 0 < before[_shape(plan)][1] <= CHECK_SHARE * one_pass]

@@ -134,17 +134,24 @@ def test_a_restart_loads_the_package(
         restarted.stop()
 
 
-@pytest.fixture(scope="module")
-def engine(compiled_server: tuple[ServerProcess, Path], cut_model: Path) -> Iterator[TorchEngine]:
-    """The cut model in this process, with the package the server built."""
+def cut_engine(
+    compiled_server: tuple[ServerProcess, Path], cut_model: Path, **options: int
+) -> TorchEngine:
+    """The cut model in this process, with the package the server built (not loaded yet)."""
     from sluicegate.engine.torch import TorchEngine
 
     server, cache = compiled_server
     wait_until_built(server)
-    engine = TorchEngine(
+    return TorchEngine(
         str(cut_model), dtype="float32", max_num_seqs=SLOTS, max_model_len=LENGTH,
-        cache_dir=str(cache), compile="decode",
+        cache_dir=str(cache), compile="decode", **options,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(compiled_server: tuple[ServerProcess, Path], cut_model: Path) -> Iterator[TorchEngine]:
+    """The cut model in this process, with the package the server built, loaded."""
+    engine = cut_engine(compiled_server, cut_model)
     assert engine.compile_status == "loading"  # once the engine is warmed up
     engine.warmed_up()
     wait_loaded(engine.compiled)
@@ -159,14 +166,8 @@ def test_prompt_only_steps_take_the_package_into_use_on_one_thread_until_then(
     """Steps without a decode row (one-token answers) follow the load too, and the engine
     computes on one thread while it runs (the cores are shared with it)."""
     from sluicegate.engine.calibrate import _prefill
-    from sluicegate.engine.torch import TorchEngine
 
-    server, cache = compiled_server
-    wait_until_built(server)
-    engine = TorchEngine(
-        str(cut_model), dtype="float32", max_num_seqs=SLOTS, max_model_len=LENGTH,
-        cache_dir=str(cache), compile="decode", num_threads=2,
-    )  # fmt: skip
+    engine = cut_engine(compiled_server, cut_model, num_threads=2)
     try:
         engine.warmed_up()
         threads = []
@@ -183,11 +184,7 @@ def test_prompt_only_steps_take_the_package_into_use_on_one_thread_until_then(
 
 def wait_loaded(handle: CompiledDecode | None) -> None:
     assert handle is not None
-    deadline = time.monotonic() + 60
-    while handle.status == "loading":
-        assert time.monotonic() < deadline, "the package did not load"
-        handle.poll()
-        time.sleep(0.05)
+    assert handle.wait(60) != "loading", "the package did not load"
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, slot: int) -> None:

@@ -254,6 +254,21 @@ class CompiledDecode:
             log.warning("compiled decode step: the build failed (log: %s); eager", self.log_path)
         return False
 
+    @property
+    def ready(self) -> bool:
+        """Whether the compiled step is in use (as of the last :meth:`poll`)."""
+        return self._runner is not None
+
+    def wait(self, timeout: float) -> str:
+        """Poll until the build and the load are over or ``timeout`` seconds have passed
+        (for benchmarks and tests; the engine polls once a step); the status then."""
+        deadline = time.monotonic() + timeout
+        while not self.poll() and self.status in ("building", "loading"):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return self.status
+
     def run(
         self, model: Transformer, tokens: list[int], positions: list[int], slots: list[int]
     ) -> Tensor:
@@ -288,7 +303,7 @@ class CompiledDecode:
 
     def close(self) -> None:
         if self._process is not None and self._process.poll() is None:
-            # The build and its compiler processes: a session of their own (see __init__).
+            # The build and its compiler processes: a session of their own (see start).
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()

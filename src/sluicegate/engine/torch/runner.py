@@ -351,11 +351,12 @@ class TorchEngine:
         self, model: Transformer, sequences: list[ScheduledSequence], chunks: list[SequenceChunk]
     ) -> tuple[torch.Tensor, list[int]]:
         """The step's logit rows and their order (indices into ``sequences``): single-token
-        rows first, through the compiled decode step when it is ready, then the others."""
+        rows first, through the compiled decode step when it is ready (:meth:`_share_cores`
+        polled it), then the others."""
         decode = [i for i, c in enumerate(chunks) if c.length == 1]
         compiled = self.compiled
         positions = [chunks[i].start for i in decode]
-        if not (decode and compiled is not None and compiled.poll()) or not compiled.accepts(
+        if not (decode and compiled is not None and compiled.ready) or not compiled.accepts(
             model, positions
         ):
             return self._eager(model, sequences, chunks, list(range(len(chunks))))
