@@ -146,3 +146,15 @@ def test_a_check_disturbed_by_a_burst_of_other_work_gets_a_second_look(
     assert len(again.steps) == 2 * 7 * 4 + 1  # a second check, no full warm-up
     # The expensive shapes come from the file, the cheap ones from the check that agreed.
     assert [t for *_, t in reused] == pytest.approx([t for *_, t in first])
+
+
+def test_when_every_shape_costs_alike_two_are_checked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A tiny model whose steps all cost their fixed part (the case a per-shape threshold
+    missed: no shape was under it, and every start measured everything again)."""
+    path = tmp_path / "engine.json"
+    saved_warm_up(monkeypatch, ScriptedEngine(base=0.05, per_token=0.0), path)
+    again = ScriptedEngine(base=0.05, per_token=0.0)
+    saved_warm_up(monkeypatch, again, path)
+    assert len(again.steps) == 2 * 4 + 1

@@ -10,9 +10,9 @@ slots that no request holds yet, and the slots are handed back clean.
 **A warm start reuses the last calibration.**  Given a file (the torch engine keeps one
 per model file, dtype, thread count, torch build and CPU in its cache directory), the
 warm-up saves its measurements there; the next start measures only the cheap shapes
-(each at most :data:`CHECK_SHARE` of a pass over all of them: on SmolLM2 the decode
-batches and the short prompt chunk, about a second, not the mixed and the full-batch
-steps) and compares them with the saved ones (each shape's fastest step: noise only adds
+(the cheapest, adding up to :data:`CHECK_SHARE` of a pass over all of them: on SmolLM2
+the decode batches and the short prompt chunk, about a second, not the mixed and the
+full-batch steps) and compares them with the saved ones (each shape's fastest step: noise only adds
 time; a check that disagrees gets one more, :data:`CHECK_ATTEMPTS`).  If every cheap
 shape moved by the same factor (within :data:`CHECK_SPREAD` of each other) the saved
 measurements of the expensive shapes are reused, scaled by that
@@ -44,10 +44,10 @@ _SAMPLING = SamplingParams(max_tokens=1, seed=0, temperature=0.0)
 
 logger = logging.getLogger(__name__)
 
-#: Shapes whose saved step took at most this share of one pass over every shape are the
-#: ones a warm start measures (a share, so that the rule does not depend on the model's
-#: size or the machine's speed).
-CHECK_SHARE = 0.1
+#: A warm start measures the cheapest shapes whose saved steps add up to at most this share
+#: of one pass over every shape (at least two: a share, so that the rule does not depend
+#: on the model's size or the machine's speed, and holds when every shape costs alike).
+CHECK_SHARE = 0.3
 #: A warm start reuses the saved calibration only if its cheap shapes' ratios (measured
 #: over saved) agree within this factor of each other: wide enough for this kind of shared
 #: machine's noise, narrow enough to catch a per-token cost that moved apart from the
@@ -139,15 +139,16 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
         rows = json.loads(saved.read_text(encoding="utf-8"))["observations"]
         # shape, median and fastest step
         before = {StepShape(*row[:3]): (float(row[3]), float(row[4])) for row in rows}
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        logger.info("saved calibration not usable (%s): measuring every shape", exc)
         return None
     shapes = [_shape(plan) for plan in plans]
     if set(shapes) != set(before):
+        logger.info("saved calibration is of other shapes: measuring every shape")
         return None
-    one_pass = sum(fastest for _, fastest in before.values())
-    cheap = [plan for plan in plans if 0 < before[_shape(plan)][1] <= CHECK_SHARE * one_pass]
-    if not cheap:
-        return None
+    cheap = _cheapest(plans, {shape: fastest for shape, (_, fastest) in before.items()})
     timings: dict[StepShape, list[float]] = {_shape(plan): [] for plan in cheap}
     for attempt in range(1, CHECK_ATTEMPTS + 1):
         last = _time(engine, cheap, repeats)
@@ -171,6 +172,20 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
                 factor)  # fmt: skip
     now = dict(_medians(last))  # the check that agreed
     return [(shape, now.get(shape, before[shape][0] * factor)) for shape in shapes]
+
+
+def _cheapest(plans: list[StepPlan], fastest: dict[StepShape, float]) -> list[StepPlan]:
+    """The cheapest plans whose saved steps add up to at most :data:`CHECK_SHARE` of a pass
+    over all of them, and at least two (in the warm-up's order)."""
+    budget = CHECK_SHARE * sum(fastest.values())
+    chosen: set[StepShape] = set()
+    spent = 0.0
+    for shape in sorted(fastest, key=fastest.__getitem__):
+        if len(chosen) >= 2 and spent + fastest[shape] > budget:
+            break
+        chosen.add(shape)
+        spent += fastest[shape]
+    return [plan for plan in plans if _shape(plan) in chosen]
 
 
 def _save(path: Path, timings: Timings) -> None:
