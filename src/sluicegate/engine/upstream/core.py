@@ -107,6 +107,13 @@ class UpstreamCore:
         )
 
     def abort_request(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            # Checked at every line too: a cancellation can be lost (on Python 3.11 an
+            # ``asyncio.wait_for`` whose inner read completes in the same loop iteration
+            # returns its result and drops the cancellation), and the relay must end.
+            live.aborted = True
+            live.wake.set()
         task = self._tasks.get(request_id)
         if task is not None:
             task.cancel()
@@ -225,7 +232,8 @@ class UpstreamCore:
             self._reclaim(live)
             self._room.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._room.wait(), _PAUSE_CHECK_SECONDS)
+                async with asyncio.timeout(_PAUSE_CHECK_SECONDS):
+                    await self._room.wait()
             if live.text:
                 live.excluded = {
                     name for name in live.excluded
@@ -305,6 +313,8 @@ class UpstreamCore:
                 lines = response.aiter_lines()
                 finish: FinishReason | None = None
                 while True:
+                    if live.aborted:
+                        raise asyncio.CancelledError
                     if not live.running.is_set() and await self._stays_paused(live):
                         upstream.aborts_total += 1
                         self.preemptions += 1
@@ -315,7 +325,9 @@ class UpstreamCore:
                         else self.settings.upstream_idle_timeout_seconds
                     )
                     try:
-                        line = await asyncio.wait_for(anext(lines), timeout)
+                        # Not asyncio.wait_for: on 3.11 it can swallow a cancellation.
+                        async with asyncio.timeout(timeout):
+                            line = await anext(lines)
                     except StopAsyncIteration:
                         break
                     except TimeoutError:
@@ -415,6 +427,8 @@ class UpstreamCore:
         """Wait while paused; True when it should let go of its upstream instead: a
         request needs its place, or it was paused ``pause_preempt_seconds``."""
         while not live.running.is_set():
+            if live.aborted:
+                raise asyncio.CancelledError
             limit = self.pause_preempt_seconds
             if limit is not None and time.monotonic() - live.paused_since >= limit:
                 live.preempted = True

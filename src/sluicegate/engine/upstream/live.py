@@ -45,6 +45,8 @@ class Live:
     #: Asked to let go of its upstream (paused, and its place is needed).
     preempted: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Its client went away: the relay ends at its next line (and its task is cancelled).
+    aborted: bool = False
     #: Calls made for it so far, and whether it began with text delivered elsewhere.
     calls: int = 0
     taken_over: bool = False
