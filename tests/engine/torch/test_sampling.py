@@ -146,3 +146,38 @@ def test_top_p_matches_a_full_sort_including_wide_nuclei() -> None:
     for i in range(6):
         alone = _apply_top_p(logits[i : i + 1], top_p[i : i + 1]) > float("-inf")
         assert torch.equal(alone[0], got[i])
+
+
+def test_the_candidates_draw_is_the_full_draw() -> None:
+    """A row whose support lies within the candidates draws, for every random number, the
+    token the full path over the vocabulary draws; one whose support is wider takes the
+    full path."""
+    from sluicegate.engine.torch.sampling import (
+        DRAW_CANDIDATES,
+        _apply_top_k,
+        _draw_from_candidates,
+        _draw_full,
+    )
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 8 * DRAW_CANDIDATES
+    peaked = torch.randn(4, vocab, generator=gen) * 2  # and a few likely tokens, as an LM
+    for row in peaked:
+        row[torch.randperm(vocab, generator=gen)[:12]] += 6.0
+    few = torch.full((1, vocab), float("-inf"))  # a grammar's mask: 5 tokens allowed
+    few[0, torch.randperm(vocab, generator=gen)[:5]] = torch.randn(5, generator=gen)
+    flat = torch.randn(1, vocab, generator=gen) * 0.05
+    logits = torch.cat([peaked, few, flat])
+    top_p = torch.tensor([0.9, 0.8, 1.0, 0.95, 1.0, 0.9])
+    top_k = torch.tensor([0, 0, 20, 40, 0, 0])
+    scaled = _apply_top_k(logits, top_k)
+    u = torch.rand(400, generator=gen, dtype=torch.float64)
+    for row in range(logits.shape[0]):
+        rows = scaled[row : row + 1].expand(len(u), -1)
+        p = top_p[row : row + 1].expand(len(u))
+        fits, fast = _draw_from_candidates(rows, p, u)
+        full = _draw_full(rows, p, u, any_top_p=bool(top_p[row] < 1.0))
+        assert bool(fits.all()) == (row != 5), row
+        if row != 5:
+            assert torch.equal(fast, full), row
+            assert len(set(fast.tolist())) > 1, row  # u moved the draw over the support

@@ -171,23 +171,80 @@ def _apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     return torch.where(active[:, None], filtered, logits)
 
 
+#: The draw first looks for each row's support (what top-k and top-p keep) among this many
+#: most likely tokens, and draws from those alone; a row whose support is wider (no top-k
+#: or top-p, or a flat distribution) takes the full path over the whole vocabulary.
+#: Measured on 32 rows of 49k logits: the full path ~22 ms (a float64 running sum over
+#: every entry), this one ~4 ms; SmolLM2's nucleus at its card's top_p 0.9 and
+#: temperatures up to 1 is almost always inside it.
+DRAW_CANDIDATES = 64
+
+
+def _draw_from_candidates(scaled: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """(fits ``[N]`` bool, token ``[N]``): for each row whose support lies within its top
+    :data:`DRAW_CANDIDATES` logits, the token drawn with ``u`` from that support.
+
+    ``scaled`` has top-k applied (``-inf`` outside it).  A row's support is its finite
+    logits at or above its nucleus threshold (rows with ``top_p >= 1``: every finite
+    logit); it fits when the last candidate is outside it, so no token beyond the
+    candidates (none has a larger logit) can be inside.  The draw is the full path's:
+    inverse CDF in vocabulary order, over the same probabilities up to rounding.
+    """
+    vocab = scaled.shape[-1]
+    count = min(DRAW_CANDIDATES, vocab)
+    values, indices = torch.topk(scaled, count, dim=-1)  # [N, C] descending
+    # The nucleus threshold among the candidates, with probabilities of the whole row.
+    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # [N, C]
+    nucleus = _nucleus_threshold(values, probs, top_p)  # [N, 1]
+    threshold = torch.where((top_p < 1.0)[:, None], nucleus, float("-inf"))
+    inside = (values >= threshold) & (values > float("-inf"))  # [N, C]
+    fits = ~inside[:, -1]
+    # Vocabulary order, as the full path draws.
+    order = indices.argsort(dim=-1)
+    ids = indices.gather(1, order)
+    weights = torch.where(
+        inside.gather(1, order), torch.exp(values.gather(1, order) - values[:, :1]), 0.0
+    )  # [N, C]; unnormalised, 0 outside the support
+    cdf = weights.double().cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    drawn = torch.searchsorted(cdf, target, right=True).clamp(max=count - 1)  # [N, 1]
+    return fits, ids.gather(1, drawn).squeeze(1)
+
+
+def _draw_full(scaled: Tensor, top_p: Tensor, u: Tensor, any_top_p: bool) -> Tensor:
+    """The token drawn with ``u`` from each row's support, over the whole vocabulary."""
+    if any_top_p:
+        scaled = _apply_top_p(scaled, top_p)
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]; masked entries are exactly 0
+    # float64 running sums: the tail of a 49k-entry float32 cumsum drifts by ~1e-4.
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    target = (u * cdf[:, -1])[:, None]  # [N, 1]
+    # right=True: the first index whose cdf exceeds the target, so a zero-probability
+    # token (cdf equal to its predecessor's) is never chosen.
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [N]
+    return drawn.clamp(max=scaled.shape[-1] - 1)
+
+
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """One token id per row of ``logits`` ``[N, V]`` (float32) -> ``[N]`` int64."""
+    """One token id per row of ``logits`` ``[N, V]`` (float32) -> ``[N]`` int64.
+
+    Each row takes the candidates' path or the full one by its own logits alone, so its
+    token never depends on the other rows.
+    """
     greedy_ids = logits.argmax(dim=-1)  # [N]
     if batch.all_greedy:
         return greedy_ids
     scaled = logits / batch.temperature[:, None]  # [N, V]
     if batch.any_top_k:
         scaled = _apply_top_k(scaled, batch.top_k)
-    if batch.any_top_p:
-        scaled = _apply_top_p(scaled, batch.top_p)
-    probs = torch.softmax(scaled, dim=-1)  # [N, V]; masked entries are exactly 0
-    # float64 running sums: the tail of a 49k-entry float32 cumsum drifts by ~1e-4.
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]
     u = uniform_from_counters(batch.seed_lo, batch.seed_hi, batch.counters)  # [N]
-    target = (u * cdf[:, -1])[:, None]  # [N, 1]
-    # right=True: the first index whose cdf exceeds the target, so a zero-probability
-    # token (cdf equal to its predecessor's) is never chosen.
-    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [N]
-    drawn = drawn.clamp(max=logits.shape[-1] - 1)
+    if batch.any_top_p or batch.any_top_k:
+        fits, drawn = _draw_from_candidates(scaled, batch.top_p, u)
+    else:
+        fits, drawn = torch.zeros_like(batch.greedy), torch.zeros_like(greedy_ids)
+    full = ~fits & ~batch.greedy
+    if bool(full.any()):
+        rows = full.nonzero().squeeze(1)
+        top_p = batch.top_p[rows]
+        drawn[rows] = _draw_full(scaled[rows], top_p, u[rows], bool((top_p < 1.0).any()))
     return torch.where(batch.greedy, greedy_ids, drawn)
