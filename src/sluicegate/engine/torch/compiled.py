@@ -23,8 +23,10 @@ waits on a lock file and finds it done).  A build that fails is logged and the e
 **What changes against the eager engine** (why this is a flag): the graph is pure — it
 reads the KV cache and returns each layer's new keys and values, which the engine then
 writes in one copy per tensor — and it attends to the new token as an extra key rather
-than through the cache, with its own fusion of the reductions.  Its logits therefore
-differ from the eager path's in the last bits.  It keeps the batch invariance of the eager
+than through the cache, reading each row's slot of the cache in place (no gathered copy,
+see :func:`_attend_in_place`), with scores and probabilities in float32 where the eager
+path rounds them to the model's dtype.  Its logits therefore differ from the eager
+path's in the last bits (greedy answers checked identical over 120 tokens).  It keeps the batch invariance of the eager
 engine among decode steps (a row's result does not depend on the other rows or on how
 long their contexts are; one row is computed as two, as in
 :func:`~sluicegate.engine.torch.packed_linear.linear_packed`), and prompts are always
@@ -59,7 +61,7 @@ from sluicegate.engine.torch.model import Transformer, TransformerBlock
 log = logging.getLogger(__name__)
 
 #: Bumped whenever :class:`DecodeGraph` computes differently: old packages are not reused.
-GRAPH_VERSION = 2
+GRAPH_VERSION = 3
 
 
 class DecodeGraph(nn.Module):
@@ -102,13 +104,37 @@ class DecodeGraph(nn.Module):
             q, k, v = attention.project(layer.attention_norm(x), cos, sin)
             new_k.append(k)
             new_v.append(v)
-            keys = torch.cat((k_cache[i, slots, :, :keys_len], k[:, :, None, :]), dim=2)
-            values = torch.cat((v_cache[i, slots, :, :keys_len], v[:, :, None, :]), dim=2)
-            out = attention.attend(q.reshape(rows, nkv, group, hd), keys, values, bias)
-            h = x + attention.wo(out.reshape(rows, nh * hd))  # [B, D]
+            queries = q.reshape(rows, nkv, group, hd).float()
+            out = _attend_in_place(
+                queries, k.float(), v.float(), k_cache[i, slots, :, :keys_len],
+                v_cache[i, slots, :, :keys_len], bias, attention.scale,
+            )  # fmt: skip
+            h = x + attention.wo(out.to(x.dtype).reshape(rows, nh * hd))  # [B, D]
             x = h + layer.feed_forward(layer.ffn_norm(h))
         logits = m.logits(x)
         return logits, torch.stack(new_k), torch.stack(new_v)
+
+
+def _attend_in_place(
+    queries: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, bias: Tensor,
+    scale: float,
+) -> Tensor:  # fmt: skip
+    """Attention of ``queries`` ``[B, KVH, G, hd]`` over each row's cached ``keys`` and
+    ``values`` ``[B, KVH, L, hd]`` (its slot's, indexed) and its own new ``key`` and
+    ``value`` ``[B, KVH, hd]``, in float32; ``bias`` ``[B, 1, 1, L + 1]``.
+
+    Written as products and sums rather than matrix products, so that Inductor fuses the
+    slot indexing into the reductions: the cache is read in place, where two ``bmm`` calls
+    needed the live part of every slot gathered into a contiguous copy first (measured
+    with the package: 1.05-1.15x the whole decode step at 1-8 rows, the same at 32 rows
+    and short contexts, 1.14x at 32 rows of 512 keys).
+    """
+    cached = (queries[:, :, :, None, :] * keys[:, :, None, :, :].float()).sum(-1)  # [B,KVH,G,L]
+    own = (queries * key[:, :, None, :]).sum(-1, keepdim=True)  # [B, KVH, G, 1]
+    probs = torch.softmax(torch.cat((cached, own), dim=-1) * scale + bias, dim=-1)
+    length = keys.shape[2]
+    out = (probs[..., :length, None] * values[:, :, None, :, :].float()).sum(-2)
+    return out + probs[..., length:] * value[:, :, None, :]  # [B, KVH, G, hd]
 
 
 def package_path(
