@@ -79,6 +79,9 @@ class PeerRun:
     #: it had to build the package first (else it loaded it).
     compiled_seconds: float = 0.0
     built: bool = False
+    #: The server's own report of its single-stream decode rate (llama-server's
+    #: ``timings.predicted_per_second``: its kernels, no HTTP); 0 when it reports none.
+    own_decode_rate: float = 0.0
 
 
 async def _one(
@@ -170,12 +173,31 @@ async def _prompt_rate(base_url: str, count: int, prompt_words: int) -> tuple[fl
     return statistics.median(rates), prompt_tokens
 
 
+async def _own_decode_rate(base_url: str, max_tokens: int, count: int = 3) -> float:
+    """Median of the server's own decode rate over ``count`` single answers, where it
+    reports one (llama-server's ``timings``); 0.0 otherwise."""
+    rates = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        for i in range(count):
+            body = {
+                "messages": [{"role": "user", "content": f"Tell a story about: {WORDS[i]}"}],
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7, "seed": i,
+            }  # fmt: skip
+            response = await client.post("/v1/chat/completions", json=body)
+            rate = (response.json().get("timings") or {}).get("predicted_per_second")
+            if rate is None:
+                return 0.0
+            rates.append(float(rate))
+    return statistics.median(rates)
+
+
 def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> PeerRun:
     run = PeerRun(label)
     asyncio.run(_closed_loop(base_url, 1, 3.0, 16))  # first-use costs
     for streams in CONCURRENCY:
         run.points.append(asyncio.run(_closed_loop(base_url, streams, seconds, max_tokens)))
     run.prompt_rate, run.prompt_tokens = asyncio.run(_prompt_rate(base_url, 5, PROMPT_WORDS))
+    run.own_decode_rate = asyncio.run(_own_decode_rate(base_url, max_tokens))
     return run
 
 
@@ -270,4 +292,12 @@ def table(runs: Sequence[PeerRun]) -> list[str]:
                      f"({how})")  # fmt: skip
     if peer is None:
         lines.append("llama-server: skipped (no --peer-llama-server binary)")
+    elif peer.own_decode_rate:
+        # What any engine over llama.cpp's kernels could reach at one stream.
+        lines.append(
+            f"llama-server's own one-stream decode rate (its timings: kernels, no HTTP): "
+            f"{peer.own_decode_rate:.0f} tokens/s, against {peer.points[0].tokens_per_second:.0f}"
+            f" through HTTP; ours compiled at one stream: "
+            f"{ours.points[0].tokens_per_second / peer.own_decode_rate:.2f}x it"
+        )  # fmt: skip
     return lines

@@ -26,11 +26,11 @@ writes in one copy per tensor — and it attends to the new token as an extra ke
 than through the cache, reading each row's slot of the cache in place (no gathered copy,
 see :func:`_attend_in_place`), with scores and probabilities in float32 where the eager
 path rounds them to the model's dtype.  Its logits therefore differ from the eager
-path's in the last bits (greedy answers checked identical over 120 tokens).  It keeps the batch invariance of the eager
-engine among decode steps (a row's result does not depend on the other rows or on how
-long their contexts are; one row is computed as two, as in
-:func:`~sluicegate.engine.torch.packed_linear.linear_packed`), and prompts are always
-prefilled eagerly, so seeded output is identical alone or batched.  A sequence preempted
+path's in the last bits (greedy answers checked identical over 120 tokens).  It keeps
+the batch invariance of the eager engine among decode steps (a row's result does not
+depend on the other rows or on how long their contexts are; one row is computed as two,
+as in :func:`~sluicegate.engine.torch.packed_linear.linear_packed`), and prompts are
+always prefilled eagerly, so seeded output is identical alone or batched.  A sequence preempted
 and resumed is re-prefilled eagerly: its cached keys then carry the eager path's bits
 where the uninterrupted run had the graph's, and its seeded continuation can differ.
 Tokens decoded before the package is ready are eager ones.
