@@ -175,20 +175,29 @@ async def _prompt_rate(base_url: str, count: int, prompt_words: int) -> tuple[fl
 
 async def _own_decode_rate(base_url: str, max_tokens: int, count: int = 3) -> float:
     """Median of the server's own decode rate over ``count`` single answers, where it
-    reports one (llama-server's ``timings``); 0.0 otherwise."""
-    rates = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-        for i in range(count):
-            body = {
-                "messages": [{"role": "user", "content": f"Tell a story about: {WORDS[i]}"}],
-                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7, "seed": i,
-            }  # fmt: skip
-            response = await client.post("/v1/chat/completions", json=body)
-            rate = (response.json().get("timings") or {}).get("predicted_per_second")
-            if rate is None:
-                return 0.0
-            rates.append(float(rate))
-    return statistics.median(rates)
+    reports one (llama-server's ``timings``); 0.0 otherwise, or when it cannot be read
+    (a side figure: it never fails the run)."""
+    rates: list[float] = []
+    for i in range(2 * count):  # a dropped connection is asked again
+        if len(rates) == count:
+            break
+        body = {
+            "messages": [{"role": "user", "content": f"Tell a story about: {WORDS[i]}"}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7, "seed": i,
+        }  # fmt: skip
+        try:
+            async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+                response = await client.post("/v1/chat/completions", json=body)
+            timings = response.json().get("timings") or {}
+        except (httpx.HTTPError, ValueError) as error:
+            print(f"own decode rate: {error!r}; asking again", flush=True)
+            await asyncio.sleep(1.0)
+            continue
+        rate = timings.get("predicted_per_second")
+        if rate is None:
+            return 0.0
+        rates.append(float(rate))
+    return statistics.median(rates) if rates else 0.0
 
 
 def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> PeerRun:
