@@ -24,15 +24,14 @@ a warm start.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
 
 from sluicegate.engine.base import Engine
+from sluicegate.engine.files import atomic_path
 from sluicegate.scheduler.cost_model import StepShape
 from sluicegate.scheduler.request import SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan
@@ -193,15 +192,11 @@ def _save(path: Path, timings: Timings) -> None:
         [s.num_seqs, s.num_batched_tokens, s.num_context_tokens, statistics.median(t), min(t)]
         for s, t in timings
     ]
-    partial = path.with_name(f".{os.getpid()}.{path.name}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"observations": rows}), encoding="utf-8")
-        partial.replace(path)
+        with atomic_path(path) as partial:
+            partial.write_text(json.dumps({"observations": rows}), encoding="utf-8")
     except OSError as exc:  # a read-only cache: the next start measures again
         logger.warning("cannot save the calibration to %s: %s", path, exc)
-        with contextlib.suppress(OSError):
-            partial.unlink()
 
 
 def _decode(num_seqs: int, context: int) -> StepPlan:

@@ -176,7 +176,7 @@ def test_the_candidates_draw_is_the_full_draw() -> None:
         rows = scaled[row : row + 1].expand(len(u), -1)
         p = top_p[row : row + 1].expand(len(u))
         fits, fast = _draw_from_candidates(rows, p, u)
-        full = _draw_full(rows, p, u, any_top_p=bool(top_p[row] < 1.0))
+        full = _draw_full(rows, p, u)
         assert bool(fits.all()) == (row != 5), row
         if row != 5:
             assert torch.equal(fast, full), row

@@ -54,6 +54,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from sluicegate.engine.files import atomic_path
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, align_keys
 from sluicegate.engine.torch.loader import build_model, cache_entry, load_checkpoint
 from sluicegate.engine.torch.model import Transformer, TransformerBlock
@@ -174,10 +175,8 @@ def build_package(model: Transformer, out: Path) -> None:
     # Freezing makes the weights constants, packed for oneDNN (it needs grad off).
     with inductor_config.patch(freezing=True), torch.no_grad():
         program = export(DecodeGraph(model), example, dynamic_shapes=shapes)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_name(f".{os.getpid()}.{out.name}")  # the name must end in .pt2
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-    partial.replace(out)
+        with atomic_path(out, suffix=".pt2") as partial:  # the name must end in .pt2
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
 
 
 #: The build process (``-m`` would import this module twice: the package imports it).

@@ -18,9 +18,7 @@ import importlib.util
 import json
 import os
 import re
-import tempfile
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from sluicegate.engine.files import atomic_path
 from sluicegate.engine.sampling_defaults import RecommendedSampling
 from sluicegate.engine.tokenizer import CHATML_TEMPLATE, ChatTemplate, TextTokenizer
 from sluicegate.engine.torch.convert import fuse_layer_weights, hf_model_args
@@ -243,27 +242,11 @@ def _read_cached_meta(entry: Path) -> dict[str, Any] | None:
     return meta
 
 
-@contextmanager
-def _atomic_path(target: Path) -> Iterator[Path]:
-    """A temporary path in the target's directory, renamed over the target on success, so
-    a reader (or a concurrent writer) never sees a half-written file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is shareable data
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _write_meta(entry: Path, tok: Tokenizer, meta: dict[str, Any]) -> None:
     try:
-        with _atomic_path(entry / "tokenizer.json") as tmp:
+        with atomic_path(entry / "tokenizer.json") as tmp:
             tok.save(str(tmp))
-        with _atomic_path(entry / "meta.json") as tmp:
+        with atomic_path(entry / "meta.json") as tmp:
             tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     except OSError:
         pass  # a read-only cache only costs speed
@@ -297,7 +280,7 @@ def _load_gguf_cached(
     state_dict = gguf_state_dict(gguf, args, dtype)
     _write_meta(entry, tok, meta)
     try:
-        with _atomic_path(weights_file) as tmp:
+        with atomic_path(weights_file) as tmp:
             save_file(state_dict, str(tmp), metadata={"format": "pt"})
     except OSError:
         pass

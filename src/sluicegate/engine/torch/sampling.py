@@ -205,24 +205,26 @@ def _draw_from_candidates(scaled: Tensor, top_p: Tensor, u: Tensor) -> tuple[Ten
     weights = torch.where(
         inside.gather(1, order), torch.exp(values.gather(1, order) - values[:, :1]), 0.0
     )  # [N, C]; unnormalised, 0 outside the support
-    cdf = weights.double().cumsum(dim=-1)
-    target = (u * cdf[:, -1])[:, None]
-    drawn = torch.searchsorted(cdf, target, right=True).clamp(max=count - 1)  # [N, 1]
-    return fits, ids.gather(1, drawn).squeeze(1)
+    return fits, ids.gather(1, _inverse_cdf(weights, u)[:, None]).squeeze(1)
 
 
-def _draw_full(scaled: Tensor, top_p: Tensor, u: Tensor, any_top_p: bool) -> Tensor:
+def _draw_full(scaled: Tensor, top_p: Tensor, u: Tensor) -> Tensor:
     """The token drawn with ``u`` from each row's support, over the whole vocabulary."""
-    if any_top_p:
+    if bool((top_p < 1.0).any()):
         scaled = _apply_top_p(scaled, top_p)
-    probs = torch.softmax(scaled, dim=-1)  # [N, V]; masked entries are exactly 0
+    return _inverse_cdf(torch.softmax(scaled, dim=-1), u)  # masked entries are exactly 0
+
+
+def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """Per row of ``weights`` ``[N, K]`` (>= 0, not necessarily normalised), the index
+    drawn with ``u`` ``[N]``: the first whose running sum exceeds ``u`` times the total."""
     # float64 running sums: the tail of a 49k-entry float32 cumsum drifts by ~1e-4.
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    cdf = weights.double().cumsum(dim=-1)  # [N, K]
     target = (u * cdf[:, -1])[:, None]  # [N, 1]
-    # right=True: the first index whose cdf exceeds the target, so a zero-probability
-    # token (cdf equal to its predecessor's) is never chosen.
+    # right=True: the first index whose cdf exceeds the target, so a zero-weight entry
+    # (cdf equal to its predecessor's) is never chosen.
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [N]
-    return drawn.clamp(max=scaled.shape[-1] - 1)
+    return drawn.clamp(max=weights.shape[-1] - 1)
 
 
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -245,6 +247,5 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     full = ~fits & ~batch.greedy
     if bool(full.any()):
         rows = full.nonzero().squeeze(1)
-        top_p = batch.top_p[rows]
-        drawn[rows] = _draw_full(scaled[rows], top_p, u[rows], bool((top_p < 1.0).any()))
+        drawn[rows] = _draw_full(scaled[rows], batch.top_p[rows], u[rows])
     return torch.where(batch.greedy, greedy_ids, drawn)
