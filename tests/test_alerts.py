@@ -51,8 +51,9 @@ def selectors(node: Any) -> list[tuple[str | None, set[str]]]:
         children = list(node.args)
     elif isinstance(node, promql_parser.AggregateExpr):
         children = [node.expr] + ([node.param] if node.param is not None else [])
-    elif isinstance(node, (promql_parser.ParenExpr, promql_parser.UnaryExpr,
-                           promql_parser.SubqueryExpr)):  # fmt: skip
+    elif isinstance(
+        node, (promql_parser.ParenExpr, promql_parser.UnaryExpr, promql_parser.SubqueryExpr)
+    ):
         children = [node.expr]
     return [found for child in children for found in selectors(child)]
 

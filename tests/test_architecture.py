@@ -20,6 +20,7 @@ PACKAGE = "sluicegate"
 LAYERS = [
     ("__main__",),
     ("cli",),
+    ("serve_flags",),
     ("server", "bench"),
     ("connections",),
     ("api",),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sluicegate.cli import _serve_signature
 from sluicegate.config import load_settings
+from sluicegate.serve_flags import serve_signature
 from sluicegate.sizes import format_memory_size, parse_memory_size
 
 
@@ -74,4 +74,4 @@ def test_kv_cache_memory_error_names_the_field_and_the_forms() -> None:
 
 
 def test_kv_cache_memory_is_a_flag() -> None:
-    assert "kv_cache_memory" in _serve_signature().parameters
+    assert "kv_cache_memory" in serve_signature().parameters

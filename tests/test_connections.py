@@ -18,7 +18,7 @@ from sluicegate.connections import (
     RESERVED_FILE_DESCRIPTORS,
     default_max_connections,
 )
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 
 def test_the_default_cap_keeps_file_descriptors_in_reserve() -> None:
@@ -31,11 +31,19 @@ def test_the_default_cap_keeps_file_descriptors_in_reserve() -> None:
 def strict_server() -> Iterator[ServerProcess]:
     server = start_server(
         [
-            "--engine", "sim", "--header-timeout-seconds", "1", "--body-timeout-seconds", "1",
-            "--keep-alive-timeout-seconds", "1", "--max-connections", "16",
+            "--engine",
+            "sim",
+            "--header-timeout-seconds",
+            "1",
+            "--body-timeout-seconds",
+            "1",
+            "--keep-alive-timeout-seconds",
+            "1",
+            "--max-connections",
+            "16",
         ],
         "connections",
-    )  # fmt: skip
+    )
     yield server
     server.stop()
 

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import start_server
+from tests.support.servers import start_server
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -36,9 +36,12 @@ def test_the_quick_start_curl_streams_from_the_sim_engine() -> None:
     try:
         path = "/" + url.split("/", 3)[3]
         with httpx.stream(
-            "POST", server.base_url + path, content=orjson.dumps(body), headers=headers,
+            "POST",
+            server.base_url + path,
+            content=orjson.dumps(body),
+            headers=headers,
             timeout=30,
-        ) as response:  # fmt: skip
+        ) as response:
             assert response.status_code == 200, response.read()
             lines = [line for line in response.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"

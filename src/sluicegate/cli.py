@@ -1,29 +1,85 @@
 """The ``sluicegate`` command.
 
-``serve`` exposes every field of :class:`sluicegate.config.Settings` as a flag, generated
-from the settings object itself so that flags, ``SLUICEGATE_*`` env vars and the YAML
-file never drift apart.
+``serve`` takes every setting as a flag (:mod:`sluicegate.serve_flags`). ``bench`` is
+loaded only when it runs: the load generator is an extra (``sluicegate[bench]``), and
+neither ``serve`` nor ``--help`` should pay for importing it.
 """
 
 from __future__ import annotations
 
 import enum
-import inspect
-import types
-import typing
+import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+import typer.main
 import yaml
 from pydantic import ValidationError
-from pydantic.fields import FieldInfo
+from typer.core import TyperCommand, TyperGroup
 
-from sluicegate.bench.cli import bench_app
-from sluicegate.config import Settings
+from sluicegate.serve_flags import SettingsHelpCommand, serve_signature
+
+if TYPE_CHECKING:
+    # The types of the hooks overridden below. typer vendors click there (only the names
+    # are used: every method called is click's long-standing public API).
+    from typer._click import Command, Context
+
+#: The modules of the bench extra's distributions (pyproject.toml's ``bench``), checked
+#: before ``sluicegate bench`` loads, so a missing one is told as such.
+BENCH_EXTRA_MODULES = ("matplotlib", "rich", "h11", "jsonschema")
+#: The modules of the torch extra's distributions (pyproject.toml's ``torch``): the
+#: embedded engine's.
+TORCH_EXTRA_MODULES = ("torch", "gguf")
+#: ``sluicegate bench``'s line in ``sluicegate --help`` (the bench's own help says the same).
+BENCH_HELP = "Load generator: open-loop arrivals, slow readers, disconnects, capacity search."
+#: Help is wrapped to the terminal, but never wider than this (click's own cap, 80, wraps
+#: ``serve``'s ninety settings onto a fifth more lines).
+HELP_MAX_WIDTH = 100
+
+
+def require_extra(extra: str, modules: Sequence[str], needed_by: str, hint: str = "") -> None:
+    """Exit with one line naming what to install when a module of ``extra`` is missing."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"sluicegate: {needed_by} needs the {extra} extra (not installed: "
+            f"{', '.join(missing)}): pip install 'sluicegate[{extra}]'{hint}"
+        )
+
+
+def bench_command() -> Command:
+    """The ``bench`` command group, imported now; a one-line exit if its extra is missing."""
+    require_extra("bench", BENCH_EXTRA_MODULES, "sluicegate bench")
+    from sluicegate.bench.cli import bench_app
+
+    return typer.main.get_command(bench_app)
+
+
+class Commands(TyperGroup):
+    """The ``sluicegate`` commands, ``bench`` among them without importing it: listed by
+    its help line, and loaded only when it is the command that runs."""
+
+    def list_commands(self, ctx: Context) -> list[str]:
+        return [*super().list_commands(ctx), "bench"]
+
+    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
+        if cmd_name == "bench":
+            return TyperCommand("bench", help=BENCH_HELP)  # what --help lists
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(
+        self, ctx: Context, args: list[str]
+    ) -> tuple[str | None, Command | None, list[str]]:
+        if args and args[0] == "bench":
+            return "bench", bench_command(), args[1:]
+        return super().resolve_command(ctx, args)
+
 
 app = typer.Typer(
     name="sluicegate",
+    cls=Commands,
     help="An OpenAI-compatible streaming LLM server with backpressure end to end.",
     no_args_is_help=True,
     add_completion=False,
@@ -31,6 +87,7 @@ app = typer.Typer(
     # Plain help: rich's option tables cut long flag names (--max-request-bo…) to fit the
     # terminal; click's plain layout wraps the descriptions and keeps every name whole.
     rich_markup_mode=None,
+    context_settings={"max_content_width": HELP_MAX_WIDTH},
 )
 
 
@@ -53,6 +110,7 @@ def export_hf(
 ) -> None:
     """Write the model as a Hugging Face directory, for engines that want one (vLLM,
     TGI, transformers serve) to serve the same weights behind --engine upstream."""
+    require_extra("torch", TORCH_EXTRA_MODULES, "sluicegate export-hf")
     from sluicegate.engine.torch.export import export_hf_directory
 
     if dtype not in ("float32", "bfloat16"):
@@ -65,22 +123,6 @@ def export_hf(
     typer.echo(str(written))
 
 
-def _cli_type(name: str, annotation: Any) -> Any | None:
-    """The type typer should parse for a settings annotation, or None if not a CLI scalar."""
-    origin = get_origin(annotation)
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    if origin in (typing.Union, types.UnionType):
-        return _cli_type(name, args[0]) if len(args) == 1 else None
-    if origin is Literal:
-        choices = [str(a) for a in get_args(annotation)]
-        return enum.Enum(f"{name}_choice", {c: c for c in choices}, type=str)
-    if annotation in (bool, int, float, str):
-        return annotation
-    if origin is list and args == [str]:
-        return list[str]  # a repeatable flag (--upstream URL --upstream URL)
-    return None
-
-
 def _serve(**kwargs: Any) -> None:
     from sluicegate.config import load_settings
 
@@ -91,6 +133,13 @@ def _serve(**kwargs: Any) -> None:
         settings = load_settings(config, **flags)
     except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"sluicegate: invalid configuration: {settings_error(exc)}") from None
+    if settings.engine == "torch":
+        require_extra(
+            "torch",
+            TORCH_EXTRA_MODULES,
+            "--engine torch (the default)",
+            "; --engine sim and --engine upstream run without it",
+        )
     # Imported once the settings are good: a bad configuration is told at once.
     from sluicegate.server import run_server
 
@@ -113,50 +162,14 @@ def settings_error(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _serve_signature() -> inspect.Signature:
-    params = [
-        inspect.Parameter(
-            "config",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[
-                Optional[Path],  # noqa: UP045 - typer inspects this at run time
-                typer.Option(
-                    "--config", help="YAML file of settings (flags and env vars override it)."
-                ),
-            ],
-        )
-    ]
-    for name, field in Settings.model_fields.items():
-        assert isinstance(field, FieldInfo)
-        cli_type = _cli_type(name, field.annotation)
-        if cli_type is None:
-            continue
-        default_text = "none" if field.default is None else str(field.default)
-        option = typer.Option(
-            help=f"{field.description or ''} [default: {default_text}; "
-            f"env SLUICEGATE_{name.upper()}]",
-            show_default=False,
-        )
-        params.append(
-            inspect.Parameter(
-                name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=None,
-                annotation=Annotated[Optional[cli_type], option],  # noqa: UP045
-            )
-        )
-    return inspect.Signature(params)
-
-
-_serve.__signature__ = _serve_signature()  # type: ignore[attr-defined]
+_serve.__signature__ = serve_signature()  # type: ignore[attr-defined]
 app.command(
     "serve",
-    help="Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000).",
+    cls=SettingsHelpCommand,
+    help="Serve the OpenAI-compatible API (default: the embedded model on 127.0.0.1:8000)."
+    "\n\nEach setting is a flag, an environment variable (named beside it) and a key of the "
+    "--config file; a flag beats the environment, which beats the file.",
 )(_serve)
-
-
-app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

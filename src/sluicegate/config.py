@@ -183,9 +183,12 @@ class Settings(FlowSettings, BaseSettings):
         "global", description="tenant: a tenant reuses only its own prefixes (no side channel)."
     )
     speculative_tokens: int = Field(
-        8, ge=0, le=64, description="Prompt-lookup speculative decoding: most draft tokens "
+        8,
+        ge=0,
+        le=64,
+        description="Prompt-lookup speculative decoding: most draft tokens "
         "a decoding sequence adds to a step (0 = off; docs/speculative-decoding.md).",
-    )  # fmt: skip
+    )
     speculative_max_batch: int = Field(
         2, ge=0, description="Draft only while at most this many sequences decode."
     )
@@ -200,15 +203,18 @@ class Settings(FlowSettings, BaseSettings):
         "sampling, e.g. 0.2 for SmolLM2 Instruct; else 1).",
     )
     default_top_p: float | None = Field(
-        None, gt=0.0, le=1.0,
+        None,
+        gt=0.0,
+        le=1.0,
         description="top_p when a request gives none (default: the model's recommended "
         "sampling, e.g. 0.9 for SmolLM2 Instruct; else 1).",
-    )  # fmt: skip
+    )
     default_top_k: int | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="top_k when a request gives none (default: the model's recommended "
         "sampling; else 0, no top-k cut).",
-    )  # fmt: skip
+    )
 
     # --- shutdown ---
     drain_grace_seconds: float = Field(

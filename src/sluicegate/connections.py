@@ -111,8 +111,10 @@ class ConnectionGuard:
             self._warned_at = now
             logger.warning(
                 "refusing connections: %d open, every one busy (max_connections); %d "
-                "refused so far", num_open, self.num_refused,
-            )  # fmt: skip
+                "refused so far",
+                num_open,
+                self.num_refused,
+            )
 
     def make_room(self, newcomer: GuardedHttpProtocol) -> bool:
         """Close the oldest idle connection other than ``newcomer``; False if none."""
@@ -153,10 +155,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             guard.refused(len(self.connections) - 1)
             self._reply_and_close(
                 APIError(
-                    503, "The server has too many open connections; retry shortly.",
-                    code="too_many_connections", headers={"retry-after": "1"},
+                    503,
+                    "The server has too many open connections; retry shortly.",
+                    code="too_many_connections",
+                    headers={"retry-after": "1"},
                 )
-            )  # fmt: skip
+            )
             return
         self._await_request()
 
@@ -177,11 +181,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self._header_bytes > self.guard.limits.max_header_bytes:
                 self._reply_and_close(
                     APIError(
-                        431, "The request line and headers exceed the limit of "
+                        431,
+                        "The request line and headers exceed the limit of "
                         f"{self.guard.limits.max_header_bytes} bytes (max_header_bytes).",
                         code="headers_too_large",
                     )
-                )  # fmt: skip
+                )
 
     def send_400_response(self, msg: str) -> None:
         self._reply_and_close(APIError(400, f"Malformed HTTP request: {msg}", code="bad_request"))
@@ -256,10 +261,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         seconds = self.guard.limits.header_timeout_seconds
         self._reply_and_close(
             APIError(
-                408, f"The request headers did not arrive within {seconds:g}s "
-                "(header_timeout_seconds).", code="request_timeout",
+                408,
+                f"The request headers did not arrive within {seconds:g}s (header_timeout_seconds).",
+                code="request_timeout",
             )
-        )  # fmt: skip
+        )
 
     def _body_timed_out(self) -> None:
         self._deadline = None
@@ -277,10 +283,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         seconds = self.guard.limits.body_timeout_seconds
         self._reply_and_close(
             APIError(
-                408, f"The request body did not arrive within {seconds:g}s of its headers "
-                "(body_timeout_seconds).", code="request_timeout",
+                408,
+                f"The request body did not arrive within {seconds:g}s of its headers "
+                "(body_timeout_seconds).",
+                code="request_timeout",
             )
-        )  # fmt: skip
+        )
 
     def _reply_and_close(self, error: APIError) -> None:
         """Answer ``error``, then close once the client has had time to read it."""

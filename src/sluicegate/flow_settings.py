@@ -62,12 +62,14 @@ class FlowSettings(BaseModel):
         "speed); fcfs: every running sequence decodes as fast as the batch allows.",
     )
     reading_tokens_per_second: float = Field(
-        8.0, gt=0.0,
+        8.0,
+        gt=0.0,
         description="The pace a reader is expected to read at, when its client shows none "
         "and its tenant declares none (QoE in /v1/stats; qoe scheduling).",
-    )  # fmt: skip
+    )
     qoe_lead_seconds: float = Field(
-        3.0, gt=0.0,
+        3.0,
+        gt=0.0,
         description="How far ahead of its reader a sequence may get while others need "
         "speed (qoe scheduling); it runs again with a third of that still in hand.",
-    )  # fmt: skip
+    )

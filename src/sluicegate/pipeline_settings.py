@@ -71,9 +71,11 @@ class GuardSettings(BaseModel):
     name: str = Field("guard", description="The stage's name (metrics' stage label).")
     window_tokens: int = Field(16, ge=1, le=512, description="Tokens each check sees.")
     stride_tokens: int = Field(
-        8, ge=1, description="Tokens between checks; the client sees each token at most "
+        8,
+        ge=1,
+        description="Tokens between checks; the client sees each token at most "
         "this many tokens later than without the guard.",
-    )  # fmt: skip
+    )
     replacement: str = Field(
         "I can't help with that.", description="Sent instead of the rest of the answer."
     )

@@ -140,16 +140,22 @@ def run_server(settings: Settings) -> None:
         logging.getLogger("sluicegate").warning(
             "max_connections %d exceeds what the open-file limit (%d) leaves room for (%d): "
             "past that, connections are refused by the kernel instead of managed",
-            limits.max_connections, open_file_limit, safe_cap,
-        )  # fmt: skip
+            limits.max_connections,
+            open_file_limit,
+            safe_cap,
+        )
     server = DrainingServer(config, fastapi_app)
     state = fastapi_app.state.sluicegate
     assert isinstance(state, AppState)
     state.on_fatal = server.fail
+    state.owns_process = True
     logging.getLogger("sluicegate").info(
-        "listening on http://%s:%d (engine %s, at most %d connections)", settings.host,
-        sock.getsockname()[1], settings.engine, limits.max_connections,
-    )  # fmt: skip
+        "listening on http://%s:%d (engine %s, at most %d connections)",
+        settings.host,
+        sock.getsockname()[1],
+        settings.engine,
+        limits.max_connections,
+    )
     server.run(sockets=[sock])
     if server.fatal_error is not None:
         raise SystemExit(f"sluicegate: {server.fatal_error}")

@@ -6,10 +6,17 @@ import re
 
 #: Units of a memory size, in bytes: decimal (kB, MB, GB, TB) and binary (KiB, MiB, ...).
 _MEMORY_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _MEMORY_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
 MEMORY_SIZE_FORMS = "a size like 512MiB, 2GiB, 1.5GB or 800000000 (bytes), or auto"
 

@@ -74,9 +74,11 @@ def test_open_breaker_admits_interactive_only_below_capacity() -> None:
     registry = TenantRegistry()
     breaker = _tripped_breaker(clock, 60.0)
     controller = AdmissionController(
-        registry, AdmissionConfig(max_concurrent_requests=8, open_max_in_flight=2),
-        breaker=breaker, clock=clock,
-    )  # fmt: skip
+        registry,
+        AdmissionConfig(max_concurrent_requests=8, open_max_in_flight=2),
+        breaker=breaker,
+        clock=clock,
+    )
     assert breaker.state is BreakerState.OPEN
     tenant = registry.authenticate(None)
     held = [_admitted(controller.admit(tenant, INTERACTIVE, 1, 1)) for _ in range(2)]
@@ -217,12 +219,15 @@ def test_random_traffic_never_leaks_capacity() -> None:
     registry = TenantRegistry(
         [
             TenantConfig(
-                name=f"t{i}", api_key=f"k{i}", requests_per_second=50.0,
-                tokens_per_minute=60_000, max_concurrent=3,
+                name=f"t{i}",
+                api_key=f"k{i}",
+                requests_per_second=50.0,
+                tokens_per_minute=60_000,
+                max_concurrent=3,
             )
             for i in range(3)
         ]
-    )  # fmt: skip
+    )
     controller = AdmissionController(
         registry, AdmissionConfig(max_concurrent_requests=6), clock=clock
     )
@@ -245,3 +250,19 @@ def test_random_traffic_never_leaks_capacity() -> None:
         admitted.release(0, 0)
     assert controller.in_flight == 0
     assert all(controller.tenant_in_flight(t.name) == 0 for t in tenants)
+
+
+def test_a_request_burst_admits_that_many_at_once_then_the_rate_applies() -> None:
+    clock = FakeClock()
+    registry = _registry(requests_per_second=0.5, request_burst=3)
+    controller = AdmissionController(registry, clock=clock)
+    tenant = _tenant(registry)
+    for _ in range(3):
+        _admitted(controller.admit(tenant, INTERACTIVE, 1, 1)).release(1, 1)
+    refused = _rejected(
+        controller.admit(tenant, INTERACTIVE, 1, 1), RejectReason.RATE_LIMITED_REQUESTS
+    )
+    assert refused.retry_after_seconds == pytest.approx(2.0)  # one request at 0.5/s
+    assert "(burst 3)" in refused.message
+    clock.advance(2.0)
+    _admitted(controller.admit(tenant, INTERACTIVE, 1, 1))

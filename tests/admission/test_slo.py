@@ -38,9 +38,10 @@ def predictor() -> tuple[TTFTPredictor, FakeClock]:
 
 def request(produced: int = 0, max_tokens: int = 20, ignore_eos: bool = True) -> Request:
     r = Request(
-        f"r{id(object())}", [1, 2, 3],
+        f"r{id(object())}",
+        [1, 2, 3],
         SamplingParams(max_tokens=max_tokens, seed=1, ignore_eos=ignore_eos),
-    )  # fmt: skip
+    )
     r.all_token_ids.extend([7] * produced)
     r.num_computed_tokens = r.num_tokens
     return r

@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server
 from tests.resume.conftest import (
     SIM,
     Event,
@@ -23,6 +22,7 @@ from tests.resume.conftest import (
     resume,
 )
 from tests.simtext import expected_completion
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -133,9 +133,12 @@ def test_an_owner_whose_stream_is_resumed_elsewhere_is_told(open_server: ServerP
 
 def stream_and_drop(srv: ServerProcess, key: str, prompt: str) -> str:
     got = read_stream(
-        "POST", srv.v1 + "/completions", json=completion_body(prompt, 1, 400),
-        headers=auth(key), stop_after_events=3,
-    )  # fmt: skip
+        "POST",
+        srv.v1 + "/completions",
+        json=completion_body(prompt, 1, 400),
+        headers=auth(key),
+        stop_after_events=3,
+    )
     return got.headers["x-sluicegate-stream-id"]
 
 
@@ -215,9 +218,11 @@ def test_the_admin_key_guards_stats_and_metrics(tmp_path: Path) -> None:
         models = httpx.get(srv.v1 + "/models", headers=auth("key-admin"), timeout=5)
         assert models.status_code == 200
         completion = httpx.post(
-            srv.v1 + "/completions", json={"prompt": "x", "max_tokens": 2},
-            headers=auth("key-admin"), timeout=5,
-        )  # fmt: skip
+            srv.v1 + "/completions",
+            json={"prompt": "x", "max_tokens": 2},
+            headers=auth("key-admin"),
+            timeout=5,
+        )
         assert completion.status_code == 401
         for public in ("/health", "/ready"):
             assert httpx.get(srv.base_url + public, timeout=5).status_code == 200

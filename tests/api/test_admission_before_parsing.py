@@ -15,17 +15,19 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 KEY = "sk-five"
+FLOOD_KEY = "sk-flood"
+BURST_OF_FIVE = {"requests_per_second": 0.01, "request_burst": 5}
 
 
 @pytest.fixture(scope="module")
 def five_per_second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A tenant limited to 5 requests/s; bodies up to 2 MiB are accepted."""
+    """Tenants limited to a burst of 5 requests; bodies up to 2 MiB are accepted."""
     directory = tmp_path_factory.mktemp("parsing")
     config = directory / "config.yaml"
     config.write_text(
@@ -34,7 +36,12 @@ def five_per_second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
                 "engine": "sim",
                 "max_request_body_bytes": 2 * 1024 * 1024,
                 "journal_path": str(directory / "jobs.sqlite3"),
-                "tenants": [{"name": "five", "api_key": KEY, "requests_per_second": 5}],
+                # A burst of 5, then one request every 100 s: no refill while a test runs,
+                # however slow the machine (each test has its own tenant).
+                "tenants": [
+                    {"name": "five", "api_key": KEY, **BURST_OF_FIVE},
+                    {"name": "flood", "api_key": FLOOD_KEY, **BURST_OF_FIVE},
+                ],
             }
         )
     )
@@ -54,10 +61,13 @@ def receive_response(sock: socket.socket) -> bytes:
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     length = next(
-        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-         if line.lower().startswith(b"content-length:")),
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
         0,
-    )  # fmt: skip
+    )
     while len(body) < length:
         chunk = sock.recv(65536)
         if not chunk:
@@ -90,9 +100,12 @@ def test_health_stays_fast_while_clients_send_megabyte_prompts(
     five_per_second: ServerProcess,
 ) -> None:
     body = json.dumps(
-        {"model": MODEL, "max_tokens": 4,
-         "messages": [{"role": "user", "content": "hello world " * 87_000}]}  # ~1 MB
-    ).encode()  # fmt: skip
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello world " * 87_000}],
+        }  # ~1 MB
+    ).encode()
     assert 1_000_000 < len(body) < 2 * 1024 * 1024
     stop = threading.Event()
     statuses: list[int] = []
@@ -103,7 +116,10 @@ def test_health_stays_fast_while_clients_send_megabyte_prompts(
                 response = client.post(
                     five_per_second.v1 + "/chat/completions",
                     content=body,
-                    headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+                    headers={
+                        "authorization": f"Bearer {FLOOD_KEY}",
+                        "content-type": "application/json",
+                    },
                 )
                 statuses.append(response.status_code)
 

@@ -14,8 +14,8 @@ import orjson
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, start_server
 from tests.simtext import expected_completion
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,13 @@ TENANTS = [{"name": "alpha", "api_key": "sk-alpha"}, {"name": "beta", "api_key":
 
 def config(tmp_path: Path, **extra: Any) -> str:
     path = tmp_path / "batches.yaml"
-    settings = {"engine": "sim", "sim_step_base_ms": 2, "max_num_seqs": 4,
-                "journal_path": str(tmp_path / "jobs.sqlite3"), **extra}  # fmt: skip
+    settings = {
+        "engine": "sim",
+        "sim_step_base_ms": 2,
+        "max_num_seqs": 4,
+        "journal_path": str(tmp_path / "jobs.sqlite3"),
+        **extra,
+    }
     path.write_text(yaml.safe_dump(settings))
     return str(path)
 
@@ -36,9 +41,19 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 
 
 def completion_line(i: int, **body: Any) -> dict[str, Any]:
-    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
-            "body": {"model": MODEL, "prompt": f"line {i}", "max_tokens": 12, "seed": i,
-                     "ignore_eos": True, **body}}  # fmt: skip
+    return {
+        "custom_id": f"req-{i}",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {
+            "model": MODEL,
+            "prompt": f"line {i}",
+            "max_tokens": 12,
+            "seed": i,
+            "ignore_eos": True,
+            **body,
+        },
+    }
 
 
 def client(server: ServerProcess, key: str) -> openai.OpenAI:
@@ -107,11 +122,13 @@ def test_a_batch_runs_through_the_official_client(tmp_path: Path) -> None:
         with pytest.raises(openai.BadRequestError, match="line 1 is not JSON"):
             alpha.files.create(file=("bad.jsonl", b"{nope\n"), purpose="batch")
         with pytest.raises(openai.BadRequestError, match="endpoint"):
-            alpha.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                 completion_window="24h")  # fmt: skip
+            alpha.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
         with pytest.raises(openai.BadRequestError, match="completion_window"):
-            alpha.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
-                                 completion_window="1h")  # type: ignore[arg-type]  # fmt: skip
+            alpha.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="1h"
+            )  # type: ignore[arg-type]
         alpha.files.delete(uploaded.id)
         with pytest.raises(openai.NotFoundError):
             alpha.files.retrieve(uploaded.id)
@@ -126,8 +143,9 @@ def test_a_cancelled_batch_stops_taking_lines(tmp_path: Path) -> None:
         api = client(server, "none")
         lines = [completion_line(i, max_tokens=20) for i in range(200)]
         uploaded = api.files.create(file=("big.jsonl", jsonl(lines)), purpose="batch")
-        batch = api.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
-                                   completion_window="24h")  # fmt: skip
+        batch = api.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+        )
         deadline = time.monotonic() + 20
         while api.batches.retrieve(batch.id).request_counts.completed < 2:
             assert time.monotonic() < deadline
@@ -152,8 +170,9 @@ def test_every_line_is_answered_once_across_a_sigkill(tmp_path: Path) -> None:
     try:
         api = client(first, "none")
         uploaded = api.files.create(file=("kill.jsonl", jsonl(lines)), purpose="batch")
-        batch = api.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
-                                   completion_window="24h")  # fmt: skip
+        batch = api.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+        )
         deadline = time.monotonic() + 20
         while (completed := api.batches.retrieve(batch.id).request_counts.completed) < 5:
             assert time.monotonic() < deadline

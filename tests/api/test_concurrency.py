@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess, cancellations
 from tests.simtext import expected_chat
+from tests.support.servers import ServerProcess, cancellations
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,12 @@ async def test_100_concurrent_streams_each_get_their_own_text(sim_server: Server
     async def one(i: int) -> tuple[int, str, list[dict[str, str]]]:
         messages = [{"role": "user", "content": f"stream number {i}"}]
         stream = await client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=64, seed=1000 + i,  # type: ignore[arg-type]
+            model=MODEL,
+            messages=messages,
+            max_tokens=64,
+            seed=1000 + i,  # type: ignore[arg-type]
             stream=True,
-        )  # fmt: skip
+        )
         text = ""
         async for chunk in stream:
             if chunk.choices:
@@ -64,9 +67,12 @@ async def test_disconnect_aborts_generation(sim_server: ServerProcess) -> None:
     async with httpx.AsyncClient(timeout=10) as client:
         for _ in range(10):
             body = {
-                "model": MODEL, "prompt": "long one", "max_tokens": 1000, "stream": True,
+                "model": MODEL,
+                "prompt": "long one",
+                "max_tokens": 1000,
+                "stream": True,
                 "ignore_eos": True,
-            }  # fmt: skip
+            }
             async with client.stream("POST", sim_server.v1 + "/completions", json=body) as resp:
                 n = 0
                 async for _line in resp.aiter_lines():
@@ -98,9 +104,12 @@ async def test_200_disconnects_leak_nothing(sim_server: ServerProcess) -> None:
     async def one(i: int) -> bool:
         """True if admitted (then it hangs up mid-stream); refused by objective otherwise."""
         body = {
-            "model": MODEL, "prompt": f"leak {i}", "max_tokens": 500, "stream": True,
+            "model": MODEL,
+            "prompt": f"leak {i}",
+            "max_tokens": 500,
+            "stream": True,
             "ignore_eos": True,
-        }  # fmt: skip
+        }
         async with (
             httpx.AsyncClient(timeout=10) as client,
             client.stream("POST", sim_server.v1 + "/completions", json=body) as resp,

@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import start_server
+from tests.support.servers import start_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,13 @@ def test_sigterm_drains_then_exits_zero() -> None:
     results: dict[str, Any] = {}
 
     def stream(name: str, max_tokens: int) -> None:
-        body = {"model": MODEL, "prompt": name, "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": name,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", srv.v1 + "/completions", json=body, timeout=30) as resp:
             results[name] = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
 
@@ -37,8 +42,7 @@ def test_sigterm_drains_then_exits_zero() -> None:
     time.sleep(0.3)
     srv.process.send_signal(signal.SIGTERM)
     time.sleep(0.2)
-    refused = httpx.post(srv.v1 + "/completions", json={"model": MODEL, "prompt": "new"},
-                         timeout=5)  # fmt: skip
+    refused = httpx.post(srv.v1 + "/completions", json={"model": MODEL, "prompt": "new"}, timeout=5)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "server_draining"
     assert "retry-after" in refused.headers

@@ -15,8 +15,8 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, start_server
 from tests.simtext import expected_completion
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,11 @@ def server(tmp_path: Path, name: str, **settings: Any) -> Iterator[ServerProcess
     # Static admission: these tests are about the queue's own limits and policies (the
     # objectives' refusals are tested in test_slo_admission.py).
     base = {
-        "engine": "sim", "sim_step_base_ms": 5, "sim_step_per_token_ms": 0.0,
+        "engine": "sim",
+        "sim_step_base_ms": 5,
+        "sim_step_per_token_ms": 0.0,
         "admission": "static",
-    }  # fmt: skip
+    }
     proc = start_server(["--config", config_file(tmp_path, name, **{**base, **settings})], name)
     try:
         yield proc

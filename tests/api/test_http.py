@@ -8,7 +8,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -127,9 +127,12 @@ def test_prompt_longer_than_context_400(sim_server: ServerProcess) -> None:
 
 def test_unknown_fields_ignored_and_vllm_extensions_accepted(sim_server: ServerProcess) -> None:
     body = chat_body(
-        some_future_field={"x": 1}, ignore_eos=True, max_tokens=12,
-        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
-    )  # fmt: skip
+        some_future_field={"x": 1},
+        ignore_eos=True,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     with httpx.stream("POST", sim_server.v1 + "/chat/completions", json=body, timeout=10) as resp:
         assert resp.status_code == 200
         lines = [ln for ln in resp.iter_lines() if ln.startswith("data: {")]

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import start_server
 from tests.simtext import expected_completion
+from tests.support.servers import start_server
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,14 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
     jobs: dict[str, int] = {}
     try:
         for i in range(12):
-            body = {"model": MODEL, "prompt": f"job {i}", "max_tokens": 30, "seed": i,
-                    "ignore_eos": True, "background": True}  # fmt: skip
+            body = {
+                "model": MODEL,
+                "prompt": f"job {i}",
+                "max_tokens": 30,
+                "seed": i,
+                "ignore_eos": True,
+                "background": True,
+            }
             resp = httpx.post(srv.v1 + "/completions", json=body, timeout=10)
             assert resp.status_code == 202, resp.text
             job = resp.json()
@@ -54,9 +60,10 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             done = [
-                j for j in jobs
+                j
+                for j in jobs
                 if httpx.get(f"{srv.v1}/jobs/{j}", timeout=5).json()["status"] == "done"
-            ]  # fmt: skip
+            ]
             if len(done) >= 2:
                 break
             time.sleep(0.05)
@@ -97,18 +104,29 @@ def test_jobs_are_under_the_tenants_limits_and_journal_only_their_fields(
                 "engine": "sim",
                 "journal_path": str(journal),
                 "tenants": [
-                    {"name": "five", "api_key": "sk-five", "requests_per_second": 5,
-                     "tokens_per_minute": 100_000},
+                    {
+                        "name": "five",
+                        "api_key": "sk-five",
+                        "requests_per_second": 5,
+                        "tokens_per_minute": 100_000,
+                    },
                 ],
             }
         )
-    )  # fmt: skip
+    )
     srv = start_server(["--config", str(config)], "jobs-limits")
     headers = {"authorization": "Bearer sk-five"}
     try:
         junk = "j" * 300_000  # three of them: just under max_request_body_bytes
-        body = {"model": MODEL, "prompt": "a job", "max_tokens": 8, "background": True,
-                "junk": junk, "user": junk, "metadata": {"junk": junk}}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "a job",
+            "max_tokens": 8,
+            "background": True,
+            "junk": junk,
+            "user": junk,
+            "metadata": {"junk": junk},
+        }
         statuses = []
         with httpx.Client(timeout=10) as client:
             for _ in range(40):

@@ -1,34 +1,31 @@
-"""The official openai client against the real server (sim engine)."""
+"""The official openai client, unmodified, against the app (sim engine), in process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
 from tests.simtext import expected_chat, expected_completion
-
-pytestmark = pytest.mark.slow
+from tests.support.inprocess import serve_in_process
 
 MODEL = "sluicegate-sim"
 
 
 @pytest.fixture
-def client(sim_server: ServerProcess) -> Iterator[openai.OpenAI]:
-    """A client per test, closed after it (its pooled connections with it)."""
-    with openai.OpenAI(base_url=sim_server.v1, api_key="unused", max_retries=0) as client:
-        yield client
+async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+    async with serve_in_process(max_num_seqs=64, max_model_len=1024) as app:
+        yield app.openai(max_retries=0)
 
 
-def test_models_lists_served_model(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == [MODEL]
+async def test_models_lists_served_model(client: openai.AsyncOpenAI) -> None:
+    assert [m.id for m in (await client.models.list()).data] == [MODEL]
 
 
-def test_chat_non_streaming(client: openai.OpenAI) -> None:
+async def test_chat_non_streaming(client: openai.AsyncOpenAI) -> None:
     messages = [{"role": "user", "content": "Tell me about rivers."}]
-    resp = client.chat.completions.create(
+    resp = await client.chat.completions.create(
         model=MODEL,
         messages=messages,
         max_tokens=40,
@@ -43,13 +40,17 @@ def test_chat_non_streaming(client: openai.OpenAI) -> None:
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 40
 
 
-def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
+async def test_chat_streaming_with_usage(client: openai.AsyncOpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=50, seed=3,  # type: ignore[arg-type]
-        stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
-    chunks = list(stream)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=50,
+        seed=3,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected_chat(messages, 3, 50)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -60,7 +61,7 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_content_parts_equal_plain_string(client: openai.OpenAI) -> None:
+async def test_content_parts_equal_plain_string(client: openai.AsyncOpenAI) -> None:
     plain = [{"role": "user", "content": "one two"}]
     parts = [
         {
@@ -68,59 +69,61 @@ def test_content_parts_equal_plain_string(client: openai.OpenAI) -> None:
             "content": [{"type": "text", "text": "one "}, {"type": "text", "text": "two"}],
         }
     ]
-    a = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=20, seed=1)  # type: ignore[arg-type]
-    b = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=20, seed=1)  # type: ignore[arg-type]
+    a = await client.chat.completions.create(model=MODEL, messages=plain, max_tokens=20, seed=1)  # type: ignore[arg-type]
+    b = await client.chat.completions.create(model=MODEL, messages=parts, max_tokens=20, seed=1)  # type: ignore[arg-type]
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
-def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
-    full = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=30, seed=11)
+async def test_completions_streaming_and_not(client: openai.AsyncOpenAI) -> None:
+    full = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=30, seed=11)
     assert full.choices[0].text == expected_completion("Once upon", 11, 30)
-    streamed = client.completions.create(
+    streamed = await client.completions.create(
         model=MODEL, prompt="Once upon", max_tokens=30, seed=11, stream=True
     )
-    assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
+    assert "".join([c.choices[0].text async for c in streamed]) == full.choices[0].text
 
 
-def test_seed_reproducible_and_distinct(client: openai.OpenAI) -> None:
-    def run(seed: int) -> str:
-        r = client.completions.create(model=MODEL, prompt="seeded", max_tokens=60, seed=seed)
+async def test_seed_reproducible_and_distinct(client: openai.AsyncOpenAI) -> None:
+    async def run(seed: int) -> str:
+        r = await client.completions.create(model=MODEL, prompt="seeded", max_tokens=60, seed=seed)
         return r.choices[0].text
 
-    assert run(5) == run(5)
-    assert run(5) != run(6)
+    assert await run(5) == await run(5)
+    assert await run(5) != await run(6)
 
 
-def test_max_tokens_and_max_completion_tokens(client: openai.OpenAI) -> None:
+async def test_max_tokens_and_max_completion_tokens(client: openai.AsyncOpenAI) -> None:
     messages = [{"role": "user", "content": "count"}]
-    r = client.chat.completions.create(
+    r = await client.chat.completions.create(
         model=MODEL, messages=messages, max_completion_tokens=9, seed=2
     )  # type: ignore[arg-type]
     assert r.usage is not None and r.usage.completion_tokens == 9
     assert r.choices[0].finish_reason == "length"
 
 
-def test_stop_string_honoured_and_not_leaked(client: openai.OpenAI) -> None:
+async def test_stop_string_honoured_and_not_leaked(client: openai.AsyncOpenAI) -> None:
     prompt = "stop test"
     reference = expected_completion(prompt, 21, 400)
     # Pick a stop string that occurs in the reference after some text.
     words = reference.split(" ")
     stop = words[4] + " " + words[5]
     cut = reference.index(stop)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=400, seed=21, stop=[stop])
+    r = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=400, seed=21, stop=[stop]
+    )
     assert r.choices[0].text == reference[:cut]
     assert r.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(
+    streamed = await client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=400, seed=21, stop=stop, stream=True
     )
-    pieces = [c.choices[0].text for c in streamed]
+    pieces = [c.choices[0].text async for c in streamed]
     assert "".join(pieces) == reference[:cut]
     assert stop not in "".join(pieces)
 
 
-def test_unsupported_parameter_is_a_400(client: openai.OpenAI) -> None:
+async def test_unsupported_parameter_is_a_400(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
+        await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
             n=2,  # type: ignore[list-item]
@@ -128,23 +131,27 @@ def test_unsupported_parameter_is_a_400(client: openai.OpenAI) -> None:
     assert "'n'" in str(info.value)
 
 
-def test_structured_output_on_the_sim_engine_is_a_400_that_says_why(
-    client: openai.OpenAI,
+async def test_structured_output_on_the_sim_engine_is_a_400_that_says_why(
+    client: openai.AsyncOpenAI,
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
             response_format={"type": "json_object"},
-        )  # fmt: skip
+        )
     assert "sim engine" in str(info.value)
     assert info.value.body["param"] == "response_format"  # type: ignore[index]
-    text = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+    text = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
         response_format={"type": "text"},
-    )  # fmt: skip
+    )
     assert text.choices[0].message.content
 
 
-def test_unknown_model_is_a_404(client: openai.OpenAI) -> None:
+async def test_unknown_model_is_a_404(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-nonexistent", prompt="x", max_tokens=2)
+        await client.completions.create(model="gpt-nonexistent", prompt="x", max_tokens=2)

@@ -10,16 +10,26 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.conftest import start_server
+from tests.support.servers import start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 
 SIM = [
-    "--engine", "sim", "--sim-step-base-ms", "2", "--sim-step-per-token-ms", "0",
-    "--max-num-seqs", "4", "--max-queue-wait-seconds", "5", "--flush-interval-ms", "0",
-]  # fmt: skip
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "2",
+    "--sim-step-per-token-ms",
+    "0",
+    "--max-num-seqs",
+    "4",
+    "--max-queue-wait-seconds",
+    "5",
+    "--flush-interval-ms",
+    "0",
+]
 
 
 def wait_for(condition: Callable[[], bool], within_seconds: float, what: str) -> None:
@@ -52,9 +62,13 @@ def test_four_slow_streams_do_not_hold_the_four_seats() -> None:
 
     def slow_stream(i: int) -> None:
         body = {
-            "model": MODEL, "prompt": f"slow {i}", "max_tokens": 120, "ignore_eos": True,
-            "stream": True, "max_tokens_per_second": 1,
-        }  # fmt: skip
+            "model": MODEL,
+            "prompt": f"slow {i}",
+            "max_tokens": 120,
+            "ignore_eos": True,
+            "stream": True,
+            "max_tokens_per_second": 1,
+        }
         with httpx.stream("POST", srv.v1 + "/completions", json=body, timeout=30) as resp:
             tokens[i] = {
                 "id": resp.headers["x-request-id"],

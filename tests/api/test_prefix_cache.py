@@ -13,8 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import ServerProcess, start_server
 from tests.resume.conftest import SIM, config_file
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,10 @@ TENANTS = [{"name": "alpha", "api_key": "key-alpha"}, {"name": "beta", "api_key"
 
 
 def ask(server: ServerProcess, question: str, key: str | None = None) -> dict[str, Any]:
-    body = {"messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": question}], "max_tokens": 4}  # fmt: skip
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 4,
+    }
     headers = {"authorization": f"Bearer {key}"} if key else {}
     response = httpx.post(server.v1 + "/chat/completions", json=body, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
@@ -49,9 +51,15 @@ def test_a_repeated_system_prompt_is_reused_and_reported(server: ServerProcess) 
     again = ask(server, "When do you close?")
     assert again["prompt_tokens"] > cached(again) >= again["prompt_tokens"] - 32
     # Streamed, the usage chunk says so too.
-    body = {"messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": "Open on Monday?"}], "max_tokens": 4,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Open on Monday?"},
+        ],
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server.v1 + "/chat/completions", json=body, timeout=30) as r:
         last = [line for line in r.iter_lines() if line.startswith("data: {")][-1]
     assert cached(orjson.loads(last[6:])["usage"]) > 0
@@ -97,10 +105,13 @@ def test_a_prefill_while_typing_warms_the_cache_for_the_final_request(
     assert counts["accepted"] >= 1 and counts["running"] == 0
     metric = 'sluicegate_prefill_requests_total{outcome="completed"}'
     assert server.metrics().total(metric) == counts["completed"]
-    final = [{"role": "system", "content": system},
-             {"role": "user", "content": "Do you have a room with a view?"}]  # fmt: skip
-    response = httpx.post(server.v1 + "/chat/completions",
-                          json={"messages": final, "max_tokens": 4}, timeout=30)  # fmt: skip
+    final = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Do you have a room with a view?"},
+    ]
+    response = httpx.post(
+        server.v1 + "/chat/completions", json={"messages": final, "max_tokens": 4}, timeout=30
+    )
     usage = response.json()["usage"]
     assert cached(usage) >= body["prompt_tokens"] - 32  # all but the last words typed
     bad = httpx.post(server.v1 + "/prefill", json={"messages": "nope"}, timeout=10)

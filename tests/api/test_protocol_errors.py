@@ -14,7 +14,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -89,19 +89,29 @@ def test_a_bad_first_websocket_message_closes_1003_with_an_error(
 
 @pytest.mark.parametrize(
     "bad",
-    ['{"type": "credit", "tokens": true}', '{"type": "credit", "tokens": -5}',
-     '{"type": "wat"}', "garbage"],
+    [
+        '{"type": "credit", "tokens": true}',
+        '{"type": "credit", "tokens": -5}',
+        '{"type": "wat"}',
+        "garbage",
+    ],
     ids=repr,
-)  # fmt: skip
+)
 def test_a_bad_message_mid_stream_closes_1003_with_an_error(
     sim_server: ServerProcess, bad: str
 ) -> None:
     # 8 tokens of credit hold at least one whole character (the sim's tokens are bytes).
     request = {
-        "type": "request", "credits": 8,
-        "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                 "max_tokens": 200, "ignore_eos": True, "seed": 7},
-    }  # fmt: skip
+        "type": "request",
+        "credits": 8,
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "seed": 7,
+        },
+    }
     with connect(ws_url(sim_server)) as ws:
         ws.send(orjson.dumps(request).decode())
         first = orjson.loads(ws.recv(timeout=10))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +22,17 @@ SIM = ["--engine", "sim", "--sim-step-base-ms", "20", "--sim-step-per-token-ms",
 
 def start_slo_server() -> ServerProcess:
     return start_server(
-        [*SIM, "--max-num-seqs", "8", "--ttft-slo-ms", str(TTFT_OBJECTIVE * 1000),
-         "--tpot-slo-ms", "200"],
+        [
+            *SIM,
+            "--max-num-seqs",
+            "8",
+            "--ttft-slo-ms",
+            str(TTFT_OBJECTIVE * 1000),
+            "--tpot-slo-ms",
+            "200",
+        ],
         "slo",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +62,12 @@ async def stream_once(
     client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int = 64
 ) -> Outcome:
     body = {
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
         "stream": True,
-    }  # fmt: skip
+    }
     started = time.monotonic()
     async with client.stream("POST", base + "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -180,7 +190,9 @@ def test_static_admission_never_refuses_by_objective() -> None:
         outcomes = asyncio.run(burst(server.base_url, count=30, spacing=0.005, max_tokens=16))
         assert all(o.status == 200 for o in outcomes)
         assert server.stats()["admission"] == {
-            "mode": "static", "ttft_objective": None, "objectives": {}
-        }  # fmt: skip
+            "mode": "static",
+            "ttft_objective": None,
+            "objectives": {},
+        }
     finally:
         server.stop()

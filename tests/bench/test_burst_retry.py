@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sluicegate.bench.cli import bench_app
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,19 @@ CAPACITY_RPS = 4.5
 def slo_server() -> Iterator[ServerProcess]:
     server = start_server(
         [
-            "--engine", "sim", "--sim-step-base-ms", "20", "--sim-step-per-token-ms", "0.2",
-            "--max-num-seqs", "8", "--admission", "slo",
+            "--engine",
+            "sim",
+            "--sim-step-base-ms",
+            "20",
+            "--sim-step-per-token-ms",
+            "0.2",
+            "--max-num-seqs",
+            "8",
+            "--admission",
+            "slo",
         ],
         "bench-burst-retry",
-    )  # fmt: skip
+    )
     yield server
     server.stop()
 
@@ -44,11 +52,20 @@ def test_retries_at_the_advertised_time_are_mostly_admitted(
     result = CliRunner().invoke(
         bench_app,
         [
-            "run", "--target", slo_server.base_url, "--scenario", "burst-retry",
-            "--capacity-rps", str(CAPACITY_RPS), "--duration-seconds", "6", "--out", str(out),
+            "run",
+            "--target",
+            slo_server.base_url,
+            "--scenario",
+            "burst-retry",
+            "--capacity-rps",
+            str(CAPACITY_RPS),
+            "--duration-seconds",
+            "6",
+            "--out",
+            str(out),
             "--no-progress",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.output
     assert "retries at the advertised time admitted" in result.output
 

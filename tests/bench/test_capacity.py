@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sluicegate.bench.cli import bench_app
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +55,17 @@ capacity:
 def capacity_server() -> Iterator[ServerProcess]:
     server = start_server(
         [
-            "--engine", "sim", "--sim-step-base-ms", str(STEP_BASE_MS),
-            "--sim-step-per-token-ms", str(STEP_PER_TOKEN_MS),
-            "--max-num-seqs", str(NUM_SEQS),
+            "--engine",
+            "sim",
+            "--sim-step-base-ms",
+            str(STEP_BASE_MS),
+            "--sim-step-per-token-ms",
+            str(STEP_PER_TOKEN_MS),
+            "--max-num-seqs",
+            str(NUM_SEQS),
         ],
         "bench-capacity",
-    )  # fmt: skip
+    )
     yield server
     server.stop()
 
@@ -79,10 +84,16 @@ def test_capacity_matches_the_step_time_model(
     result = CliRunner().invoke(
         bench_app,
         [
-            "capacity", "--target", capacity_server.base_url, "--scenario", str(scenario),
-            "--out", str(out), "--no-progress",
+            "capacity",
+            "--target",
+            capacity_server.base_url,
+            "--scenario",
+            str(scenario),
+            "--out",
+            str(out),
+            "--no-progress",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.output
     assert "capacity:" in result.output and "requests/s" in result.output
     document = orjson.loads((out / "results.json").read_bytes())

@@ -52,9 +52,11 @@ STREAM_OK: Response = (200, SSE_HEADERS, sse(chunk("a", 1), chunk("b", 2)))
 
 def slo_error(retry_after_ms: float | None) -> dict[str, object]:
     error: dict[str, object] = {
-        "message": "The deadline can no longer be met.", "type": "rate_limit_error",
-        "param": None, "code": "slo_unreachable",
-    }  # fmt: skip
+        "message": "The deadline can no longer be met.",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "slo_unreachable",
+    }
     if retry_after_ms is not None:
         error["retry_after_ms"] = retry_after_ms
     return {"error": error}
@@ -107,10 +109,17 @@ def serve(script: list[Response]) -> Iterator[ScriptedServer]:
 
 def planned() -> PlannedRequest:
     return PlannedRequest(
-        index=0, stage_index=0, send_offset_seconds=0.0, tenant="default",
-        client_class=ClientClass.NORMAL, target_prompt_tokens=8, max_tokens=2,
-        disconnect_after_tokens=None, read_tokens_per_second=None, prompt_seed=1,
-    )  # fmt: skip
+        index=0,
+        stage_index=0,
+        send_offset_seconds=0.0,
+        tenant="default",
+        client_class=ClientClass.NORMAL,
+        target_prompt_tokens=8,
+        max_tokens=2,
+        disconnect_after_tokens=None,
+        read_tokens_per_second=None,
+        prompt_seed=1,
+    )
 
 
 def context(url: str, scenario_text: str = SCENARIO) -> ClientContext:

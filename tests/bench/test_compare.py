@@ -50,10 +50,16 @@ def test_compare_runs_both_configurations_in_turn(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         bench_app,
         [
-            "compare", str(on), str(off), "--scenario", str(scenario), "--out", str(out),
+            "compare",
+            str(on),
+            str(off),
+            "--scenario",
+            str(scenario),
+            "--out",
+            str(out),
             "--no-progress",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, result.output
     assert "ran in turn: on then off" in result.output
 
@@ -63,9 +69,13 @@ def test_compare_runs_both_configurations_in_turn(tmp_path: Path) -> None:
     for label in ("on", "off"):
         entry = summary[label]
         for key in (
-            "ttft_p50_seconds", "ttft_p99_seconds", "tpot_p50_seconds", "tpot_p99_seconds",
-            "goodput_rps", "rejection_rate",
-        ):  # fmt: skip
+            "ttft_p50_seconds",
+            "ttft_p99_seconds",
+            "tpot_p50_seconds",
+            "tpot_p99_seconds",
+            "goodput_rps",
+            "rejection_rate",
+        ):
             assert key in entry, key
         assert entry["num_requests"] > 5 and entry["ttft_p50_seconds"] > 0
         assert "class=slow" in entry["groups"] and "class=disconnect" in entry["groups"]

@@ -22,7 +22,7 @@ from sluicegate.bench.runner import Runner
 from sluicegate.bench.scenario import load_scenario
 from sluicegate.bench.schedule import ClientClass, build_schedule
 from sluicegate.bench.scrape import MetricsSnapshot
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +48,25 @@ limits: {drain_timeout_seconds: 15}
 def small_server() -> Iterator[ServerProcess]:
     server = start_server(
         [
-            "--engine", "sim", "--sim-step-base-ms", "2", "--sim-step-per-token-ms", "0.01",
-            "--max-num-seqs", "4", "--max-queued-requests", "4", "--queue-policy", "reject",
+            "--engine",
+            "sim",
+            "--sim-step-base-ms",
+            "2",
+            "--sim-step-per-token-ms",
+            "0.01",
+            "--max-num-seqs",
+            "4",
+            "--max-queued-requests",
+            "4",
+            "--queue-policy",
+            "reject",
             # A disconnect cancels at once (no grace for a reconnect), so the bench's
             # "left" clients are exactly the server's cancellations.
-            "--detached-grace-seconds", "0",
+            "--detached-grace-seconds",
+            "0",
         ],
         "bench-counters",
-    )  # fmt: skip
+    )
     yield server
     server.stop()
 

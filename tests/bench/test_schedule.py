@@ -90,8 +90,9 @@ def test_schedule_follows_the_scenario() -> None:
         (p.disconnect_after_tokens is not None) == (p.client_class is ClientClass.DISCONNECT)
         for p in requests
     )
-    assert all((p.read_tokens_per_second == 5.0) == (p.client_class is ClientClass.SLOW)
-               for p in requests)  # fmt: skip
+    assert all(
+        (p.read_tokens_per_second == 5.0) == (p.client_class is ClientClass.SLOW) for p in requests
+    )
     tenants = [p.tenant for p in requests]
     assert 2.2 < tenants.count("a") / tenants.count("b") < 4.2
     prompts = [p.target_prompt_tokens for p in requests]
@@ -174,9 +175,15 @@ def test_validation_errors_name_the_field(change: str, message: str) -> None:
 def test_builtin_scenarios_load(tmp_path: Path) -> None:
     names = builtin_scenario_names()
     assert {
-        "steady", "burst-3x", "slow-readers", "disconnect-storm",
-        "long-prompt-interference", "tenant-flood", "overload", "burst-retry",
-    } <= set(names)  # fmt: skip
+        "steady",
+        "burst-3x",
+        "slow-readers",
+        "disconnect-storm",
+        "long-prompt-interference",
+        "tenant-flood",
+        "overload",
+        "burst-retry",
+    } <= set(names)
     for name in names:
         scenario = load_scenario(name)
         assert scenario.description

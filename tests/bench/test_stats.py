@@ -26,11 +26,17 @@ def planned(
     disconnect_after_tokens: int | None = None,
 ) -> PlannedRequest:
     return PlannedRequest(
-        index=index, stage_index=0, send_offset_seconds=float(index), tenant="t",
-        client_class=client_class, target_prompt_tokens=8, max_tokens=max_tokens,
+        index=index,
+        stage_index=0,
+        send_offset_seconds=float(index),
+        tenant="t",
+        client_class=client_class,
+        target_prompt_tokens=8,
+        max_tokens=max_tokens,
         disconnect_after_tokens=disconnect_after_tokens,
-        read_tokens_per_second=read_tokens_per_second, prompt_seed=index,
-    )  # fmt: skip
+        read_tokens_per_second=read_tokens_per_second,
+        prompt_seed=index,
+    )
 
 
 def streamed(
@@ -38,9 +44,14 @@ def streamed(
 ) -> Attempt:
     events = [(ttft + i * gap, per_event) for i in range(num_tokens // per_event)]
     return Attempt(
-        sent_offset_seconds=sent, status=200, outcome=Outcome.COMPLETED, prompt_tokens=8,
-        completion_tokens=num_tokens, token_events=events, e2e_seconds=events[-1][0],
-    )  # fmt: skip
+        sent_offset_seconds=sent,
+        status=200,
+        outcome=Outcome.COMPLETED,
+        prompt_tokens=8,
+        completion_tokens=num_tokens,
+        token_events=events,
+        e2e_seconds=events[-1][0],
+    )
 
 
 def rejected() -> Attempt:
@@ -107,10 +118,12 @@ def test_ttft_growth_tells_a_growing_queue() -> None:
 def test_run_summary_groups() -> None:
     samples = [
         Sample(planned(0), [streamed(0.1, 0.01, 10)]),
-        Sample(planned(1, client_class=ClientClass.SLOW, read_tokens_per_second=5.0),
-               [streamed(0.1, 0.2, 10)]),
+        Sample(
+            planned(1, client_class=ClientClass.SLOW, read_tokens_per_second=5.0),
+            [streamed(0.1, 0.2, 10)],
+        ),
         Sample(planned(2), not_sent_reason="max_in_flight connections open"),
-    ]  # fmt: skip
+    ]
     groups = summarise_run(samples, [StagePlan(0, 3.0, 0.0, 1.0)], SLO)
     assert set(groups) == {"all", "class=normal", "class=slow", "tenant=t", "stage=0"}
     assert groups["all"].num_not_sent == 1 and groups["all"].num_good == 2
@@ -126,10 +139,15 @@ def refused(
 ) -> Attempt:
     """A refusal: a 429, or a final error event of an admitted stream."""
     return Attempt(
-        sent, status=200 if in_stream else 429, outcome=Outcome.REJECTED, e2e_seconds=e2e,
-        retry_after_seconds=retry_after, refused_after_seconds=e2e, refused_in_stream=in_stream,
+        sent,
+        status=200 if in_stream else 429,
+        outcome=Outcome.REJECTED,
+        e2e_seconds=e2e,
+        retry_after_seconds=retry_after,
+        refused_after_seconds=e2e,
+        refused_in_stream=in_stream,
         error_code="slo_unreachable",
-    )  # fmt: skip
+    )
 
 
 def test_admitted_ttft_keeps_requests_that_never_got_a_token() -> None:

@@ -57,9 +57,10 @@ def test_base_is_the_lowest_rate_and_peak_the_highest_whatever_the_order() -> No
     burst_then_calm = [StagePlan(0, 6.0, 0.0, 10.0, 3.0), StagePlan(1, 1.0, 10.0, 40.0, 0.5)]
     assert base_and_peak(burst_then_calm) == (1, 0)
     calm_burst_calm = [
-        StagePlan(0, 1.0, 0.0, 10.0, 0.5), StagePlan(1, 6.0, 10.0, 20.0, 3.0),
+        StagePlan(0, 1.0, 0.0, 10.0, 0.5),
+        StagePlan(1, 6.0, 10.0, 20.0, 3.0),
         StagePlan(2, 1.0, 20.0, 30.0, 0.5),
-    ]  # fmt: skip
+    ]
     assert base_and_peak(calm_burst_calm) == (0, 1)
     assert base_and_peak([]) == (None, None)
 
@@ -80,10 +81,13 @@ def stage_stats(
 
 
 ALL_TARGETS = Targets(
-    ttft_p99_ratio_max=1.5, tpot_p99_within_objective=True, goodput_capacity_fraction_min=0.9,
-    refusal_p99_seconds_below=0.010, resident_memory_ratio_tolerance=0.05,
+    ttft_p99_ratio_max=1.5,
+    tpot_p99_within_objective=True,
+    goodput_capacity_fraction_min=0.9,
+    refusal_p99_seconds_below=0.010,
+    resident_memory_ratio_tolerance=0.05,
     retry_admitted_fraction_min=0.8,
-)  # fmt: skip
+)
 
 
 def test_every_target_is_judged() -> None:
@@ -97,15 +101,23 @@ def test_every_target_is_judged() -> None:
     figures = run_figures(STAGES, groups, rss_series(100.0, 103.0), capacity_rps=2.0)
     checks = check_targets(ALL_TARGETS, SLO, groups, figures)
     assert [c.name for c in checks] == [
-        "admitted TTFT p99, 3x / 0.5x", "admitted TPOT p99 at 3x", "goodput at 3x / capacity",
-        "refusal latency p99 at 3x", "max RSS, 3x / 0.5x",
+        "admitted TTFT p99, 3x / 0.5x",
+        "admitted TPOT p99 at 3x",
+        "goodput at 3x / capacity",
+        "refusal latency p99 at 3x",
+        "max RSS, 3x / 0.5x",
         "retries at the advertised time admitted",
-    ]  # fmt: skip
+    ]
     assert [c.value for c in checks] == pytest.approx([1.25, 0.05, 0.95, 0.004, 1.03, 0.9])
     assert all(c.met for c in checks)
     assert [c.shown for c in checks] == [
-        "1.25", "50.0 ms", "95% (1.90 req/s)", "4.0 ms (of 30)", "1.030", "90% (9/10)",
-    ]  # fmt: skip
+        "1.25",
+        "50.0 ms",
+        "95% (1.90 req/s)",
+        "4.0 ms (of 30)",
+        "1.030",
+        "90% (9/10)",
+    ]
 
     # A collapse: TTFT blows up, TPOT over the objective, goodput gone, RSS grows 20%,
     # retries refused again, and no fast refusals at all.
@@ -125,19 +137,30 @@ def test_every_target_is_judged() -> None:
 
 def planned(index: int, stage: StagePlan) -> PlannedRequest:
     return PlannedRequest(
-        index=index, stage_index=stage.index,
-        send_offset_seconds=stage.start_seconds + index % 10, tenant="default",
-        client_class=ClientClass.NORMAL, target_prompt_tokens=100, max_tokens=64,
-        disconnect_after_tokens=None, read_tokens_per_second=None, prompt_seed=index,
-    )  # fmt: skip
+        index=index,
+        stage_index=stage.index,
+        send_offset_seconds=stage.start_seconds + index % 10,
+        tenant="default",
+        client_class=ClientClass.NORMAL,
+        target_prompt_tokens=100,
+        max_tokens=64,
+        disconnect_after_tokens=None,
+        read_tokens_per_second=None,
+        prompt_seed=index,
+    )
 
 
 def served(sent: float, ttft: float) -> Attempt:
     events = [(ttft + 0.02 * i, 1) for i in range(64)]
     return Attempt(
-        sent, status=200, outcome=Outcome.COMPLETED, prompt_tokens=100, completion_tokens=64,
-        token_events=events, e2e_seconds=events[-1][0],
-    )  # fmt: skip
+        sent,
+        status=200,
+        outcome=Outcome.COMPLETED,
+        prompt_tokens=100,
+        completion_tokens=64,
+        token_events=events,
+        e2e_seconds=events[-1][0],
+    )
 
 
 def run(label: str, overload_ttft: float, num_refused: int, rss_growth_mib: float) -> RunResult:
@@ -149,11 +172,21 @@ def run(label: str, overload_ttft: float, num_refused: int, rss_growth_mib: floa
         refusal = Attempt(10.0, status=429, outcome=Outcome.REJECTED, e2e_seconds=0.003)
         samples.append(Sample(planned(i, STAGES[1]), [refusal]))
     return RunResult(
-        label=label, target_url="http://127.0.0.1:1", scenario=load_scenario("overload"),
-        seed=11, model="m", started_at_unix=0.0, capacity_rps=2.0, stages=STAGES,
-        samples=samples, series=rss_series(100.0, 100.0 + rss_growth_mib), counters_before={},
-        counters_after={}, calibration=Calibration(1.0), wall_seconds=20.0,
-    )  # fmt: skip
+        label=label,
+        target_url="http://127.0.0.1:1",
+        scenario=load_scenario("overload"),
+        seed=11,
+        model="m",
+        started_at_unix=0.0,
+        capacity_rps=2.0,
+        stages=STAGES,
+        samples=samples,
+        series=rss_series(100.0, 100.0 + rss_growth_mib),
+        counters_before={},
+        counters_after={},
+        calibration=Calibration(1.0),
+        wall_seconds=20.0,
+    )
 
 
 def test_targets_table_side_by_side() -> None:

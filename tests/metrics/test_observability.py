@@ -22,16 +22,27 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluicegate.api.app import create_app
 from sluicegate.config import load_settings
 from sluicegate.metrics.tracing import use_tracer
-from tests.conftest import ServerProcess, free_port, start_server
+from tests.support.servers import ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 ALLOWED_LABELS = {
-    "status", "reason", "priority", "engine", "tenant", "operation", "outcome", "le", "quantile",
+    "status",
+    "reason",
+    "priority",
+    "engine",
+    "tenant",
+    "operation",
+    "outcome",
+    "le",
+    "quantile",
     # Pipelines: names from the config file (stages, pipelines, checks), input or output.
-    "stage", "pipeline", "check", "where",
-}  # fmt: skip
+    "stage",
+    "pipeline",
+    "check",
+    "where",
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +53,12 @@ def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
             {
                 "engine": "sim",
                 "sim_step_base_ms": 20,
-                "tenants": [{"name": "t", "api_key": "k", "requests_per_second": 5}],
+                # A burst of 5, then one request every 100 s: no refill while the
+                # tests run, however slow the machine.
+                "tenants": [
+                    {"name": "t", "api_key": "k", "requests_per_second": 0.01, "request_burst": 5},
+                    {"name": "unlimited", "api_key": "k-unlimited"},
+                ],
             }
         )
     )
@@ -66,8 +82,13 @@ def test_counters_match_a_known_workload(metrics_server: ServerProcess) -> None:
     url = metrics_server.v1 + "/completions"
 
     def one(_: int) -> tuple[int, float | None]:
-        body = {"model": MODEL, "prompt": "abcd", "max_tokens": 6, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "abcd",
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "stream": True,
+        }
         started = time.monotonic()
         ttft = None
         with httpx.stream("POST", url, json=body, headers=headers, timeout=10) as resp:
@@ -76,7 +97,7 @@ def test_counters_match_a_known_workload(metrics_server: ServerProcess) -> None:
                     ttft = time.monotonic() - started
             return resp.status_code, ttft
 
-    # A burst of 8 at once against 5 requests/s (burst 5): 5 admitted, 3 rate limited.
+    # A burst of 8 at once against a burst of 5: 5 admitted, 3 rate limited.
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(8)))
     statuses = [status for status, _ in results]
@@ -92,11 +113,17 @@ def test_counters_match_a_known_workload(metrics_server: ServerProcess) -> None:
     assert m["sluicegate_rejections_total{reason=rate_limited_requests}"] == rejected
     assert m["sluicegate_rejections_total{reason=auth}"] == 1
     for name in (
-        "time_to_first_token_seconds", "time_to_first_meaningful_token_seconds",
+        "time_to_first_token_seconds",
+        "time_to_first_meaningful_token_seconds",
         "time_per_output_token_seconds",
-        "inter_token_latency_seconds", "e2e_request_latency_seconds", "queue_wait_seconds",
-        "prefill_seconds", "engine_step_seconds", "batch_size", "batch_tokens",
-    ):  # fmt: skip
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "queue_wait_seconds",
+        "prefill_seconds",
+        "engine_step_seconds",
+        "batch_size",
+        "batch_tokens",
+    ):
         counts = [v for k, v in m.items() if k.startswith(f"sluicegate_{name}_count")]
         assert counts and sum(counts) > 0, name
     # The client's TTFT falls in (or below) the server's bucket for it: the server's
@@ -123,12 +150,18 @@ def test_metrics_parse_and_labels_are_low_cardinality(metrics_server: ServerProc
             assert set(sample.labels) <= ALLOWED_LABELS, (family.name, sample.labels)
             assert not any(v.startswith(("cmpl-", "chatcmpl-")) for v in sample.labels.values())
     for required in (
-        "sluicegate_requests_running", "sluicegate_requests_waiting",
-        "sluicegate_streams_paused", "sluicegate_kv_cache_usage_ratio", "sluicegate_engine_up",
-        "sluicegate_preemptions", "sluicegate_streams_evicted", "sluicegate_cancellations",
-        "sluicegate_cancel_latency_seconds", "sluicegate_kv_cache_bytes",
+        "sluicegate_requests_running",
+        "sluicegate_requests_waiting",
+        "sluicegate_streams_paused",
+        "sluicegate_kv_cache_usage_ratio",
+        "sluicegate_engine_up",
+        "sluicegate_preemptions",
+        "sluicegate_streams_evicted",
+        "sluicegate_cancellations",
+        "sluicegate_cancel_latency_seconds",
+        "sluicegate_kv_cache_bytes",
         "process_resident_memory_bytes",
-    ):  # fmt: skip
+    ):
         assert required in names, required
     assert scrape(metrics_server)["sluicegate_kv_cache_bytes{}"] == 0  # the sim keeps no KV
 
@@ -146,13 +179,20 @@ def test_stats_snapshot(metrics_server: ServerProcess) -> None:
 
 
 def test_request_log_line_and_usage_timing(metrics_server: ServerProcess) -> None:
-    body = {"model": MODEL, "prompt": "log", "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    time.sleep(1.1)  # let the rate limit refill
+    body = {
+        "model": MODEL,
+        "prompt": "log",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream(
-        "POST", metrics_server.v1 + "/completions", json=body,
-        headers={"authorization": "Bearer k"}, timeout=10,
-    ) as resp:  # fmt: skip
+        "POST",
+        metrics_server.v1 + "/completions",
+        json=body,
+        headers={"authorization": "Bearer k-unlimited"},
+        timeout=10,
+    ) as resp:
         request_id = resp.headers["x-request-id"]
         lines = [ln for ln in resp.iter_lines() if ln.startswith("data: {")]
     final = orjson.loads(lines[-1][6:])
@@ -170,11 +210,19 @@ def test_request_log_line_and_usage_timing(metrics_server: ServerProcess) -> Non
                 record = orjson.loads(line)
         time.sleep(0.05)
     assert record is not None
-    for key in ("tenant", "prompt_tokens", "output_tokens", "queue_wait_seconds",
-                "ttft_seconds", "tpot_seconds", "finish_reason", "paused_seconds",
-                "preemptions"):  # fmt: skip
+    for key in (
+        "tenant",
+        "prompt_tokens",
+        "output_tokens",
+        "queue_wait_seconds",
+        "ttft_seconds",
+        "tpot_seconds",
+        "finish_reason",
+        "paused_seconds",
+        "preemptions",
+    ):
         assert key in record, key
-    assert record["tenant"] == "t" and record["output_tokens"] == 3
+    assert record["tenant"] == "unlimited" and record["output_tokens"] == 3
 
 
 def test_otel_span_tree(tmp_path: Path) -> None:
@@ -183,8 +231,9 @@ def test_otel_span_tree(tmp_path: Path) -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     use_tracer(provider.get_tracer("test"))
     port = free_port()
-    settings = load_settings(None, engine="sim", port=port, sim_step_base_ms=2,
-                             cache_dir=str(tmp_path))  # fmt: skip
+    settings = load_settings(
+        None, engine="sim", port=port, sim_step_base_ms=2, cache_dir=str(tmp_path)
+    )
     server = uvicorn.Server(uvicorn.Config(create_app(settings), port=port, log_level="error"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
@@ -199,8 +248,9 @@ def test_otel_span_tree(tmp_path: Path) -> None:
             time.sleep(0.05)
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": MODEL, "prompt": "trace", "max_tokens": 4}, timeout=10,
-        )  # fmt: skip
+            json={"model": MODEL, "prompt": "trace", "max_tokens": 4},
+            timeout=10,
+        )
         assert r.status_code == 200
     finally:
         server.should_exit = True

@@ -34,9 +34,10 @@ def test_the_semantic_check_tells_a_banned_topic_from_ordinary_text() -> None:
 
 def test_a_check_of_your_own_is_loaded_from_its_class(tmp_path: Path) -> None:
     custom = build_check(
-        CheckSettings(type="tests.pipeline.stall_check:StallCheck",
-                      options={"path": str(tmp_path / "absent")})
-    )  # fmt: skip
+        CheckSettings(
+            type="tests.pipeline.stall_check:StallCheck", options={"path": str(tmp_path / "absent")}
+        )
+    )
     assert asyncio.run(custom.check("anything")) is None
     with pytest.raises(ValueError, match="cannot be loaded"):
         build_check(CheckSettings(type="tests.pipeline.nowhere:Nothing"))
@@ -62,9 +63,11 @@ def test_a_pipeline_s_stages_are_named_once_and_its_stride_fits_its_window() -> 
         PipelineSettings.model_validate({"name": "p", "stages": [guard, guard]})
     with pytest.raises(ValidationError, match="stride_tokens"):
         PipelineSettings.model_validate(
-            {"name": "p", "stages": [{"guard": {**guard["guard"], "window_tokens": 4,
-                                                "stride_tokens": 8}}]}
-        )  # fmt: skip
+            {
+                "name": "p",
+                "stages": [{"guard": {**guard["guard"], "window_tokens": 4, "stride_tokens": 8}}],
+            }
+        )
 
 
 def test_passages_keep_paragraphs_whole_when_they_fit() -> None:

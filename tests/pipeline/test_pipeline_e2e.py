@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from sluicegate.bench.raw_client import event_text, open_stream
-from tests.conftest import ServerProcess, cancellations, start_server
 from tests.simtext import expected_chat
+from tests.support.servers import ServerProcess, cancellations, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -84,10 +84,25 @@ def server(tmp_path_factory: pytest.TempPathFactory, stall_file: Path) -> Iterat
     }
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     args = [
-        "--config", str(tmp / "config.yaml"), "--engine", "sim", "--sim-step-base-ms", "1",
-        "--sim-step-per-token-ms", "0.01", "--max-num-seqs", "16", "--max-model-len", "4096",
-        "--high-water-tokens", "32", "--low-water-tokens", "8", "--flush-interval-ms", "0",
-    ]  # fmt: skip
+        "--config",
+        str(tmp / "config.yaml"),
+        "--engine",
+        "sim",
+        "--sim-step-base-ms",
+        "1",
+        "--sim-step-per-token-ms",
+        "0.01",
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "4096",
+        "--high-water-tokens",
+        "32",
+        "--low-water-tokens",
+        "8",
+        "--flush-interval-ms",
+        "0",
+    ]
     process = start_server(args, "pipelines")
     yield process
     process.stop()
@@ -134,8 +149,13 @@ def test_a_pipeline_is_a_model_that_retrieves_and_formats(server: ServerProcess)
     # The system prompt and the retrieved passage are in the prompt.
     assert answer.usage is not None and plain.usage is not None
     assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 40
-    body = {"model": "support-bot", "messages": question, "max_tokens": 20, "seed": 7,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "support-bot",
+        "messages": question,
+        "max_tokens": 20,
+        "seed": 7,
+        "stream_options": {"include_usage": True},
+    }
     text, finish, use = stream(server, body)
     assert text == content and finish == "length"
     timing = use["sluicegate"]
@@ -160,8 +180,13 @@ def test_a_tripped_guard_cuts_the_stream_within_one_window(server: ServerProcess
     for seed in range(1, 8):
         messages = [{"role": "user", "content": f"Tell me a story {seed}"}]
         full = expected_chat(messages, seed, 300)
-        body = {"model": "guarded", "messages": messages, "max_tokens": 300, "seed": seed,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": "guarded",
+            "messages": messages,
+            "max_tokens": 300,
+            "seed": seed,
+            "ignore_eos": True,
+        }
         text, finish, _ = stream(server, body)
         if "queue" not in full:
             assert (text, finish) == (full, "length")
@@ -196,8 +221,13 @@ def test_a_stalled_stage_pauses_only_its_own_request(
     server: ServerProcess, stall_file: Path
 ) -> None:
     messages = [{"role": "user", "content": "a long answer"}]
-    slow_body = {"model": "slow-bot", "messages": messages, "max_tokens": 400, "seed": 3,
-                 "ignore_eos": True}  # fmt: skip
+    slow_body = {
+        "model": "slow-bot",
+        "messages": messages,
+        "max_tokens": 400,
+        "seed": 3,
+        "ignore_eos": True,
+    }
     stall_file.touch()
     result: dict[str, Any] = {}
     slow = threading.Thread(target=lambda: result.update(out=stream(server, slow_body)))
@@ -219,9 +249,9 @@ def test_a_stalled_stage_pauses_only_its_own_request(
         # Meanwhile another request streams to its end.
         other = [{"role": "user", "content": "meanwhile"}]
         text, finish, _ = stream(
-            server, {"model": MODEL, "messages": other, "max_tokens": 200, "seed": 1,
-                     "ignore_eos": True},
-        )  # fmt: skip
+            server,
+            {"model": MODEL, "messages": other, "max_tokens": 200, "seed": 1, "ignore_eos": True},
+        )
         assert (text, finish) == (expected_chat(other, 1, 200), "length")
         assert slow.is_alive()
     finally:
@@ -238,8 +268,13 @@ def test_a_client_that_leaves_a_stalled_pipeline_cancels_its_sequence(
     stall_file.touch()
     try:
         port = int(server.base_url.rsplit(":", 1)[1])
-        body = {"model": "slow-bot", "messages": [{"role": "user", "content": "leave"}],
-                "max_tokens": 400, "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": "slow-bot",
+            "messages": [{"role": "user", "content": "leave"}],
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
         raw = open_stream("127.0.0.1", port, "/v1/chat/completions", body)
         wait_for(lambda: server.stats()["streams_paused"] == 1, 10, "the pause")
         raw.close()
@@ -253,8 +288,13 @@ def test_a_pipeline_over_the_websocket_trips_like_over_http(server: ServerProces
     from websockets.sync.client import connect
 
     seed = next(s for s in range(1, 50) if "queue" in expected_chat(QUESTION_WS, s, 200))
-    body = {"model": "guarded", "messages": QUESTION_WS, "max_tokens": 200, "seed": seed,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "guarded",
+        "messages": QUESTION_WS,
+        "max_tokens": 200,
+        "seed": seed,
+        "ignore_eos": True,
+    }
     text, _, _ = stream(server, body)
     url = server.base_url.replace("http://", "ws://") + "/v1/ws"
     received, done = "", None
@@ -263,8 +303,9 @@ def test_a_pipeline_over_the_websocket_trips_like_over_http(server: ServerProces
         while done is None:
             message = orjson.loads(ws.recv(timeout=10))
             if message.get("object") == "chat.completion.chunk":
+                # As over SSE: the role, the text, then the finish reason's own chunk.
                 assert message["model"] == "guarded"
-                received += message["choices"][0]["delta"]["content"]
+                received += message["choices"][0]["delta"].get("content") or ""
             elif message.get("type") == "done":
                 done = message
             else:

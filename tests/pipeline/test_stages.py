@@ -18,9 +18,11 @@ def delta(text: str, n: int, finish: FinishReason | None = None) -> RequestOutpu
 def guard(window: int, stride: int, pattern: str) -> tuple[GuardStage, list[Trip]]:
     trips: list[Trip] = []
     settings = GuardSettings(
-        window_tokens=window, stride_tokens=stride, replacement="[filtered]",
+        window_tokens=window,
+        stride_tokens=stride,
+        replacement="[filtered]",
         checks=[CheckSettings(type="regex", patterns=[pattern])],
-    )  # fmt: skip
+    )
     return GuardStage(settings, [RegexCheck("words", [pattern])], trips.append), trips
 
 

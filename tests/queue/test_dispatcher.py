@@ -28,9 +28,14 @@ TENANT = Tenant("default")
 
 class Harness:
     def __init__(
-        self, *, max_num_seqs: int = 1, max_queued: int = 8, policy: str = "reject",
-        wait_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        max_num_seqs: int = 1,
+        max_queued: int = 8,
+        policy: str = "reject",
+        wait_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.clock = clock
         self.capacity = DispatchCapacity(max_num_seqs, 1 << 20, 16)
         self.admission = AdmissionController(TenantRegistry())
@@ -135,10 +140,15 @@ async def _until(condition: Callable[[], bool]) -> None:
 
 # --- admission by objective ---
 
+# One seat, 0.5 s a request: two starts a second.
 ESTIMATE = ServiceEstimate(
-    seat_limit=1, step_seconds=0.05, mean_prompt_tokens=0.0, mean_output_tokens=10.0,
-    max_num_batched_tokens=512, cost=(0.0, 0.0, 0.0, 0.0),
-)  # fmt: skip  # one seat, 0.5 s a request: two starts a second
+    seat_limit=1,
+    step_seconds=0.05,
+    mean_prompt_tokens=0.0,
+    mean_output_tokens=10.0,
+    max_num_batched_tokens=512,
+    cost=(0.0, 0.0, 0.0, 0.0),
+)
 
 
 def slo_harness(clock: FakeClock) -> Harness:

@@ -184,9 +184,10 @@ def test_drop_oldest_evicts_the_oldest_of_the_same_class() -> None:
 
 def test_drop_oldest_that_cannot_make_room_evicts_nothing() -> None:
     config = FairQueueConfig(
-        ClassLimits(5, None, OverflowPolicy.DROP_OLDEST), ClassLimits(5, None),
+        ClassLimits(5, None, OverflowPolicy.DROP_OLDEST),
+        ClassLimits(5, None),
         max_queued_requests=2,
-    )  # fmt: skip
+    )
     queue = FairQueue(config)
     assert queue.offer(item("b", pc=BATCH)).admitted
     assert queue.offer(item("b", pc=BATCH)).admitted

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_server
+from tests.support.servers import start_server
 
 pytestmark = pytest.mark.slow
 

@@ -15,14 +15,24 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 MODEL = "sluicegate-sim"
 #: A fast sim engine with a short context, so that any request ends quickly.
 FAST_SIM = [
-    "--engine", "sim", "--sim-step-base-ms", "0.5", "--sim-step-per-token-ms", "0.005",
-    "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "256",
-]  # fmt: skip
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "0.5",
+    "--sim-step-per-token-ms",
+    "0.005",
+    "--max-num-seqs",
+    "16",
+    "--max-num-batched-tokens",
+    "256",
+    "--max-model-len",
+    "256",
+]
 
 
 def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict[str, Any]:

@@ -14,8 +14,8 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.conftest import ServerProcess
 from tests.reliability.conftest import MODEL, assert_healthy
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,12 @@ LONG = {"model": MODEL, "max_tokens": 240, "ignore_eos": True}
 
 
 async def dropped_stream(client: httpx.AsyncClient, server: ServerProcess, i: int) -> None:
-    body = {**LONG, "prompt": f"storm {i}", "stream": True,
-            "stream_options": {"flush_interval_ms": 0}}  # fmt: skip
+    body = {
+        **LONG,
+        "prompt": f"storm {i}",
+        "stream": True,
+        "stream_options": {"flush_interval_ms": 0},
+    }
     async with client.stream("POST", server.v1 + "/completions", json=body) as response:
         seen = 0
         async for line in response.aiter_lines():

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server
 from tests.reliability.conftest import FAST_SIM, assert_healthy
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import ServerProcess
 from tests.reliability.conftest import MODEL, assert_healthy, assert_openai_error
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase
 from schemathesis import GenerationMode
 
-from tests.conftest import ServerProcess
 from tests.reliability.conftest import MODEL, assert_healthy
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +51,13 @@ def test_every_fuzzed_request_is_answered_2xx_or_an_openai_4xx(
     answered: list[int] = []
 
     @hypothesis.settings(
-        max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-        phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @hypothesis.given(case=schema.as_strategy(generation_mode=mode))
     def fuzz(case: Any) -> None:
         if mode is GenerationMode.POSITIVE:
@@ -62,9 +66,11 @@ def test_every_fuzzed_request_is_answered_2xx_or_an_openai_4xx(
         answered.append(response.status_code)
         what = f"{case.method} {case.formatted_path} {str(case.body)[:200]}"
         check_answer(
-            response.status_code, response.headers.get("content-type", [""])[0],
-            response.content, what,
-        )  # fmt: skip
+            response.status_code,
+            response.headers.get("content-type", [""])[0],
+            response.content,
+            what,
+        )
 
     fuzz()
     assert len(answered) >= MAX_EXAMPLES // 2

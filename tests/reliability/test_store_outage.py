@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server
 from tests.reliability.conftest import MODEL, assert_clean_log, assert_openai_error
 from tests.store.conftest import RedisServer, start_redis
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,13 @@ class StreamReader(threading.Thread):
         self.failure: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": MODEL, "prompt": "a long story", "max_tokens": 300,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "a long story",
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with httpx.stream(
                 "POST", self.server.v1 + "/completions", json=body, timeout=20
@@ -94,8 +99,15 @@ def small(server: ServerProcess, *, stream: bool = False) -> httpx.Response:
 def test_fail_open_keeps_serving_through_an_outage(
     redis_for_outage: RedisServer, tmp_path: Path
 ) -> None:
-    args = [*SIM, "--store", redis_for_outage.url, "--store-failure-mode", "fail_open",
-            "--journal-path", str(tmp_path / "jobs.sqlite3")]  # fmt: skip
+    args = [
+        *SIM,
+        "--store",
+        redis_for_outage.url,
+        "--store-failure-mode",
+        "fail_open",
+        "--journal-path",
+        str(tmp_path / "jobs.sqlite3"),
+    ]
     server = start_server(args, "outage-open")
     try:
         reader = start_stream(server)
@@ -116,8 +128,15 @@ def test_fail_open_keeps_serving_through_an_outage(
 def test_fail_closed_refuses_everything_until_the_store_is_back(
     redis_for_outage: RedisServer, tmp_path: Path
 ) -> None:
-    args = [*SIM, "--store", redis_for_outage.url, "--store-failure-mode", "fail_closed",
-            "--journal-path", str(tmp_path / "jobs.sqlite3")]  # fmt: skip
+    args = [
+        *SIM,
+        "--store",
+        redis_for_outage.url,
+        "--store-failure-mode",
+        "fail_closed",
+        "--journal-path",
+        str(tmp_path / "jobs.sqlite3"),
+    ]
     server = start_server(args, "outage-closed")
     try:
         reader = start_stream(server)

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, start_server
 from tests.reliability.conftest import MODEL, assert_clean_log, assert_openai_error
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +56,11 @@ def routes_with_ids(stream_id: str, request_id: str, job_id: str) -> list[tuple[
 def test_another_tenant_cannot_see_or_touch_an_id(two_tenants: ServerProcess) -> None:
     base = two_tenants.base_url
     job = httpx.post(
-        two_tenants.v1 + "/completions", headers=OWNER, timeout=10,
+        two_tenants.v1 + "/completions",
+        headers=OWNER,
+        timeout=10,
         json={"model": MODEL, "prompt": "secret job", "max_tokens": 8, "background": True},
-    )  # fmt: skip
+    )
     assert job.status_code == 202, job.text
     job_id = job.json()["id"]
 
@@ -66,8 +68,13 @@ def test_another_tenant_cannot_see_or_touch_an_id(two_tenants: ServerProcess) ->
     headers: dict[str, str] = {}
 
     def read_owner_stream() -> None:
-        body = {"model": MODEL, "prompt": "secret stream", "max_tokens": 200,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "secret stream",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream(
             "POST", two_tenants.v1 + "/completions", json=body, headers=OWNER, timeout=30
         ) as response:
@@ -106,8 +113,13 @@ def test_the_owner_can_cancel_its_own_request(two_tenants: ServerProcess) -> Non
     headers: dict[str, str] = {}
 
     def read() -> None:
-        body = {"model": MODEL, "prompt": "mine", "max_tokens": 200, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "mine",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream(
             "POST", two_tenants.v1 + "/completions", json=body, headers=OWNER, timeout=30
         ) as response:

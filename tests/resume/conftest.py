@@ -18,8 +18,8 @@ import orjson
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, start_server
 from tests.store.conftest import RedisServer, start_redis
+from tests.support.servers import ServerProcess, start_server
 
 MODEL = "sluicegate-sim"
 #: A sim engine that takes a while per token, so a stream is still running when cut.
@@ -173,16 +173,26 @@ def resume(
 
 def completion_body(prompt: str, seed: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "seed": seed,
-        "ignore_eos": True, "stream": True, **extra,
-    }  # fmt: skip
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
 
 
 def chat_body(content: str, seed: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {
-        "model": MODEL, "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "seed": seed, "ignore_eos": True, "stream": True, **extra,
-    }  # fmt: skip
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
 
 
 def assert_continues(first: Received, rest: Received) -> None:

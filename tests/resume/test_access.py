@@ -8,7 +8,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server
 from tests.resume.conftest import (
     SIM,
     completion_body,
@@ -19,6 +18,7 @@ from tests.resume.conftest import (
 )
 from tests.simtext import expected_completion
 from tests.store.conftest import start_redis
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -94,16 +94,23 @@ def test_redis_lost_at_run_time_fail_closed_refuses(tmp_path: Path) -> None:
     tenants = [{"name": "limited", "api_key": "key-limited", "requests_per_second": 100}]
     config = config_file(tmp_path, "closed", {"tenants": tenants})
     args = [
-        *SIM, "--store", f"redis://127.0.0.1:{redis.port}/0", "--config", config,
-        "--store-failure-mode", "fail_closed",
-    ]  # fmt: skip
+        *SIM,
+        "--store",
+        f"redis://127.0.0.1:{redis.port}/0",
+        "--config",
+        config,
+        "--store-failure-mode",
+        "fail_closed",
+    ]
     srv = start_server(args, "fail-closed")
     try:
         redis.kill()
         refused = httpx.post(
-            srv.v1 + "/completions", json=completion_body("down", 2, 20),
-            headers=auth("key-limited"), timeout=10,
-        )  # fmt: skip
+            srv.v1 + "/completions",
+            json=completion_body("down", 2, 20),
+            headers=auth("key-limited"),
+            timeout=10,
+        )
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "store_unavailable"
         assert "retry-after" in refused.headers
@@ -119,9 +126,16 @@ def test_in_open_mode_the_resume_token_works_on_every_replica(redis_url: str) ->
     """The token's digest travels in the stream's metadata in Redis: another replica
     checks it too, before it relays or takes the stream over."""
     args = [
-        *SIM, "--store", f"{redis_url}/3", "--flush-interval-ms", "0",
-        "--lease-ttl-seconds", "1", "--detached-grace-seconds", "0.5",
-    ]  # fmt: skip
+        *SIM,
+        "--store",
+        f"{redis_url}/3",
+        "--flush-interval-ms",
+        "0",
+        "--lease-ttl-seconds",
+        "1",
+        "--detached-grace-seconds",
+        "0.5",
+    ]
     a = start_server(args, "open-token-a")
     b = start_server(args, "open-token-b")
     try:

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Iterator
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
 from tests.resume.conftest import (
     MODEL,
     SIM,
@@ -27,6 +26,7 @@ from tests.resume.conftest import (
     servers,
 )
 from tests.simtext import expected_chat, expected_completion
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +40,19 @@ OPEN = {"authorization": "Bearer k-open"}
 
 def replica_args(redis_url: str, config: str, *extra: str) -> list[str]:
     return [
-        *SIM, "--store", f"{redis_url}/1", "--config", config, "--flush-interval-ms", "0",
-        "--lease-ttl-seconds", "1", "--detached-grace-seconds", "0.5", *extra,
-    ]  # fmt: skip
+        *SIM,
+        "--store",
+        f"{redis_url}/1",
+        "--config",
+        config,
+        "--flush-interval-ms",
+        "0",
+        "--lease-ttl-seconds",
+        "1",
+        "--detached-grace-seconds",
+        "0.5",
+        *extra,
+    ]
 
 
 #: A pipeline whose guard never trips and whose format wraps the answer.
@@ -50,12 +60,17 @@ PIPELINES = [
     {
         "name": "wrapped",
         "stages": [
-            {"guard": {"window_tokens": 8, "stride_tokens": 4,
-                       "checks": [{"type": "regex", "patterns": ["never-in-sim-text"]}]}},
+            {
+                "guard": {
+                    "window_tokens": 8,
+                    "stride_tokens": 4,
+                    "checks": [{"type": "regex", "patterns": ["never-in-sim-text"]}],
+                }
+            },
             {"format": {"prefix": "<<", "suffix": ">>"}},
         ],
     }
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +230,10 @@ def test_redis_unreachable_at_startup_is_a_clear_error() -> None:
     dead = "redis://127.0.0.1:1/0"
     done = subprocess.run(
         [sys.executable, "-m", "sluicegate", "serve", "--port", "0", *SIM, "--store", dead],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode != 0
     assert "cannot reach the Redis store at redis://127.0.0.1:1/0" in done.stderr

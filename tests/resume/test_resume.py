@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, start_server
 from tests.resume.conftest import (
     SIM,
     assert_continues,
@@ -19,6 +18,7 @@ from tests.resume.conftest import (
     resume,
 )
 from tests.simtext import expected_chat, expected_completion
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,11 @@ LEAD = 1.0
 def scheduler(enabled: bool, budget: int = 64) -> tuple[Scheduler, FakeClock]:
     clock = FakeClock()
     config = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+        max_model_len=1024,
         pacing=PacingConfig(enabled=enabled, reading_tokens_per_second=PACE, lead_seconds=LEAD),
-    )  # fmt: skip
+    )
     return Scheduler(config, clock=clock), clock
 
 
@@ -29,9 +31,12 @@ def request(rid: str, max_tokens: int = 200, prompt: int = 4) -> Request:
 
 
 def run(
-    sched: Scheduler, clock: FakeClock, steps: int, made: dict[str, list[float]],
+    sched: Scheduler,
+    clock: FakeClock,
+    steps: int,
+    made: dict[str, list[float]],
     planned: list[set[str]] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """``steps`` steps; records when each request got each token (and who each step ran)."""
     for _ in range(steps):
         plan: StepPlan = sched.schedule()
@@ -55,8 +60,8 @@ def test_sequences_far_ahead_yield_to_a_reader_who_is_behind_and_keep_their_seat
     sched, clock = scheduler(enabled=True)
     made: dict[str, list[float]] = {}
     slow, fast = request("slow", max_tokens=100), request("fast", max_tokens=300)
-    slow.reading_tokens_per_second = 2.0  # declared: a slow reader, it gets far ahead
-    fast.measured_tokens_per_second = 60.0  # measured: reads faster than 50 tokens/s
+    slow.pace.reading_tokens_per_second = 2.0  # declared: a slow reader, it gets far ahead
+    fast.pace.measured_tokens_per_second = 60.0  # measured: reads faster than 50 tokens/s
     for req in (slow, fast):
         assert sched.capacity.try_reserve(req.request_id, req.max_total_tokens, req)
         sched.add_request(req)
@@ -101,11 +106,11 @@ def test_a_readers_pace_is_measured_then_declared_then_the_default_and_never_abo
     pacing = ReaderPacing(PacingConfig(enabled=True, reading_tokens_per_second=8.0))
     req = request("r")
     assert pacing.pace(req) == 8.0
-    req.reading_tokens_per_second = 5.0
+    req.pace.reading_tokens_per_second = 5.0
     assert pacing.pace(req) == 5.0
-    req.measured_tokens_per_second = 12.0
+    req.pace.measured_tokens_per_second = 12.0
     assert pacing.pace(req) == 12.0
-    req.min_token_interval_seconds = 0.25  # max_tokens_per_second 4
+    req.pace.min_token_interval_seconds = 0.25  # max_tokens_per_second 4
     assert pacing.pace(req) == 4.0
 
 

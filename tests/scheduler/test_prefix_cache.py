@@ -82,7 +82,7 @@ def test_the_scheduler_adopts_a_cached_slot_or_copies_from_a_running_one() -> No
     run_to_completion(sched, engine)
     stats = sched.make_stats().prefix_cache
     assert stats is not None and stats["hits"] == 2 and stats["copies"] == 1
-    assert again.num_cached_tokens == third.num_cached_tokens == 99
+    assert again.reuse.num_cached_tokens == third.reuse.num_cached_tokens == 99
 
 
 def test_a_preempted_sequence_re_prefills_from_its_own_cached_slot() -> None:
@@ -94,6 +94,6 @@ def test_a_preempted_sequence_re_prefills_from_its_own_cached_slot() -> None:
     sched.add_request(b)
     run_to_completion(sched, engine)
     assert b.num_preemptions >= 1
-    assert b.num_cached_tokens >= 16  # the re-prefill reused what it had computed
+    assert b.reuse.num_cached_tokens >= 16  # the re-prefill reused what it had computed
     assert a.num_output_tokens == b.num_output_tokens == 40
     assert sched.make_stats().kv_cache.num_used_blocks == 0

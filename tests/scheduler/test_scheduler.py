@@ -232,7 +232,7 @@ def test_a_paused_sequence_is_skipped_keeps_its_kv_and_gives_up_its_seat() -> No
     assert sched.resume("slow") == 2.5
     assert sched.resume("slow") is None
     assert sched.capacity.num_holding == 2
-    assert slow.total_paused_seconds == 2.5
+    assert slow.pause.total_seconds == 2.5
     assert "slow" in {s.request_id for s in step(sched, engine).sequences}
 
 
@@ -306,7 +306,7 @@ def test_a_throttled_sequence_decodes_at_its_pace() -> None:
     sched, clock = clocked()
     engine = FakeEngine()
     slow, fast = make_request("slow", 4, 10), make_request("fast", 4, 10)
-    slow.min_token_interval_seconds = 0.5
+    slow.pace.min_token_interval_seconds = 0.5
     sched.add_request(slow)
     sched.add_request(fast)
     step(sched, engine)  # prefill: both sample their first token
@@ -359,7 +359,7 @@ def test_throttled_sequences_lend_their_seats_and_slots_to_queued_work() -> None
     capacity = sched.capacity
     paced = [make_request(f"paced{i}", 4, 5) for i in range(4)]
     for request in paced:
-        request.min_token_interval_seconds = 1.0  # one token a second
+        request.pace.min_token_interval_seconds = 1.0  # one token a second
         assert capacity.try_reserve(request.request_id, request.max_total_tokens, request)
         sched.add_request(request)
     assert capacity.seats_full
@@ -368,7 +368,7 @@ def test_throttled_sequences_lend_their_seats_and_slots_to_queued_work() -> None
     # One token of slack, then each waits a second for the next: their seats are lent.
     assert all(r.num_output_tokens == 2 for r in paced)
     assert capacity.num_free_seats == 4 and capacity.num_holding == 0
-    assert all(r.throttled for r in paced) and sched.make_stats().num_throttled == 4
+    assert all(r.pace.throttled for r in paced) and sched.make_stats().num_throttled == 4
     assert not sched.has_schedulable_work
     assert sched.seconds_until_wake() == pytest.approx(1.0)
     # Their seats are lent: the dispatcher may hand over more work, which takes the slot of
@@ -387,7 +387,9 @@ def test_throttled_sequences_lend_their_seats_and_slots_to_queued_work() -> None
         assert sched.release_paced() == 4
         assert capacity.num_holding == 4
         run_to_completion_or(
-            sched, engine, until=lambda: all(r.throttled or r.status.is_finished for r in paced)
+            sched,
+            engine,
+            until=lambda: all(r.pace.throttled or r.status.is_finished for r in paced),
         )
         assert all(r.num_output_tokens == 2 + second for r in paced)
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in paced)
@@ -398,7 +400,7 @@ def test_a_pace_faster_than_a_step_keeps_its_seat() -> None:
     sched, clock = clocked(max_num_seqs=1)
     engine = FakeEngine()
     quick = make_request("quick", 4, 20)
-    quick.min_token_interval_seconds = 0.01
+    quick.pace.min_token_interval_seconds = 0.01
     assert sched.capacity.try_reserve("quick", quick.max_total_tokens, quick)
     sched.add_request(quick)
     plan = step(sched, engine)
@@ -406,4 +408,4 @@ def test_a_pace_faster_than_a_step_keeps_its_seat() -> None:
     for _ in range(3):
         plan = step(sched, engine)
         clock.advance(0.05)
-    assert not quick.throttled and sched.capacity.seats_full
+    assert not quick.pace.throttled and sched.capacity.seats_full

@@ -147,7 +147,7 @@ def test_large_batches_paced_sequences_and_the_budget_get_no_drafts() -> None:
         assert sum(len(s.draft_token_ids) for s in plan.sequences) <= 8
         assert plan.num_batched_tokens <= 64
     paced = request("p", chain_prompt(40), 20)
-    paced.min_token_interval_seconds = 1e-9
+    paced.pace.min_token_interval_seconds = 1e-9
     _, engine = run(chain, [paced], ON)
     assert not any(s.draft_token_ids for p in engine.plans for s in p.sequences)
     tight = [request("t", chain_prompt(40), 40)]

@@ -37,7 +37,7 @@ def test_tokens_written_after_a_reader_at_its_pace_needs_them_are_late() -> None
     count_on_time(gen, 10, 10, 103.0, slo, reading_pace=5.0)
     assert gen.num_tokens_on_time == 15
     # A measured pace wins over the default: at 20 tokens/s token 20 is due at 2.0 s.
-    gen.request.measured_tokens_per_second = 20.0
+    gen.request.pace.measured_tokens_per_second = 20.0
     count_on_time(gen, 20, 10, 102.4, slo, reading_pace=5.0)
     assert gen.num_tokens_on_time == 15 + 2  # tokens 28 and 29 (due at 2.4, 2.45 s)
 

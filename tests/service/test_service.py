@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from sluicegate.admission.tenants import Tenant
 from sluicegate.config import load_settings
-from sluicegate.engine.factory import LoadedEngine
-from sluicegate.engine.sim import SimEngine
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.queue.ticket import TicketState
@@ -25,20 +23,17 @@ TENANT = Tenant("default")
 
 
 @pytest.fixture
-async def make_service() -> AsyncIterator[Callable[..., Service]]:
+async def make_service() -> AsyncIterator[Callable[..., Awaitable[Service]]]:
     services: list[Service] = []
 
-    def make(**settings: Any) -> Service:
+    async def make(**settings: Any) -> Service:
+        # Static admission: these tests queue on purpose, which admission by objective
+        # would refuse (its own tests are tests/admission and tests/queue).
+        settings = {"admission": "static", **settings}
         config = load_settings(
             engine="sim", sim_step_base_ms=2.0, sim_step_per_token_ms=0.0, **settings
         )
-        sim = SimEngine(config.sim_step_base_ms, config.sim_step_per_token_ms)
-        loaded = LoadedEngine(
-            sim, sim.tokenizer, sim.model_name, config.max_model_len, config.max_num_seqs
-        )
-        service = Service(config, Metrics("sim"), loaded, asyncio.get_running_loop())
-        service.core.start()
-        service.dispatcher.start()
+        service = await Service.load(config, Metrics("sim"))
         services.append(service)
         return service
 
@@ -66,9 +61,9 @@ async def until(condition: Callable[[], bool], within_seconds: float = 5.0) -> N
 
 
 async def test_a_request_completes_once_and_lets_go_of_everything(
-    make_service: Callable[..., Service],
+    make_service: Callable[..., Awaitable[Service]],
 ) -> None:
-    service = make_service()
+    service = await make_service()
     generation = await submit(service, "a", 20)
     output = await collect(service, generation, None)
     assert output.finish_reason == FinishReason.LENGTH and output.num_output_tokens == 20
@@ -77,15 +72,15 @@ async def test_a_request_completes_once_and_lets_go_of_everything(
     assert not service.generations
     assert counter(service, "requests_total", "length") == 1
     assert counter(service, "cancellations_total") == 0
-    await until(lambda: service.scheduler.capacity.num_holding == 0)
+    await until(lambda: service.core.capacity.num_holding == 0)
     service.cancel(generation)  # ended already: nothing happens
     assert counter(service, "cancellations_total") == 0
 
 
 async def test_cancelling_a_running_request_aborts_it_and_counts_it(
-    make_service: Callable[..., Service],
+    make_service: Callable[..., Awaitable[Service]],
 ) -> None:
-    service = make_service()
+    service = await make_service()
     generation = await submit(service, "long", 2000)
     await asyncio.wait_for(generation.stream.wait(), 5.0)
     service.cancel(generation)
@@ -93,14 +88,14 @@ async def test_cancelling_a_running_request_aborts_it_and_counts_it(
     assert counter(service, "cancellations_total") == 1
     assert counter(service, "requests_total", "cancelled") == 1
     await until(lambda: generation.stream.finished)
-    await until(lambda: service.scheduler.capacity.num_holding == 0)
+    await until(lambda: service.core.capacity.num_holding == 0)
     assert generation.request.finish_reason == FinishReason.ABORT
 
 
 async def test_cancelling_a_queued_request_never_reaches_the_engine(
-    make_service: Callable[..., Service],
+    make_service: Callable[..., Awaitable[Service]],
 ) -> None:
-    service = make_service(max_num_seqs=1, max_num_batched_tokens=64)
+    service = await make_service(max_num_seqs=1, max_num_batched_tokens=64)
     running = await submit(service, "running", 2000)
     queued = await submit(service, "queued", 5)
     assert queued.queued
@@ -112,9 +107,9 @@ async def test_cancelling_a_queued_request_never_reaches_the_engine(
 
 
 async def test_a_stopped_request_is_told_to_retry_elsewhere(
-    make_service: Callable[..., Service],
+    make_service: Callable[..., Awaitable[Service]],
 ) -> None:
-    service = make_service(max_num_seqs=1, max_num_batched_tokens=64)
+    service = await make_service(max_num_seqs=1, max_num_batched_tokens=64)
     running = await submit(service, "running", 2000)
     queued = await submit(service, "queued", 5)
     service.stop(queued, "drained")  # still queued: its stream ends with an abort
@@ -129,9 +124,11 @@ async def test_a_stopped_request_is_told_to_retry_elsewhere(
 
 
 async def test_a_request_refused_after_queueing_gets_the_reason(
-    make_service: Callable[..., Service],
+    make_service: Callable[..., Awaitable[Service]],
 ) -> None:
-    service = make_service(max_num_seqs=1, max_num_batched_tokens=64, max_queue_wait_seconds=0.1)
+    service = await make_service(
+        max_num_seqs=1, max_num_batched_tokens=64, max_queue_wait_seconds=0.1
+    )
     running = await submit(service, "running", 2000)
     late = await submit(service, "late", 5)
     with pytest.raises(APIError) as info:
@@ -143,9 +140,9 @@ async def test_a_request_refused_after_queueing_gets_the_reason(
 
 
 async def test_a_client_gone_while_waiting_for_a_full_queue_leaves_nothing_behind(
-    make_service: Callable[..., Service],
+    make_service: Callable[..., Awaitable[Service]],
 ) -> None:
-    service = make_service(
+    service = await make_service(
         max_num_seqs=1, max_num_batched_tokens=64, max_queued_requests=1, queue_policy="block"
     )
     await submit(service, "running", 2000)

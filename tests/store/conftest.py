@@ -27,7 +27,8 @@ from sluicegate.store.base import Store
 from sluicegate.store.memory import MemoryStore
 from sluicegate.store.records import StoreConfig
 from sluicegate.store.redis_store import RedisStore
-from tests.conftest import free_port, skip_unless_installed
+from tests.conftest import skip_unless_installed
+from tests.support.servers import free_port
 
 
 def find_redis_server() -> str | None:
@@ -77,12 +78,21 @@ class RedisServer:
         log = (self.directory / "redis.log").open("ab")
         self.process = subprocess.Popen(
             [
-                REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
         log.close()
         client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
         deadline = time.monotonic() + 10.0

@@ -57,8 +57,13 @@ def reference_step(bucket: TokenBucket, op: str, n: float) -> object:
 
 def as_tuple(value: object) -> object:
     if isinstance(value, Acquire):
-        return (value.admitted, value.remaining, value.retry_after_seconds,
-                value.reset_seconds, value.exceeds_burst)  # fmt: skip
+        return (
+            value.admitted,
+            value.remaining,
+            value.retry_after_seconds,
+            value.reset_seconds,
+            value.exceeds_burst,
+        )
     return value
 
 

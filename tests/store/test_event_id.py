@@ -16,8 +16,9 @@ def test_event_ids_round_trip() -> None:
     assert parse_event_id("  cmpl-1:0 ") == ("cmpl-1", 0)
 
 
-@pytest.mark.parametrize("bad", ["", "12", "abc", "abc:", ":3", "abc:-1", "abc:1.5", "a:٣",
-                                 "a b:1", "abc:" + "9" * 19])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad", ["", "12", "abc", "abc:", ":3", "abc:-1", "abc:1.5", "a:٣", "a b:1", "abc:" + "9" * 19]
+)
 def test_malformed_last_event_ids_are_refused_with_the_expected_shape(bad: str) -> None:
     with pytest.raises(ValueError, match="stream"):
         parse_event_id(bad)

@@ -13,8 +13,8 @@ from sluicegate.store.base import Store
 from sluicegate.store.errors import ReplayTrimmed, StoreUnavailable
 from sluicegate.store.factory import open_store
 from sluicegate.store.records import DegradedOutcome, StoreFailureMode, StreamMeta, StreamStatus
-from tests.conftest import free_port
 from tests.store.conftest import TEST_CONFIG, MakeStore, RedisServer
+from tests.support.servers import free_port
 
 OUTAGE_CONFIG = {"retry_interval_seconds": 0.1}
 

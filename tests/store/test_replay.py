@@ -24,8 +24,11 @@ def payload(seq: int) -> bytes:
 
 
 async def append_many(store: Store, stream_id: str, count: int) -> list[int]:
-    return [seq for seq in [await store.append(stream_id, payload(i)) for i in range(count)]
-            if seq is not None]  # fmt: skip
+    return [
+        seq
+        for seq in [await store.append(stream_id, payload(i)) for i in range(count)]
+        if seq is not None
+    ]
 
 
 async def collect(store: Store, stream_id: str, after_seq: int) -> list[StreamEvent]:

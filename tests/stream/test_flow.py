@@ -24,12 +24,12 @@ class FakeScheduler:
     def pause(self, request_id: str) -> None:
         self.calls.append(("pause", request_id))
         if not self.lagging:
-            self.requests[request_id].paused = True
+            self.requests[request_id].pause.begin(0.0)
 
     def resume(self, request_id: str) -> None:
         self.calls.append(("resume", request_id))
         if not self.lagging:
-            self.requests[request_id].paused = False
+            self.requests[request_id].pause.end(0.0)
 
     def evict(self, request_id: str) -> None:
         self.calls.append(("evict", request_id))

@@ -14,22 +14,40 @@ import orjson
 import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
-from tests.conftest import ServerProcess, cancellations, start_server
 from tests.simtext import expected_chat
+from tests.support.servers import ServerProcess, cancellations, start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 FLOW_ARGS = [
-    "--engine", "sim", "--sim-step-base-ms", "4", "--sim-step-per-token-ms", "0.01",
-    "--max-num-seqs", "16", "--max-model-len", "4096",
-    "--high-water-tokens", "32", "--low-water-tokens", "8",
-    "--flush-interval-ms", "0", "--stall-timeout-seconds", "60",
-    "--socket-send-buffer-bytes", "4096", "--transport-write-buffer-bytes", "4096",
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "4",
+    "--sim-step-per-token-ms",
+    "0.01",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    "4096",
+    "--high-water-tokens",
+    "32",
+    "--low-water-tokens",
+    "8",
+    "--flush-interval-ms",
+    "0",
+    "--stall-timeout-seconds",
+    "60",
+    "--socket-send-buffer-bytes",
+    "4096",
+    "--transport-write-buffer-bytes",
+    "4096",
     # Speculative decoding on (the sim's default is off): a stream gains several tokens
     # in one step, through pauses, preemption and resume.
-    "--speculative-tokens", "8",
-]  # fmt: skip
+    "--speculative-tokens",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +96,12 @@ def test_slow_reader_is_paused_and_others_keep_their_pace(flow_server: ServerPro
     baseline = statistics.median(fast_stream_gaps(flow_server, 1, 150))
 
     slow = open_stream(
-        "127.0.0.1", port_of(flow_server), "/v1/chat/completions", body(2, 3000),
+        "127.0.0.1",
+        port_of(flow_server),
+        "/v1/chat/completions",
+        body(2, 3000),
         receive_buffer_bytes=4096,
-    )  # fmt: skip
+    )
     events = slow.events(max_read_bytes=256)
     for _ in range(3):
         next(events)  # read a little, then stop reading entirely
@@ -154,9 +175,12 @@ def test_stalled_client_is_evicted_with_a_final_error_event() -> None:
     server = start_server([*FLOW_ARGS, "--stall-timeout-seconds", "1"], "stall")
     try:
         stream = open_stream(
-            "127.0.0.1", port_of(server), "/v1/chat/completions", body(4, 3000),
+            "127.0.0.1",
+            port_of(server),
+            "/v1/chat/completions",
+            body(4, 3000),
             receive_buffer_bytes=4096,
-        )  # fmt: skip
+        )
         events = stream.events(max_read_bytes=256)
         next(events)
         wait_for(
@@ -205,15 +229,25 @@ def test_queued_work_takes_a_paused_readers_place() -> None:
     # One sequence slot and a long preemption delay: without handing the paused
     # sequence's slot over, the second request would wait 30 s.
     server = start_server(
-        [*FLOW_ARGS, "--max-num-seqs", "1", "--max-num-batched-tokens", "64",
-         "--pause-preempt-seconds", "30"],
+        [
+            *FLOW_ARGS,
+            "--max-num-seqs",
+            "1",
+            "--max-num-batched-tokens",
+            "64",
+            "--pause-preempt-seconds",
+            "30",
+        ],
         "slot-handover",
-    )  # fmt: skip
+    )
     try:
         slow = open_stream(
-            "127.0.0.1", port_of(server), "/v1/chat/completions", body(6, 3000),
+            "127.0.0.1",
+            port_of(server),
+            "/v1/chat/completions",
+            body(6, 3000),
             receive_buffer_bytes=4096,
-        )  # fmt: skip
+        )
         next(slow.events(max_read_bytes=256))
         wait_for(lambda: server.stats()["streams_paused"] == 1, 10.0, "the slow reader's pause")
         started = time.monotonic()

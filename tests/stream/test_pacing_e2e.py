@@ -12,17 +12,33 @@ import httpx
 import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 ARGS = [
-    "--engine", "sim", "--sim-step-base-ms", "4", "--sim-step-per-token-ms", "0.01",
-    "--max-num-seqs", "8", "--flush-interval-ms", "0", "--stall-timeout-seconds", "60",
-    "--socket-send-buffer-bytes", "4096", "--transport-write-buffer-bytes", "4096",
-    "--scheduling", "qoe", "--reading-tokens-per-second", "5",
-]  # fmt: skip
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "4",
+    "--sim-step-per-token-ms",
+    "0.01",
+    "--max-num-seqs",
+    "8",
+    "--flush-interval-ms",
+    "0",
+    "--stall-timeout-seconds",
+    "60",
+    "--socket-send-buffer-bytes",
+    "4096",
+    "--transport-write-buffer-bytes",
+    "4096",
+    "--scheduling",
+    "qoe",
+    "--reading-tokens-per-second",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +50,12 @@ def server() -> Iterator[ServerProcess]:
 
 def body(i: int, max_tokens: int) -> dict[str, Any]:
     return {
-        "model": MODEL, "messages": [{"role": "user", "content": f"reader {i}"}],
-        "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-    }  # fmt: skip
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"reader {i}"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 def port_of(server: ServerProcess) -> int:
@@ -45,9 +64,12 @@ def port_of(server: ServerProcess) -> int:
 
 def test_a_clients_reading_pace_is_measured_from_its_socket(server: ServerProcess) -> None:
     stream = open_stream(
-        "127.0.0.1", port_of(server), "/v1/chat/completions", body(1, 400),
+        "127.0.0.1",
+        port_of(server),
+        "/v1/chat/completions",
+        body(1, 400),
         receive_buffer_bytes=4096,
-    )  # fmt: skip
+    )
     events = stream.events(max_read_bytes=256)
     measured: float | None = None
     started = time.monotonic()

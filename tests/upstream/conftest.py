@@ -7,18 +7,34 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 #: A sim upstream whose answers take a while (5 ms steps), so streams overlap.
 SLOW_SIM = [
-    "--engine", "sim", "--sim-step-base-ms", "5", "--sim-step-per-token-ms", "0.01",
-    "--max-num-seqs", "16", "--max-model-len", "2048", "--admission", "static",
-]  # fmt: skip
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "5",
+    "--sim-step-per-token-ms",
+    "0.01",
+    "--max-num-seqs",
+    "16",
+    "--max-model-len",
+    "2048",
+    "--admission",
+    "static",
+]
 #: A gateway that notices failures fast.
 GATEWAY = [
-    "--engine", "upstream", "--upstream-health-interval-seconds", "0.5",
-    "--upstream-first-token-timeout-seconds", "3", "--upstream-idle-timeout-seconds", "3",
-]  # fmt: skip
+    "--engine",
+    "upstream",
+    "--upstream-health-interval-seconds",
+    "0.5",
+    "--upstream-first-token-timeout-seconds",
+    "3",
+    "--upstream-idle-timeout-seconds",
+    "3",
+]
 
 
 def upstream_cancelled(upstream: ServerProcess) -> float:

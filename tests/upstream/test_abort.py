@@ -16,7 +16,6 @@ from sluicegate.engine.tokenizer import byte_level_tokenizer
 from sluicegate.engine.upstream.core import UpstreamCore
 from sluicegate.engine.upstream.pool import UpstreamPool
 from sluicegate.engine.upstream.wire import UpstreamCall
-from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
 
 MODEL = "relay-model"
@@ -32,7 +31,7 @@ async def _relay(abort_at: int | None) -> tuple[FinishReason | None, int]:
     before it yields line ``abort_at``.  Returns (finish, lines the upstream sent)."""
     settings = Settings(engine="upstream", upstream=["http://upstream.test"])
     pool = UpstreamPool(settings)
-    core = UpstreamCore(pool, byte_level_tokenizer(), DispatchCapacity(4, 1 << 62, 1), settings)
+    core = UpstreamCore(pool, byte_level_tokenizer(), settings, max_model_len=1 << 20)
     sent = 0
 
     async def body() -> AsyncIterator[bytes]:
@@ -58,9 +57,8 @@ async def _relay(abort_at: int | None) -> tuple[FinishReason | None, int]:
     upstream.models = [MODEL]
     call = UpstreamCall("completion", {"model": MODEL, "prompt": "Once"}, MODEL, LINES + 10)
     request = Request("r1", [79, 110, 99, 101], SamplingParams(seed=1, max_tokens=LINES + 10))
-    request.upstream_call = call
     stream = RequestStream("r1")
-    core.add_request(request, stream)
+    core.add_request(request, stream, call)
     finish: FinishReason | None = None
     async with asyncio.timeout(30):
         while finish is None:

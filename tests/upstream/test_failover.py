@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
-from tests.conftest import ServerProcess
+from tests.support.servers import ServerProcess
 from tests.upstream.conftest import start_gateway, start_upstream, upstream_cancelled
 
 pytestmark = pytest.mark.slow
@@ -51,8 +51,13 @@ def test_a_killed_upstream_is_replaced_mid_stream() -> None:
     gateway = start_gateway([first, second], "failover", *BYTES)
     try:
         by_name = {u.base_url.split("://")[1]: u for u in (first, second)}
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "tell a story"}],
-                "max_tokens": 300, "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "tell a story"}],
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+        }
         stream = open_stream("127.0.0.1", port_of(gateway), "/v1/chat/completions", body)
         events = stream.events()
         text = []
@@ -95,16 +100,36 @@ def test_a_paused_reader_lets_go_of_its_upstream_and_continues(
     config = tmp_path_factory.mktemp("pause") / "gateway.yaml"
     config.write_text(f"upstreams:\n  - url: {upstream.base_url}\n    max_concurrent: 1\n")
     gateway = start_gateway(
-        [], "pause", "--config", str(config), *BYTES, "--pause-preempt-seconds", "0.5",
-        "--high-water-tokens", "32", "--low-water-tokens", "8", "--flush-interval-ms", "0",
-        "--socket-send-buffer-bytes", "4096", "--transport-write-buffer-bytes", "4096",
-        "--stall-timeout-seconds", "60",
-    )  # fmt: skip
+        [],
+        "pause",
+        "--config",
+        str(config),
+        *BYTES,
+        "--pause-preempt-seconds",
+        "0.5",
+        "--high-water-tokens",
+        "32",
+        "--low-water-tokens",
+        "8",
+        "--flush-interval-ms",
+        "0",
+        "--socket-send-buffer-bytes",
+        "4096",
+        "--transport-write-buffer-bytes",
+        "4096",
+        "--stall-timeout-seconds",
+        "60",
+    )
     try:
         cancelled = upstream_cancelled(upstream)
         # Long enough not to fit in the socket buffers between the upstream and the gateway.
-        body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 600,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "a long answer",
+            "max_tokens": 600,
+            "ignore_eos": True,
+            "stream": True,
+        }
         slow = open_stream(
             "127.0.0.1", port_of(gateway), "/v1/completions", body, receive_buffer_bytes=4096
         )
@@ -114,8 +139,9 @@ def test_a_paused_reader_lets_go_of_its_upstream_and_continues(
         # Another request needs the upstream's only place: the paused one lets it go.
         other = httpx.post(
             gateway.v1 + "/completions",
-            json={"model": MODEL, "prompt": "quick", "max_tokens": 20}, timeout=30,
-        )  # fmt: skip
+            json={"model": MODEL, "prompt": "quick", "max_tokens": 20},
+            timeout=30,
+        )
         assert other.status_code == 200, other.text
         # The upstream's own count (it keeps a dropped stream for its 1 s detach grace).
         wait_for(lambda: upstream_cancelled(upstream) > cancelled, 5, "the upstream's abort")
@@ -230,9 +256,15 @@ def test_a_hanging_upstream_is_left_for_another(
         f"  - {{url: {good.base_url}, name: good}}\n"
     )
     gateway = start_gateway(
-        [], "hang", "--config", str(config), *BYTES,
-        "--upstream-first-token-timeout-seconds", "1", "--no-upstream-prefix-affinity",
-    )  # fmt: skip
+        [],
+        "hang",
+        "--config",
+        str(config),
+        *BYTES,
+        "--upstream-first-token-timeout-seconds",
+        "1",
+        "--no-upstream-prefix-affinity",
+    )
     try:
         run_requests(gateway, 4)
         upstreams = gateway.stats()["upstreams"]

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.support.servers import ServerProcess
 from tests.upstream.conftest import start_gateway, start_upstream, upstream_cancelled
 
 MODEL = "sluicegate-sim"
@@ -73,8 +73,13 @@ def test_a_disconnect_aborts_the_upstream_request(
     gateway: ServerProcess, upstream_a: ServerProcess
 ) -> None:
     before = upstream_cancelled(upstream_a)
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1500, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", gateway.v1 + "/chat/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert sum(1 for line, _ in zip(lines, range(6), strict=False) if line) > 0
@@ -108,8 +113,13 @@ def test_an_upstream_gets_no_more_than_its_limit(tmp_path_factory: pytest.TempPa
         watcher.start()
 
         async def one(i: int) -> str:
-            body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 60,
-                    "ignore_eos": True, "priority": "batch"}  # fmt: skip
+            body = {
+                "model": MODEL,
+                "prompt": f"request {i}",
+                "max_tokens": 60,
+                "ignore_eos": True,
+                "priority": "batch",
+            }
             async with httpx.AsyncClient(timeout=60) as http:
                 response = await http.post(gateway.v1 + "/completions", json=body)
             assert response.status_code == 200, response.text
@@ -156,9 +166,10 @@ def test_tenants_share_an_upstream_by_weight(tmp_path_factory: pytest.TempPathFa
             async def one(key: str, name: str) -> None:
                 body = {"model": MODEL, "prompt": "share", "max_tokens": 20, "ignore_eos": True}
                 r = await http.post(
-                    gateway.v1 + "/completions", json=body,
+                    gateway.v1 + "/completions",
+                    json=body,
                     headers={"authorization": f"Bearer {key}"},
-                )  # fmt: skip
+                )
                 assert r.status_code == 200, r.text
                 done.append((time.monotonic(), name))
 

@@ -32,8 +32,7 @@ def llama_server() -> Iterator[Peer]:
     from sluicegate.engine.torch import default_model_path
 
     gguf = default_model_path()
-    args = [str(BINARY), "-m", gguf, "-t", "2", "-np", "4", "-c", "4096", "--metrics",
-            "--slots"]  # fmt: skip
+    args = [str(BINARY), "-m", gguf, "-t", "2", "-np", "4", "-c", "4096", "--metrics", "--slots"]
     peer = Peer("llama-server", args, {}, model=Path(gguf).name)
     yield peer
     peer.stop()
@@ -63,8 +62,13 @@ def test_a_disconnect_stops_llama_servers_generation(llama_server: Peer, tmp_pat
     gateway = gateway_for([(llama_server.base_url, llama_server.model)], "llama-cancel", tmp_path)
     try:
         port = int(gateway.base_url.rsplit(":", 1)[1])
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": QUESTION,
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         stream = open_stream("127.0.0.1", port, "/v1/chat/completions", body)
         events = stream.events()
         for _ in range(5):
@@ -90,17 +94,36 @@ def test_a_paused_reader_on_llama_server_continues_token_identically(
     messages = [{"role": "user", "content": "Write a long story about a dragon."}]
     direct = llama_server.chat(messages, 300)
     gateway = gateway_for(
-        [(llama_server.base_url, llama_server.model)], "llama-pause", tmp_path,
-        "--pause-preempt-seconds", "0.5", "--high-water-tokens", "32", "--low-water-tokens",
-        "8", "--flush-interval-ms", "0", "--socket-send-buffer-bytes", "4096",
-        "--transport-write-buffer-bytes", "4096", "--stall-timeout-seconds", "60",
-    )  # fmt: skip
+        [(llama_server.base_url, llama_server.model)],
+        "llama-pause",
+        tmp_path,
+        "--pause-preempt-seconds",
+        "0.5",
+        "--high-water-tokens",
+        "32",
+        "--low-water-tokens",
+        "8",
+        "--flush-interval-ms",
+        "0",
+        "--socket-send-buffer-bytes",
+        "4096",
+        "--transport-write-buffer-bytes",
+        "4096",
+        "--stall-timeout-seconds",
+        "60",
+    )
     try:
         port = int(gateway.base_url.rsplit(":", 1)[1])
-        body = {"model": MODEL, "messages": messages, "max_tokens": 300, "temperature": 0.0,
-                "stream": True}  # fmt: skip
-        slow = open_stream("127.0.0.1", port, "/v1/chat/completions", body,
-                           receive_buffer_bytes=4096)  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": 300,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        slow = open_stream(
+            "127.0.0.1", port, "/v1/chat/completions", body, receive_buffer_bytes=4096
+        )
         events = slow.events(max_read_bytes=256)
         text = "".join(event_text(next(events)) or "" for _ in range(3))
         deadline = time.monotonic() + 20

@@ -19,7 +19,7 @@ import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
 from sluicegate.bench.server_process import free_port
-from tests.conftest import ARTIFACTS, ServerProcess, start_server
+from tests.support.servers import ARTIFACTS, ServerProcess, start_server
 from tests.upstream.conftest import GATEWAY, start_upstream
 
 pytestmark = pytest.mark.slow
@@ -40,8 +40,10 @@ class Peer:
         log = self._log = (ARTIFACTS / f"peer-{name}-{self.port}.log").open("wb")
         self.process = subprocess.Popen(
             [*args, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=log, stderr=subprocess.STDOUT, env=os.environ | env,
-        )  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | env,
+        )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -56,8 +58,12 @@ class Peer:
         raise RuntimeError(f"{name} did not become healthy in 180 s; see {log.name}")
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> str:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": 0.0}  # fmt: skip
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
         response = httpx.post(self.base_url + "/v1/chat/completions", json=body, timeout=120)
         response.raise_for_status()
         return str(response.json()["choices"][0]["message"]["content"])
@@ -88,8 +94,18 @@ def transformers_serve(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     command = Path(sys.executable).parent / "transformers"
     # A small paged KV cache: by default it sizes one from the machine's memory (14 GB
     # here) and takes 20 s to set it up.
-    args = [str(command), "serve", "--continuous-batching", "--device", "cpu",
-            "--cb-num-blocks", "128", "--cb-block-size", "32", str(hf_dir)]  # fmt: skip
+    args = [
+        str(command),
+        "serve",
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--cb-num-blocks",
+        "128",
+        "--cb-block-size",
+        "32",
+        str(hf_dir),
+    ]
     # Offline, with no hub cache: nothing may come from the hub.  Its model list may then
     # fail; the gateway asks its /health instead (its models are configured).
     absent = tmp_path_factory.mktemp("hub") / "absent"
@@ -107,8 +123,13 @@ def gateway_for(peers: list[tuple[str, str]], name: str, tmp: Path, *extra: str)
     for url, model in peers:
         lines += [f"  - url: {url}", "    models:", f"      {MODEL}: {model!r}"]
     (tmp / "gateway.yaml").write_text("\n".join(lines) + "\n")
-    args = [*GATEWAY, "--config", str(tmp / "gateway.yaml"), "--no-upstream-prefix-affinity",
-            *extra]  # fmt: skip
+    args = [
+        *GATEWAY,
+        "--config",
+        str(tmp / "gateway.yaml"),
+        "--no-upstream-prefix-affinity",
+        *extra,
+    ]
     return start_server(args, f"gateway-{name}")
 
 
@@ -159,11 +180,17 @@ def test_a_failover_onto_transformers_serve_continues_as_a_completion(
     sim = start_upstream("peer-sim", "--served-model-name", MODEL)
     gateway = gateway_for(
         [(sim.base_url, MODEL), (transformers_serve.base_url, transformers_serve.model)],
-        "tf-failover", tmp_path,
-    )  # fmt: skip
+        "tf-failover",
+        tmp_path,
+    )
     try:
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0.0,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": QUESTION,
+            "max_tokens": 24,
+            "temperature": 0.0,
+            "stream": True,
+        }
         port = int(gateway.base_url.rsplit(":", 1)[1])
         stream = open_stream("127.0.0.1", port, "/v1/chat/completions", body)
         events = stream.events()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import ServerProcess, start_server
 from tests.resume.conftest import (
     assert_continues,
     completion_body,
@@ -16,6 +15,7 @@ from tests.resume.conftest import (
     resume,
 )
 from tests.resume.conftest import redis_url as redis_url  # the session's Redis fixture
+from tests.support.servers import ServerProcess, start_server
 from tests.upstream.conftest import GATEWAY
 
 pytestmark = pytest.mark.slow
@@ -23,11 +23,23 @@ pytestmark = pytest.mark.slow
 
 def gateway(upstream: ServerProcess, redis: str, name: str) -> ServerProcess:
     return start_server(
-        [*GATEWAY, "--upstream", upstream.base_url, "--store", f"{redis}/3",
-         "--upstream-tokenizer", "bytes", "--lease-ttl-seconds", "1",
-         "--detached-grace-seconds", "0.5", "--flush-interval-ms", "0"],
+        [
+            *GATEWAY,
+            "--upstream",
+            upstream.base_url,
+            "--store",
+            f"{redis}/3",
+            "--upstream-tokenizer",
+            "bytes",
+            "--lease-ttl-seconds",
+            "1",
+            "--detached-grace-seconds",
+            "0.5",
+            "--flush-interval-ms",
+            "0",
+        ],
         f"gateway-{name}",
-    )  # fmt: skip
+    )
 
 
 def test_a_killed_gateway_s_stream_continues_on_another(

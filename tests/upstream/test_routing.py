@@ -117,9 +117,16 @@ def test_a_chat_continues_as_a_completion_of_its_rendered_conversation() -> None
 
     path, sent = request_body(chat, "u-model", "Hello the", 41, "completion", render)
     assert path == "/v1/completions"
-    assert sent == {"model": "u-model", "stream": True, "stream_options": {"include_usage": True},
-                    "max_tokens": 41, "temperature": 0.0, "seed": 7, "stop": ["\n\n"],
-                    "prompt": "<user>hi<assistant>Hello the"}  # fmt: skip
+    assert sent == {
+        "model": "u-model",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 41,
+        "temperature": 0.0,
+        "seed": 7,
+        "stop": ["\n\n"],
+        "prompt": "<user>hi<assistant>Hello the",
+    }
     # The first call is a chat call whatever the style; a rendering that fails falls
     # back to the partial answer as a final assistant message.
     assert request_body(chat, "u", "", 50, "completion", render)[0] == "/v1/chat/completions"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import pytest
 
-from tests.conftest import ARTIFACTS, ServerProcess, start_server
+from tests.support.servers import ARTIFACTS, ServerProcess, start_server
 from tests.web.browser import MODEL, wait_until
 from tests.web.load import StreamingLoad
 
@@ -21,9 +21,19 @@ pytestmark = pytest.mark.slow
 # Few slots, a small KV cache and a concurrency cap: the load queues, fills the cache and
 # is partly refused, so every panel has something to show.
 LOADED_SIM = [
-    "--engine", "sim", "--sim-step-base-ms", "20", "--sim-step-per-token-ms", "0.05",
-    "--max-num-seqs", "8", "--num-kv-blocks", "120", "--max-concurrent-requests", "12",
-]  # fmt: skip
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "20",
+    "--sim-step-per-token-ms",
+    "0.05",
+    "--max-num-seqs",
+    "8",
+    "--num-kv-blocks",
+    "120",
+    "--max-concurrent-requests",
+    "12",
+]
 
 
 @pytest.fixture(scope="module")

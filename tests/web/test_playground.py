@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.conftest import ARTIFACTS, ServerProcess, cancellations, start_server
+from tests.support.servers import ARTIFACTS, ServerProcess, cancellations, start_server
 from tests.web.browser import MODEL, wait_until
 from tests.web.load import StreamingLoad
 
@@ -20,9 +20,17 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 SLOW_SIM = [
-    "--engine", "sim", "--sim-step-base-ms", "20", "--sim-step-per-token-ms", "0.05",
-    "--max-num-seqs", "8", "--max-model-len", "4096",
-]  # fmt: skip
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "20",
+    "--sim-step-per-token-ms",
+    "0.05",
+    "--max-num-seqs",
+    "8",
+    "--max-model-len",
+    "4096",
+]
 API_KEY = "sk-web-test"
 
 
@@ -184,8 +192,9 @@ def test_json_mode_asks_for_a_json_answer(page: Page, web_server: ServerProcess)
         page.click("[data-testid=send]")
     body = sent.value.post_data_json
     assert body["response_format"] == {
-        "type": "json_schema", "json_schema": {"name": "playground", "schema": {"type": "object"}}
-    }  # fmt: skip
+        "type": "json_schema",
+        "json_schema": {"name": "playground", "schema": {"type": "object"}},
+    }
     wait_until(lambda: state(page) == "error", "the sim refuses it")
     assert "response_format" in text(page, "error")
 
@@ -237,8 +246,10 @@ def test_typing_warms_the_prefix_cache(page: Page, web_server: ServerProcess) ->
     page.fill("[data-testid=system]", "You are the assistant of a bakery. " * 30)
     hits = web_server.stats()["prefix_cache"]["hits"]
     page.type("[data-testid=prompt]", "When do you open", delay=20)
-    wait_until(lambda: page.get_attribute("[data-testid=playground]", "data-warmed"),
-               "a warm-up was accepted")  # fmt: skip
+    wait_until(
+        lambda: page.get_attribute("[data-testid=playground]", "data-warmed"),
+        "a warm-up was accepted",
+    )
     ask(page, "When do you open on Sunday?", 5)
     wait_until(lambda: state(page) == "done", "the answer completes", timeout=30)
     assert web_server.stats()["prefix_cache"]["hits"] > hits

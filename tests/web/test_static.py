@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from sluicegate.api.errors import install_error_handlers
 from sluicegate.api.web import router
-from tests.conftest import ServerProcess
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 

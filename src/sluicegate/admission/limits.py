@@ -26,17 +26,19 @@ class TenantLimits:
     )
 
     def __init__(self, tenant: Tenant, make_bucket: BucketFactory) -> None:
-        # Bursts: one second's worth of requests (at least one), one minute's of tokens.
+        # Bursts: as configured, else one second's worth of requests (at least one); one
+        # minute's of tokens.
         rps = tenant.requests_per_second
         tpm = tenant.tokens_per_minute
         name = tenant.name
-        self.requests = make_bucket(f"{name}:requests", rps, max(1.0, rps)) if rps else None
+        burst = float(tenant.request_burst or max(1.0, rps or 0.0))
+        self.requests = make_bucket(f"{name}:requests", rps, burst) if rps else None
         self.tokens = make_bucket(f"{name}:tokens", tpm / 60.0, tpm) if tpm else None
         self.concurrency = ConcurrencyLimiter(tenant.max_concurrent, tenant.name)
         # Refusals must be cheap: only the retry time is formatted per refusal.
         self.requests_message = (
             f"Rate limit reached for tenant {name!r}: requests_per_second limit of {rps:g} "
-            f"(burst {max(1.0, rps):g}). Retry after "
+            f"(burst {burst:g}). Retry after "
             if rps
             else ""
         )

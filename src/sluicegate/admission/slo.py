@@ -200,8 +200,14 @@ class TTFTPredictor:
                     harms = True
                     break
                 heapq.heappush(seats, begins + self.mean_service_seconds())
-        return Prediction(wait, ttft, harms, alone_seconds=prefill + margin,
-                          claims_promise=claims, margin_seconds=margin)  # fmt: skip
+        return Prediction(
+            wait,
+            ttft,
+            harms,
+            alone_seconds=prefill + margin,
+            claims_promise=claims,
+            margin_seconds=margin,
+        )
 
     def waits(
         self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
@@ -345,7 +351,7 @@ def _expected_output(request: Request, estimate: ServiceEstimate, produced: int)
 
 def _step(request: Request, estimate: ServiceEstimate) -> float:
     """Seconds per output token: the engine's step, or the request's own pace if slower."""
-    return max(estimate.step_seconds, request.min_token_interval_seconds)
+    return max(estimate.step_seconds, request.pace.min_token_interval_seconds)
 
 
 @dataclass(slots=True)

@@ -36,7 +36,13 @@ class TenantConfig(BaseModel):
     name: str = Field(min_length=1, max_length=64, description="Tenant name (a metric label).")
     api_key: str = Field(min_length=1, repr=False, description="Bearer key of this tenant.")
     requests_per_second: float | None = Field(
-        None, gt=0.0, description="Request rate limit (bucket burst: one second's worth)."
+        None, gt=0.0, description="Request rate limit (bucket burst: request_burst)."
+    )
+    request_burst: int | None = Field(
+        None,
+        ge=1,
+        description="Requests that may come at once before the rate applies (None: one "
+        "second's worth, at least one).",
     )
     tokens_per_minute: float | None = Field(
         None,
@@ -52,10 +58,11 @@ class TenantConfig(BaseModel):
         None, gt=0.0, description="Per-stream output token rate cap (None: uncapped)."
     )
     reading_tokens_per_second: float | None = Field(
-        None, gt=0.0,
+        None,
+        gt=0.0,
         description="The pace its readers read at, declared (QoE, qoe scheduling; None: "
         "the server's reading_tokens_per_second, until a client shows its own).",
-    )  # fmt: skip
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +73,7 @@ class Tenant:
     priority_class: PriorityClass = PriorityClass.INTERACTIVE
     weight: float = 1.0
     requests_per_second: float | None = None
+    request_burst: int | None = None
     tokens_per_minute: float | None = None
     max_concurrent: int | None = None
     max_tokens_per_second: float | None = None
@@ -78,6 +86,7 @@ class Tenant:
             priority_class=PriorityClass(config.priority),
             weight=config.weight,
             requests_per_second=config.requests_per_second,
+            request_burst=config.request_burst,
             tokens_per_minute=config.tokens_per_minute,
             max_concurrent=config.max_concurrent,
             max_tokens_per_second=config.max_tokens_per_second,

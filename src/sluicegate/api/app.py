@@ -18,7 +18,7 @@ from sluicegate.api import (
     stats,
     web,
     websocket,
-)  # fmt: skip
+)
 from sluicegate.api.errors import install_error_handlers
 from sluicegate.api.metric_labels import declare_label_values
 from sluicegate.api.openapi import install_openapi
@@ -41,9 +41,12 @@ def create_app(settings: Settings) -> FastAPI:
             await lifecycle.stop(state)
 
     app = FastAPI(
-        title="Sluicegate", version=__version__, lifespan=lifespan, docs_url="/docs",
+        title="Sluicegate",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url="/docs",
         redoc_url=None,
-    )  # fmt: skip
+    )
     app.state.sluicegate = state
     install_error_handlers(app)
     for module in (openai_routes, prefill, jobs, batches, resume, websocket, stats, web):

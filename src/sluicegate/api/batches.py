@@ -25,7 +25,8 @@ from sluicegate.api.prepare import prepare, response_body
 from sluicegate.api.state import Ready, ready_state
 from sluicegate.api.stats import json_response
 from sluicegate.errors import APIError
-from sluicegate.queue.batches import MAX_FILE_BYTES, Batches
+from sluicegate.queue.batch_format import MAX_FILE_BYTES
+from sluicegate.queue.batches import Batches
 from sluicegate.queue.jobs import JobExecutor
 from sluicegate.queue.journal import JobRecord
 from sluicegate.service.collect import collect
@@ -49,9 +50,14 @@ def batch_aware_executor(service: Service) -> JobExecutor:
             payload = orjson.loads(record.body_json)
             prepared = prepare(service, payload["kind"], dict(payload["body"]))
             generation = await service.submit(
-                tenant, "batch", prepared.request_id, prepared.prompt_ids, prepared.sampling,
-                prepared.req.max_tokens_per_second, upstream_call=prepared.upstream_call,
-            )  # fmt: skip
+                tenant,
+                "batch",
+                prepared.request_id,
+                prepared.prompt_ids,
+                prepared.sampling,
+                prepared.req.max_tokens_per_second,
+                upstream_call=prepared.upstream_call,
+            )
             output = await collect(service, generation, None)
             body = response_body(service, prepared, generation, output)
             return orjson.dumps({"status_code": 200, "body": body}).decode()
@@ -83,9 +89,15 @@ def _page_params(request: HTTPRequest) -> tuple[int, str | None]:
 
 
 def _list(items: list[dict[str, Any]], more: bool) -> Response:
-    return json_response({"object": "list", "data": items, "has_more": more,
-                          "first_id": items[0]["id"] if items else None,
-                          "last_id": items[-1]["id"] if items else None})  # fmt: skip
+    return json_response(
+        {
+            "object": "list",
+            "data": items,
+            "has_more": more,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None,
+        }
+    )
 
 
 @router.post("/v1/files")
@@ -103,8 +115,9 @@ async def upload_file(request: HTTPRequest) -> Response:
             raise APIError(400, "A 'purpose' field is required ('batch').", param="purpose")
         data = await upload.read()
         if len(data) > MAX_FILE_BYTES:
-            raise APIError(413, f"Files are limited to {MAX_FILE_BYTES} bytes.",
-                           code="file_too_large")  # fmt: skip
+            raise APIError(
+                413, f"Files are limited to {MAX_FILE_BYTES} bytes.", code="file_too_large"
+            )
         filename = upload.filename or "upload.jsonl"
         record = await asyncio.to_thread(batches.add_file, tenant, filename, purpose, data)
     finally:
@@ -156,9 +169,13 @@ async def create_batch(request: HTTPRequest) -> Response:
     ):
         raise APIError(400, "metadata must map strings to strings.", param="metadata")
     view = await asyncio.to_thread(
-        batches.create, tenant, body["input_file_id"], body["endpoint"],
-        body["completion_window"], metadata,
-    )  # fmt: skip
+        batches.create,
+        tenant,
+        body["input_file_id"],
+        body["endpoint"],
+        body["completion_window"],
+        metadata,
+    )
     ready.jobs.wake()
     return json_response(view)
 

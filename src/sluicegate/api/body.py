@@ -65,8 +65,10 @@ async def read_body(request: HTTPRequest, max_bytes: int) -> bytes:
     except ClientDisconnect:
         logger.info(
             "client %s left while sending its body (%d of %s bytes received)",
-            _client(request), len(body), declared or "?",
-        )  # fmt: skip
+            _client(request),
+            len(body),
+            declared or "?",
+        )
         raise APIError(499, "The client disconnected before sending its whole body.") from None
     if not body:
         raise APIError(400, "The request body is empty; send a JSON object.")

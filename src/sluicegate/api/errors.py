@@ -47,9 +47,11 @@ def install_error_handlers(app: FastAPI) -> None:
         # A bug, not a client error: answered in the same shape (Starlette then re-raises
         # it, and uvicorn logs its traceback).
         return APIError(
-            500, "The server failed unexpectedly; the request was not completed. Retry; if it "
-            "keeps failing, report it with the time of the request.", code="internal_error",
-        ).to_response()  # fmt: skip
+            500,
+            "The server failed unexpectedly; the request was not completed. Retry; if it "
+            "keeps failing, report it with the time of the request.",
+            code="internal_error",
+        ).to_response()
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:
         # OpenAI answers plain validation errors with 400, never 422.

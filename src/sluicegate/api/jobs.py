@@ -29,9 +29,16 @@ router = APIRouter()
 
 #: The fields of a request that its job's answer depends on: all the journal keeps.
 _COMMON_FIELDS = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos",
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "ignore_eos",
     "max_tokens_per_second",
-}  # fmt: skip
+}
 JOB_FIELDS: dict[Kind, dict[str, Any]] = {
     "chat": {
         **dict.fromkeys(_COMMON_FIELDS, True),
@@ -59,10 +66,15 @@ def job_executor(service: Service) -> JobExecutor:
         prepared = prepare(service, payload["kind"], dict(payload["body"]))
         # Its rate limits were charged when it was submitted.
         generation = await service.submit(
-            tenant, "batch", prepared.request_id, prepared.prompt_ids, prepared.sampling,
-            prepared.req.max_tokens_per_second, rate_limits_charged=True,
+            tenant,
+            "batch",
+            prepared.request_id,
+            prepared.prompt_ids,
+            prepared.sampling,
+            prepared.req.max_tokens_per_second,
+            rate_limits_charged=True,
             upstream_call=prepared.upstream_call,
-        )  # fmt: skip
+        )
         output = await collect(service, generation, None)
         return orjson.dumps(response_body(service, prepared, generation, output)).decode()
 

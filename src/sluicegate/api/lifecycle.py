@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Coroutine
@@ -78,9 +79,11 @@ async def _load(state: AppState, store: Store) -> None:
     settings = state.settings
     try:
         service = await Service.load(
-            settings, state.metrics, bucket_factory=store.bucket,
+            settings,
+            state.metrics,
+            bucket_factory=store.bucket,
             require_store=store.require_available,
-        )  # fmt: skip
+        )
     except Exception as exc:
         # One line, and the process exits: a server that can never be ready must not
         # stay up answering 503 (clients and load balancers would retry it for ever).
@@ -92,15 +95,23 @@ async def _load(state: AppState, store: Store) -> None:
         else:
             logger.error("%s", state.load_error)
         return
-    state.metrics.kv_cache_bytes.set(service.kv_cache_bytes)
+    if state.owns_process:
+        # What lives as long as the process (the model, the tokenizer, the app) leaves the
+        # collector's generations: a collection then scans only what requests made, and
+        # does not pause the event loop for the whole heap.
+        gc.freeze()
+    state.metrics.kv_cache_bytes.set(service.core.stats().kv_cache_bytes)
     pauses = state.metrics.stream_pauses_total
     flow = FlowController(flow_config(settings), service, lambda stage: pauses.labels(stage).inc())
     flow.start()
     sessions = SessionRegistry(
-        service, store, flow, flush_policy(settings),
+        service,
+        store,
+        flow,
+        flush_policy(settings),
         detached_grace_seconds=settings.detached_grace_seconds,
         lease_ttl_seconds=settings.lease_ttl_seconds,
-    )  # fmt: skip
+    )
     sessions.start()
     location = claim_journal(settings.journal_path, settings.cache_dir)
     limits = JobLimits(

@@ -34,17 +34,29 @@ async def list_models(request: HTTPRequest) -> Response:
         service.authenticate(header)
     created = int(app_state(request).started_at)
     models: list[dict[str, object]] = [
-        {"id": name, "object": "model", "created": created, "owned_by": "sluicegate",
-         "max_model_len": service.max_model_len}
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "sluicegate",
+            "max_model_len": service.max_model_len,
+        }
         for name in service.model_names
-    ]  # fmt: skip
+    ]
     for pipeline in service.pipelines.by_name.values():
         models.append(
-            {"id": pipeline.name, "object": "model", "created": created,
-             "owned_by": "sluicegate", "max_model_len": service.max_model_len,
-             "pipeline": {"stages": [s.name for s in pipeline.settings.stages],
-                          "retrieval": pipeline.retriever is not None}}
-        )  # fmt: skip
+            {
+                "id": pipeline.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "sluicegate",
+                "max_model_len": service.max_model_len,
+                "pipeline": {
+                    "stages": [s.name for s in pipeline.settings.stages],
+                    "retrieval": pipeline.retriever is not None,
+                },
+            }
+        )
     return json_response({"object": "list", "data": models})
 
 
@@ -64,15 +76,17 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
     if background:
         if prepared.req.stream:
             raise APIError(
-                400, "A background job cannot stream; drop 'stream' or 'background'.",
+                400,
+                "A background job cannot stream; drop 'stream' or 'background'.",
                 param="background",
-            )  # fmt: skip
+            )
         record = await ready.jobs.submit(
-            tenant.name, job_payload(prepared),
+            tenant.name,
+            job_payload(prepared),
             charge=lambda: service.charge_tokens(
                 tenant, len(prepared.prompt_ids), prepared.sampling.max_tokens
             ),
-        )  # fmt: skip
+        )
         return json_response(job_view(record), status_code=202)
     req = prepared.req
     prefill.supersede(state, service, tenant.name, req.user or "")

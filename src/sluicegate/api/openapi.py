@@ -90,10 +90,12 @@ def install_openapi(app: FastAPI) -> None:
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(
-        title=app.title, version=__version__, routes=app.routes,
+        title=app.title,
+        version=__version__,
+        routes=app.routes,
         description="An OpenAI-compatible streaming LLM server with backpressure. Every "
-        "error is `{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`.",
-    )  # fmt: skip
+        'error is `{"error": {"message", "type", "param", "code"}}`.',
+    )
     _, definitions = models_json_schema(
         [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
         ref_template="#/components/schemas/{model}",

@@ -35,9 +35,12 @@ async def open_stages(service: Service, prepared: Prepared) -> StageChain | None
     request_id = prepared.request_id
     sources = prepared.retrieved.sources if prepared.retrieved is not None else []
     return pipeline.chain(
-        request_id, metrics, lambda: service.core.abort_request(request_id), sources,
+        request_id,
+        metrics,
+        lambda: service.core.abort_request(request_id),
+        sources,
         resumed=False,
-    )  # fmt: skip
+    )
 
 
 async def submit_prepared(
@@ -49,11 +52,17 @@ async def submit_prepared(
     chain = await open_stages(service, prepared)
     try:
         generation = await service.submit(
-            tenant, req.priority, prepared.request_id, prepared.prompt_ids, prepared.sampling,
-            req.max_tokens_per_second, request_charged=True,
-            upstream_call=prepared.upstream_call, chain=chain,
+            tenant,
+            req.priority,
+            prepared.request_id,
+            prepared.prompt_ids,
+            prepared.sampling,
+            req.max_tokens_per_second,
+            request_charged=True,
+            upstream_call=prepared.upstream_call,
+            chain=chain,
             arrival_time=None if prepared.pipeline is None else arrival,
-        )  # fmt: skip
+        )
     except BaseException:
         if chain is not None:
             chain.close()

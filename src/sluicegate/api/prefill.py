@@ -26,7 +26,7 @@ from sluicegate.api.prepare import prepare
 from sluicegate.api.state import AppState, app_state
 from sluicegate.api.stats import json_response
 from sluicegate.errors import APIError, invalid_param
-from sluicegate.scheduler.request import Request
+from sluicegate.scheduler.request import Request, Reuse
 from sluicegate.service.build import prefix_namespace
 from sluicegate.service.collect import collect
 from sluicegate.service.generation import Generation
@@ -36,8 +36,16 @@ from sluicegate.service.service import Service
 router = APIRouter()
 
 #: Fields of a chat body that make no sense for a warm-up (it answers nothing).
-_IGNORED = ("stream", "stream_options", "max_tokens", "max_completion_tokens", "n",
-            "background", "priority", "max_tokens_per_second")  # fmt: skip
+_IGNORED = (
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "background",
+    "priority",
+    "max_tokens_per_second",
+)
 
 
 @router.post("/v1/prefill", status_code=202)
@@ -56,15 +64,22 @@ async def prefill(request: HTTPRequest) -> Response:
         body.pop(name, None)
     body.update(max_tokens=1, priority="batch")
     prepared = prepare(service, "chat", body)
-    peek = service.capacity.cached_prefix
+    peek = service.core.capacity.cached_prefix
     namespace = prefix_namespace(service.settings, tenant.name)
-    probe = Request(prepared.request_id, prepared.prompt_ids, prepared.sampling,
-                    prefix_namespace=namespace)  # fmt: skip
+    probe = Request(
+        prepared.request_id, prepared.prompt_ids, prepared.sampling, reuse=Reuse(namespace)
+    )
     cached = peek(probe) if peek is not None else 0
     generation = await service.submit(
-        tenant, "batch", prepared.request_id, prepared.prompt_ids, prepared.sampling,
-        None, request_charged=True, upstream_call=prepared.upstream_call,
-    )  # fmt: skip
+        tenant,
+        "batch",
+        prepared.request_id,
+        prepared.prompt_ids,
+        prepared.sampling,
+        None,
+        request_charged=True,
+        upstream_call=prepared.upstream_call,
+    )
     supersede(state, service, tenant.name, user)  # a newer warm-up cancels the older
     key = (tenant.name, user)
     state.warmups[key] = generation
@@ -76,10 +91,16 @@ async def prefill(request: HTTPRequest) -> Response:
     if generation.resume_token is not None:
         headers[RESUME_TOKEN_HEADER] = generation.resume_token  # to cancel it in open mode
     return json_response(
-        {"id": prepared.request_id, "object": "prefill", "status": "queued",
-         "prompt_tokens": len(prepared.prompt_ids), "cached_tokens": cached},
-        status_code=202, headers=headers,
-    )  # fmt: skip
+        {
+            "id": prepared.request_id,
+            "object": "prefill",
+            "status": "queued",
+            "prompt_tokens": len(prepared.prompt_ids),
+            "cached_tokens": cached,
+        },
+        status_code=202,
+        headers=headers,
+    )
 
 
 def supersede(state: AppState, service: Service, tenant: str, user: str) -> None:

@@ -69,7 +69,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         retrieved = None
         if pipeline is not None:
             messages, retrieved = pipeline.messages(messages)
-            if service.pool is not None:
+            if service.core.features.relays:
                 body = {**body, "messages": messages}
         try:
             prompt_ids = tokenizer.encode_chat(messages)
@@ -84,18 +84,27 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         check_pace(service, chat.max_tokens_per_second)
         sampling = build_sampling(service, chat, max_tokens, response_grammar(service, chat))
         return Prepared(
-            kind, chat, new_request_id("chatcmpl"), prompt_ids, sampling, model,
-            upstream_call(service, kind, body, engine_model, sampling), pipeline, retrieved,
+            kind,
+            chat,
+            new_request_id("chatcmpl"),
+            prompt_ids,
+            sampling,
+            model,
+            upstream_call(service, kind, body, engine_model, sampling),
+            pipeline,
+            retrieved,
             guarded,
-        )  # fmt: skip
+        )
     comp: CompletionRequest = parse_body(CompletionRequest, body)
     check_completion(comp)
     model = check_model(service, comp.model)
     if service.pipelines.get(model) is not None:
         raise APIError(
-            400, f"'{model}' is a pipeline: it serves chat completions (/v1/chat/completions).",
-            param="model", code="model_not_supported",
-        )  # fmt: skip
+            400,
+            f"'{model}' is a pipeline: it serves chat completions (/v1/chat/completions).",
+            param="model",
+            code="model_not_supported",
+        )
     check_top_k(service, comp)
     prompt = completion_prompt(comp)
     if isinstance(prompt, str):
@@ -115,9 +124,14 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
     check_pace(service, comp.max_tokens_per_second)
     sampling = build_sampling(service, comp, max_tokens)
     return Prepared(
-        kind, comp, new_request_id("cmpl"), prompt_ids, sampling, model,
+        kind,
+        comp,
+        new_request_id("cmpl"),
+        prompt_ids,
+        sampling,
+        model,
         upstream_call(service, kind, body, model, sampling),
-    )  # fmt: skip
+    )
 
 
 def check_model(service: Service, model: str | None) -> str:
@@ -143,7 +157,7 @@ def upstream_call(
 ) -> UpstreamCall | None:
     """Upstream mode: the client's body as the upstream gets it (the seed always set, so
     that an engine that honours seeds continues a moved answer as it began)."""
-    if service.pool is None:
+    if not service.core.features.relays:
         return None
     forwarded = forwarded_body(body)
     forwarded["seed"] = sampling.seed
@@ -207,19 +221,23 @@ def response_grammar(service: Service, chat: ChatCompletionRequest) -> str | Non
     """The grammar that enforces ``response_format`` on the embedded engine (None: free
     text, or an upstream engine, which is sent ``response_format`` and enforces it)."""
     fmt = chat.response_format
-    if fmt is None or fmt.get("type", "text") == "text" or service.settings.engine == "upstream":
+    features = service.core.features
+    if fmt is None or fmt.get("type", "text") == "text" or features.relays:
         return None
-    if service.settings.engine == "sim":
+    if not features.constrains_output:
         raise APIError(
-            400, "Structured output (response_format) needs a model: the sim engine makes "
+            400,
+            "Structured output (response_format) needs a model: the sim engine makes "
             "no logits to mask. Use the embedded engine or an upstream.",
-            param="response_format", code="unsupported_parameter",
-        )  # fmt: skip
+            param="response_format",
+            code="unsupported_parameter",
+        )
     if chat.ignore_eos:
         raise invalid_param(
-            "ignore_eos", "ignore_eos cannot be combined with response_format: the answer "
+            "ignore_eos",
+            "ignore_eos cannot be combined with response_format: the answer "
             "ends when its JSON is complete",
-        )  # fmt: skip
+        )
     try:
         return grammar_for_response_format(fmt)
     except GrammarError as exc:

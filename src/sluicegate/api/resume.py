@@ -108,9 +108,11 @@ async def _resume(
         return _response(ready, events, connection, headers)
     if ready.service.admission.draining:
         raise APIError(
-            503, "The server is shutting down; resume the stream on another replica.",
-            code="server_draining", headers={"retry-after": "1"},
-        )  # fmt: skip
+            503,
+            "The server is shutting down; resume the stream on another replica.",
+            code="server_draining",
+            headers={"retry-after": "1"},
+        )
     session = await _try_take_over(ready, tenant, stream_id)
     if session is not None:
         metrics.stream_resumes_total.labels("takeover").inc()
@@ -136,9 +138,11 @@ def _response(
     headers: dict[str, str],
 ) -> EventStreamResponse:
     return EventStreamResponse(
-        events, connection, headers=headers,
+        events,
+        connection,
+        headers=headers,
         on_send_blocked=ready.service.metrics.stream_send_blocked_seconds.observe,
-    )  # fmt: skip
+    )
 
 
 def _position(ready: Ready, stream_id: str, request: HTTPRequest) -> int:
@@ -200,6 +204,8 @@ def _bad_position(error: InvalidReplayPosition) -> APIError:
 
 def _store_down(error: StoreUnavailable) -> APIError:
     return APIError(
-        503, f"The replay store is unreachable: {error}. Retry shortly.",
-        code="store_unavailable", headers={"retry-after": "1"},
-    )  # fmt: skip
+        503,
+        f"The replay store is unreachable: {error}. Retry shortly.",
+        code="store_unavailable",
+        headers={"retry-after": "1"},
+    )

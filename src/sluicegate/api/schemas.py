@@ -108,19 +108,27 @@ def parse_body(model: type[CommonParams], data: Any) -> Any:
             f"[{p}]" if p.isdigit() else ("." if i else "") + p for i, p in enumerate(loc)
         )
         if err.get("type") == "missing":
-            raise APIError(400, f"Missing required parameter: '{where}'.", param=param,
-                           code="missing_required_parameter") from None  # fmt: skip
+            raise APIError(
+                400,
+                f"Missing required parameter: '{where}'.",
+                param=param,
+                code="missing_required_parameter",
+            ) from None
         raise APIError(
-            400, f"Invalid value for '{where}': {err.get('msg')}; got {err.get('input')!r}.",
-            param=param, code="invalid_value",
-        ) from None  # fmt: skip
+            400,
+            f"Invalid value for '{where}': {err.get('msg')}; got {err.get('input')!r}.",
+            param=param,
+            code="invalid_value",
+        ) from None
 
 
 def _unsupported(param: str, what: str) -> APIError:
     return APIError(
-        400, f"'{param}' is not supported by this server: {what}.", param=param,
+        400,
+        f"'{param}' is not supported by this server: {what}.",
+        param=param,
         code="unsupported_parameter",
-    )  # fmt: skip
+    )
 
 
 def check_common(req: CommonParams) -> None:
@@ -169,9 +177,9 @@ def check_common(req: CommonParams) -> None:
             raise invalid_param("stop", "stop sequences must not be empty")
         if len(s) > MAX_STOP_LENGTH:
             raise invalid_param(
-                "stop", f"stop sequences must be at most {MAX_STOP_LENGTH} characters; "
-                f"got {len(s)}",
-            )  # fmt: skip
+                "stop",
+                f"stop sequences must be at most {MAX_STOP_LENGTH} characters; got {len(s)}",
+            )
 
 
 def check_chat(req: ChatCompletionRequest) -> None:

@@ -73,6 +73,9 @@ class AppState:
     #: Called with a one-line reason when the server cannot go on (the engine failed to
     #: load): the server exits non-zero rather than answer 503 for ever.
     on_fatal: Callable[[str], None] | None = None
+    #: A server process's own app (not one of several in a test process): once the engine
+    #: has loaded, what lives as long as the process leaves the collector's generations.
+    owns_process: bool = False
     #: Guards ``/v1/stats`` and ``/metrics`` when ``admin_api_key`` is set.
     admin_key: AdminKey = field(init=False)
 
@@ -104,20 +107,26 @@ def not_ready(state: AppState) -> APIError:
     """Why the server cannot take a request now: loading, failed to load, or draining."""
     if state.draining:
         return APIError(
-            503, "The server is shutting down; retry on another replica.", code="draining",
+            503,
+            "The server is shutting down; retry on another replica.",
+            code="draining",
             headers={"retry-after": "1"},
-        )  # fmt: skip
+        )
     if state.load_error is not None:
         return APIError(503, f"The server cannot serve: {state.load_error}", code="load_failed")
     if state.ready is not None and store_down(state):
         return APIError(
-            503, "The shared store is unreachable and store_failure_mode is fail_closed.",
-            code="store_unavailable", headers={"retry-after": "1"},
-        )  # fmt: skip
+            503,
+            "The shared store is unreachable and store_failure_mode is fail_closed.",
+            code="store_unavailable",
+            headers={"retry-after": "1"},
+        )
     return APIError(
-        503, "The model is still loading; retry shortly.", code="not_ready",
+        503,
+        "The model is still loading; retry shortly.",
+        code="not_ready",
         headers={"retry-after": "2"},
-    )  # fmt: skip
+    )
 
 
 def app_state(connection: HTTPConnection) -> AppState:

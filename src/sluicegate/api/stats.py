@@ -12,8 +12,7 @@ from starlette.responses import Response
 
 from sluicegate.api.access import StatsViewer, require_admin, stats_viewer, visible_streams
 from sluicegate.api.state import AppState, Ready, app_state, not_ready, store_down
-from sluicegate.engine.upstream.core import UpstreamCore
-from sluicegate.service.service import Service
+from sluicegate.engine.base import CoreStats
 from sluicegate.types import PriorityClass
 
 router = APIRouter()
@@ -23,9 +22,11 @@ def json_response(
     payload: object, status_code: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     return Response(
-        orjson.dumps(payload), status_code=status_code, media_type="application/json",
+        orjson.dumps(payload),
+        status_code=status_code,
+        media_type="application/json",
         headers=headers,
-    )  # fmt: skip
+    )
 
 
 @router.get("/health")
@@ -70,10 +71,9 @@ def refresh_state_metrics(state: AppState) -> None:
     if ready is None:
         return
     service = ready.service
-    core = service.core.stats()
-    sched = core.scheduler
+    sched = service.core.stats()
     metrics.requests_running.set(sched.num_running)
-    metrics.concurrency_limit.set(service.capacity.seat_limit)
+    metrics.concurrency_limit.set(service.core.capacity.seat_limit)
     by_stage = ready.flow.paused_by_stage()
     held_by_stages = sum(n for stage, n in by_stage.items() if stage != "client")
     metrics.streams_paused.labels("client").set(max(0, sched.num_paused - held_by_stages))
@@ -84,15 +84,22 @@ def refresh_state_metrics(state: AppState) -> None:
         metrics.requests_waiting.labels(pc.value).set(
             sched.num_waiting_by_priority.get(pc.rank, 0) + queued.get(pc.value, 0)
         )
-    metrics.kv_cache_usage_ratio.set(sched.kv_cache.usage_ratio)
+    if sched.kv_cache is not None:
+        metrics.kv_cache_usage_ratio.set(sched.kv_cache.usage_ratio)
     if (prefix := sched.prefix_cache) is not None:
-        counted = {"query": prefix["query_tokens"], "hit": prefix["hit_tokens"],
-                   "evictions": prefix["evictions"]}  # fmt: skip
+        counted = {
+            "query": prefix["query_tokens"],
+            "hit": prefix["hit_tokens"],
+            "evictions": prefix["evictions"],
+        }
         for key, value in counted.items():
             delta = value - state.counters_seen.get(key, 0)
             if delta > 0:
-                counter = metrics.prefix_cache_evictions_total if key == "evictions" else (
-                    metrics.prefix_cache_tokens_total.labels(key))  # fmt: skip
+                counter = (
+                    metrics.prefix_cache_evictions_total
+                    if key == "evictions"
+                    else (metrics.prefix_cache_tokens_total.labels(key))
+                )
                 counter.inc(delta)
                 state.counters_seen[key] = value
         metrics.prefix_cache_cached_slots.set(prefix["cached_slots"])
@@ -108,7 +115,7 @@ def refresh_state_metrics(state: AppState) -> None:
         if delta > 0:
             metrics.yielded_sequence_steps_total.inc(delta)
             state.counters_seen["yielded"] = pacing["yielded_sequence_steps"]
-    metrics.engine_up.labels(metrics.engine).set(1 if core.engine_up else 0)
+    metrics.engine_up.labels(metrics.engine).set(1 if sched.engine_up else 0)
     # A copy first: the engine thread adds a reason the first time it preempts for it.
     for reason, count in dict(sched.preemptions_by_reason).items():
         seen = state.preemptions_seen.get(reason, 0)
@@ -122,38 +129,29 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
     ``viewer`` may see them (:func:`sluicegate.api.access.visible_streams`)."""
     service = ready.service
     core = service.core.stats()
-    sched = core.scheduler
-    kv = sched.kv_cache
     dispatcher = service.dispatcher
     breaker = service.breaker
     latency = service.latency
     return {
         "ready": True,
         "model": service.model_name,
-        "requests_running": sched.num_running,
-        "requests_waiting": sched.num_waiting + dispatcher.num_queued,
-        "kv_cache": {
-            "usage_ratio": kv.usage_ratio,
-            "used_blocks": kv.num_used_blocks,
-            "total_blocks": kv.num_blocks,
-            "free_slots": kv.num_free_slots,
-            "total_slots": kv.num_slots,
-            "bytes": service.kv_cache_bytes,
-        },
-        "prefix_cache": sched.prefix_cache,
+        "requests_running": core.num_running,
+        "requests_waiting": core.num_waiting + dispatcher.num_queued,
+        "kv_cache": kv_cache_section(core),
+        "prefix_cache": core.prefix_cache,
         "engine_compile": core.compile_status,
         "prefill_requests": {**state.warmup_counts, "running": len(state.warmups)},
-        "speculation": sched.speculation,
-        "scheduling": {"policy": service.settings.scheduling, **(sched.pacing or {})},
-        "requests_paused": sched.num_paused,
-        "requests_throttled": sched.num_throttled,
+        "speculation": core.speculation,
+        "scheduling": {"policy": service.settings.scheduling, **(core.pacing or {})},
+        "requests_paused": core.num_paused,
+        "requests_throttled": core.num_throttled,
         "streams_paused": ready.flow.num_paused,
         "streams_paused_by_stage": ready.flow.paused_by_stage(),
         "pipelines": service.pipelines.snapshot(),
         "streams_scope": viewer.scope.value,
         "streams": visible_streams(ready, viewer),
-        "preemptions_total": sched.num_preemptions_total,
-        "preemptions_by_reason": sched.preemptions_by_reason,
+        "preemptions_total": core.num_preemptions_total,
+        "preemptions_by_reason": core.preemptions_by_reason,
         "queue": {
             "queued": dispatcher.num_queued,
             "queued_by_class": dispatcher.queued_by_class(),
@@ -176,9 +174,9 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
             },
             **(service.slo.predictor.snapshot() if service.slo else {}),
         },
-        **engine_sections(service),
+        **core.sections,
         "engine_steps_total": core.num_steps,
-        "batch_size": service.last_batch_size if sched.num_running else 0,
+        "batch_size": core.batch_size,
         "live_requests": len(service.generations),
         "latency_window_seconds": latency.ttft.window_seconds,
         "ttft_seconds": latency.ttft.percentiles(0.5, 0.95, 0.99),
@@ -190,20 +188,16 @@ def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, 
     }
 
 
-def engine_sections(service: Service) -> dict[str, object]:
-    """The embedded engine's seat limiter and cost model, or the upstreams' state."""
-    if service.scheduler is not None:
-        return {
-            "seats": service.scheduler.seats.snapshot(),
-            "cost_model": service.scheduler.cost.snapshot(),
-        }
-    assert service.pool is not None
-    estimate = service.core.estimate() if isinstance(service.core, UpstreamCore) else None
+def kv_cache_section(core: CoreStats) -> dict[str, object] | None:
+    """The embedded engine's KV cache (None: the core keeps none, as an upstream's)."""
+    kv = core.kv_cache
+    if kv is None:
+        return None
     return {
-        "seats": {
-            "seat_limit": service.capacity.seat_limit,
-            "healthy_upstreams": service.pool.num_healthy,
-            "predicted_step_seconds": estimate.step_seconds if estimate else None,
-        },
-        "upstreams": service.pool.snapshot(),
+        "usage_ratio": kv.usage_ratio,
+        "used_blocks": kv.num_used_blocks,
+        "total_blocks": kv.num_blocks,
+        "free_slots": kv.num_free_slots,
+        "total_slots": kv.num_slots,
+        "bytes": core.kv_cache_bytes,
     }

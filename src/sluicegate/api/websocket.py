@@ -8,7 +8,9 @@ Protocol (JSON text frames):
   for browsers, which cannot set WebSocket headers.
 * client → server, any time: ``{"type": "credit", "tokens": N}`` allows N more tokens;
   ``{"type": "cancel"}`` aborts the generation.
-* server → client: ``chat.completion.chunk`` objects exactly as in SSE, then
+* server → client: ``chat.completion.chunk`` objects exactly as in SSE (the same
+  :class:`~sluicegate.stream.writer.ChunkWriter` makes them: the role, the text, the
+  finish reason and, with ``stream_options.include_usage``, the usage chunk), then
   ``{"type": "done", "finish_reason": ..., "usage": {...}}`` and a normal close (1000).
   Errors: ``{"type": "error", "error": {...OpenAI error...}}`` then close 1008 (auth),
   1013 (try again later: rate limits, full queue), or 1003 (bad request).  A message the
@@ -33,13 +35,13 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from sluicegate.api.pipelines import submit_prepared
-from sluicegate.api.prepare import prepare
+from sluicegate.api.prepare import prepare, stream_format
 from sluicegate.api.state import Ready, app_state, ready_state
 from sluicegate.errors import APIError
-from sluicegate.scheduler.request import FinishReason
 from sluicegate.service.generation import Generation, finish_reason_text
-from sluicegate.stream.events import usage
-from sluicegate.stream.flow import StreamFlow
+from sluicegate.stream.events import StreamFormat, usage
+from sluicegate.stream.flow import FlowController, StreamFlow
+from sluicegate.stream.writer import ChunkWriter
 
 router = APIRouter()
 
@@ -97,19 +99,19 @@ async def chat_websocket(websocket: WebSocket) -> None:
     try:
         first, size = await _receive_message(websocket)
         ready = ready_state(websocket)
-        generation, flow, model = await _start(ready, websocket, first, size)
+        generation, flow, fmt = await _start(ready, websocket, first, size)
     except WebSocketDisconnect:
         return
     except APIError as error:
         with contextlib.suppress(Exception):
             await _send_error(websocket, error)
         return
-    await _serve(ready, websocket, generation, flow, model)
+    await _serve(ready, websocket, generation, flow, fmt)
 
 
 async def _start(
     ready: Ready, websocket: WebSocket, first: dict[str, Any], size: int
-) -> tuple[Generation, StreamFlow, str]:
+) -> tuple[Generation, StreamFlow, StreamFormat]:
     if first.get("type", "request") != "request":
         raise APIError(
             400, 'The first message must be {"type": "request", "body": {...}}.', param="type"
@@ -126,8 +128,9 @@ async def _start(
         raise APIError(400, "The request message needs a 'body' object.", param="body")
     credits = first.get("credits")
     if credits is not None and (not _is_count(credits) or credits < 0):
-        raise APIError(400, f"credits must be a non-negative integer; got {credits!r}",
-                       param="credits")  # fmt: skip
+        raise APIError(
+            400, f"credits must be a non-negative integer; got {credits!r}", param="credits"
+        )
     body = {**body, "stream": True}
     prepared = await app_state(websocket).body_workers.run(
         size, lambda: prepare(service, "chat", body)
@@ -136,14 +139,17 @@ async def _start(
     flow = StreamFlow(generation.stream, generation.request, credit_tokens=credits)
     if (chain := generation.chain) is not None:
         flow.source, flow.holdup = chain.head, chain.holdup
-    return generation, flow, prepared.model
+    return generation, flow, stream_format(service, prepared, generation)
 
 
 async def _serve(
-    ready: Ready, websocket: WebSocket, generation: Generation, flow: StreamFlow, model: str
+    ready: Ready,
+    websocket: WebSocket,
+    generation: Generation,
+    flow: StreamFlow,
+    fmt: StreamFormat,
 ) -> None:
     service = ready.service
-    stream = generation.stream
     controller = ready.flow
     controller.register(flow)
     credit_changed = asyncio.Event()
@@ -160,9 +166,10 @@ async def _serve(
                     tokens = message.get("tokens")
                     if not _is_count(tokens) or tokens < 1:
                         raise APIError(
-                            400, f"credit tokens must be a positive integer; got {tokens!r}",
+                            400,
+                            f"credit tokens must be a positive integer; got {tokens!r}",
                             param="tokens",
-                        )  # fmt: skip
+                        )
                     if flow.credit_tokens is not None:
                         flow.credit_tokens += tokens
                         controller.check(flow)
@@ -172,9 +179,10 @@ async def _serve(
                     return
                 else:
                     raise APIError(
-                        400, f"Unknown message type {kind!r}: send 'credit' or 'cancel'.",
+                        400,
+                        f"Unknown message type {kind!r}: send 'credit' or 'cancel'.",
                         param="type",
-                    )  # fmt: skip
+                    )
         except APIError as error:
             bad_message.append(error)
             service.cancel(generation)
@@ -184,52 +192,10 @@ async def _serve(
             writer.cancel()
 
     reader = asyncio.create_task(read_client())
-    created = generation.created
     try:
-        while True:
-            limit = flow.credit_available if flow.credit_tokens is not None else 1 << 30
-            output = stream.take(limit) if limit > 0 else None
-            if output is None:
-                credit_changed.clear()
-                waiters = [
-                    asyncio.ensure_future(stream.wait()),
-                    asyncio.ensure_future(credit_changed.wait()),
-                ]
-                try:
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waiters:
-                        w.cancel()
-                continue
-            service.delivered(generation, output.num_new_tokens, output.text)
-            if output.text:
-                chunk = {
-                    "id": generation.request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [{"index": 0, "delta": {"content": output.text},
-                                 "logprobs": None, "finish_reason": None}],
-                }  # fmt: skip
-                data = orjson.dumps(chunk).decode()
-                await websocket.send_text(data)
-            flow.record_write(0, output.num_new_tokens)
-            controller.check(flow)
-            if output.finished:
-                if output.finish_reason == FinishReason.ERROR:
-                    service.complete(generation, "error")
-                    await _send_error(websocket, service.failure(generation, output))
-                    return
-                service.complete(generation, finish_reason_text(output.finish_reason) or "")
-                done = {
-                    "type": "done",
-                    "id": generation.request_id,
-                    "finish_reason": finish_reason_text(output.finish_reason),
-                    "usage": usage(output),
-                }
-                await websocket.send_text(orjson.dumps(done).decode())
-                await websocket.close(CLOSE_NORMAL)
-                return
+        await _write(
+            websocket, ChunkWriter(service, generation, fmt), flow, controller, credit_changed
+        )
     except asyncio.CancelledError:
         writer.uncancel()
         if bad_message:
@@ -246,3 +212,56 @@ async def _serve(
         if websocket.client_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await websocket.close(CLOSE_NORMAL)
+
+
+async def _write(
+    websocket: WebSocket,
+    chunks: ChunkWriter,
+    flow: StreamFlow,
+    controller: FlowController,
+    credit_changed: asyncio.Event,
+) -> None:
+    """Send the stream's chunks as the client's credit allows, then its end."""
+    generation = chunks.generation
+    stream = generation.stream
+    request = generation.request
+    first = chunks.format.role_chunk(generation.request_id, request.num_prompt_tokens)
+    if first is not None:
+        await websocket.send_text(orjson.dumps(first).decode())
+    while True:
+        limit = flow.credit_available if flow.credit_tokens is not None else 1 << 30
+        output = stream.take(limit) if limit > 0 else None
+        if output is None:
+            credit_changed.clear()
+            waiters = [
+                asyncio.ensure_future(stream.wait()),
+                asyncio.ensure_future(credit_changed.wait()),
+            ]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+            continue
+        frame = chunks.write(output)
+        if frame.chunk is not None:
+            await websocket.send_text(orjson.dumps(frame.chunk).decode())
+        flow.record_write(0, output.num_new_tokens)
+        controller.check(flow)
+        if not output.finished:
+            continue
+        ending = chunks.finish(output)
+        if ending.error is not None:
+            await _send_error(websocket, ending.error)
+            return
+        for chunk in ending.chunks:
+            await websocket.send_text(orjson.dumps(chunk).decode())
+        done = {
+            "type": "done",
+            "id": generation.request_id,
+            "finish_reason": finish_reason_text(output.finish_reason),
+            "usage": usage(output),
+        }
+        await websocket.send_text(orjson.dumps(done).decode())
+        await websocket.close(CLOSE_NORMAL)
+        return

@@ -23,8 +23,17 @@ import orjson
 from sluicegate.bench.server_process import ServerProcess, free_port, start_server_with_args
 
 #: The sim's steps: 5 ms plus 0.05 ms a token, 16 sequences at once.
-_SERVER_ARGS = ["--engine", "sim", "--sim-step-base-ms", "5", "--sim-step-per-token-ms", "0.05",
-                "--max-num-seqs", "16", "--no-breaker"]  # fmt: skip
+_SERVER_ARGS = [
+    "--engine",
+    "sim",
+    "--sim-step-base-ms",
+    "5",
+    "--sim-step-per-token-ms",
+    "0.05",
+    "--max-num-seqs",
+    "16",
+    "--no-breaker",
+]
 
 
 @dataclass(slots=True)
@@ -60,8 +69,12 @@ def _interactive(base: list[str], stop: threading.Event, ttfts: list[float], see
     i = 0
     while not stop.is_set():
         i += 1
-        body = {"prompt": f"interactive {seed} {i}", "max_tokens": 32, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "prompt": f"interactive {seed} {i}",
+            "max_tokens": 32,
+            "ignore_eos": True,
+            "stream": True,
+        }
         started = time.monotonic()
         try:
             with httpx.stream("POST", base[0] + "/v1/completions", json=body, timeout=30) as r:
@@ -77,8 +90,10 @@ def _interactive(base: list[str], stop: threading.Event, ttfts: list[float], see
 
 def _load(base: list[str], seconds: float, clients: int) -> list[float]:
     stop, ttfts = threading.Event(), list[float]()
-    threads = [threading.Thread(target=_interactive, args=(base, stop, ttfts, c), daemon=True)
-               for c in range(clients)]  # fmt: skip
+    threads = [
+        threading.Thread(target=_interactive, args=(base, stop, ttfts, c), daemon=True)
+        for c in range(clients)
+    ]
     for t in threads:
         t.start()
     time.sleep(seconds)
@@ -88,8 +103,9 @@ def _load(base: list[str], seconds: float, clients: int) -> list[float]:
     return list(ttfts)
 
 
-def batch_beside_interactive(out: Path, lines: int = 10_000, clients: int = 4,
-                             seconds: float = 20.0) -> BatchRun:  # fmt: skip
+def batch_beside_interactive(
+    out: Path, lines: int = 10_000, clients: int = 4, seconds: float = 20.0
+) -> BatchRun:
     out.mkdir(parents=True, exist_ok=True)
     journal = out / "journal.sqlite3"
     for stale in out.glob("journal*"):
@@ -101,18 +117,34 @@ def batch_beside_interactive(out: Path, lines: int = 10_000, clients: int = 4,
     try:
         alone = _load(base, seconds, clients)
         requests = b"".join(
-            orjson.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-                          "body": {"prompt": f"batch line {i}", "max_tokens": 8,
-                                   "ignore_eos": True}}) + b"\n"
+            orjson.dumps(
+                {
+                    "custom_id": f"line-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"prompt": f"batch line {i}", "max_tokens": 8, "ignore_eos": True},
+                }
+            )
+            + b"\n"
             for i in range(lines)
-        )  # fmt: skip
-        upload = httpx.post(server.v1 + "/files", files={"file": ("b.jsonl", requests)},
-                            data={"purpose": "batch"}, timeout=120)  # fmt: skip
+        )
+        upload = httpx.post(
+            server.v1 + "/files",
+            files={"file": ("b.jsonl", requests)},
+            data={"purpose": "batch"},
+            timeout=120,
+        )
         upload.raise_for_status()
         started = time.monotonic()
-        batch = httpx.post(server.v1 + "/batches", timeout=120, json={
-            "input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
-            "completion_window": "24h"}).json()  # fmt: skip
+        batch = httpx.post(
+            server.v1 + "/batches",
+            timeout=120,
+            json={
+                "input_file_id": upload.json()["id"],
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+            },
+        ).json()
         result: dict[str, list[float]] = {}
         loader = threading.Thread(
             target=lambda: result.setdefault("ttft", _load(base, seconds * 2, clients))
@@ -137,14 +169,23 @@ def batch_beside_interactive(out: Path, lines: int = 10_000, clients: int = 4,
         server.stop()
     answered = sum(1 for count in seen.values() if count >= 1)
     duplicated = sum(count - 1 for count in seen.values() if count > 1)
-    run = BatchRun(lines, alone, result.get("ttft", []), took, answered, duplicated,
-                   lines - answered)  # fmt: skip
-    (out / "results.json").write_bytes(orjson.dumps(
-        {**{k: getattr(run, k) for k in ("lines", "batch_seconds", "answered", "duplicated",
-                                         "lost")},
-         "ttft_p99_alone": run.p99(alone), "ttft_p99_with_batch": run.p99(run.with_batch_ttft),
-         "interactive_requests": [len(alone), len(run.with_batch_ttft)]},
-        option=orjson.OPT_INDENT_2))  # fmt: skip
+    run = BatchRun(
+        lines, alone, result.get("ttft", []), took, answered, duplicated, lines - answered
+    )
+    (out / "results.json").write_bytes(
+        orjson.dumps(
+            {
+                **{
+                    k: getattr(run, k)
+                    for k in ("lines", "batch_seconds", "answered", "duplicated", "lost")
+                },
+                "ttft_p99_alone": run.p99(alone),
+                "ttft_p99_with_batch": run.p99(run.with_batch_ttft),
+                "interactive_requests": [len(alone), len(run.with_batch_ttft)],
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+    )
     return run
 
 

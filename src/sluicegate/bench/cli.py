@@ -1,8 +1,8 @@
 """``sluicegate bench``: run, capacity, compare, scenarios.
 
-Wired into the main command with ``app.add_typer(bench_app, name="bench")``.  The bench's
-modules (numpy, matplotlib, rich) are imported inside the commands, so that adding this
-app costs ``sluicegate serve`` nothing at start-up.
+:mod:`sluicegate.cli` imports this module when ``sluicegate bench`` runs, once the bench
+extra is known to be installed. The bench's heavier modules (numpy, matplotlib, rich) are
+imported inside the commands, so that ``sluicegate bench --help`` stays quick.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ bench_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help, as sluicegate's (loaded apart: not inherited)
 )
 
 ScenarioOption = Annotated[
@@ -117,9 +118,13 @@ def run_command(
     console = _console()
     loaded = _scenario(scenario)
     runner = Runner(
-        _target(target), loaded, api_key=api_key, model=model, console=console,
+        _target(target),
+        loaded,
+        api_key=api_key,
+        model=model,
+        console=console,
         show_progress=progress,
-    )  # fmt: skip
+    )
     capacity = None
     try:
         if loaded.needs_capacity and capacity_rps is None:
@@ -179,21 +184,30 @@ def capacity_command(
     console = _console()
     loaded = _scenario(scenario)
     overrides = {
-        "start_rps": start_rps, "growth": growth, "trial_seconds": trial_seconds,
-        "precision": precision, "max_trials": max_trials,
-    }  # fmt: skip
+        "start_rps": start_rps,
+        "growth": growth,
+        "trial_seconds": trial_seconds,
+        "precision": precision,
+        "max_trials": max_trials,
+    }
     search = loaded.capacity.model_copy(
         update={k: v for k, v in overrides.items() if v is not None}
     )
     runner = Runner(
-        _target(target), loaded, api_key=api_key, model=model, console=console,
+        _target(target),
+        loaded,
+        api_key=api_key,
+        model=model,
+        console=console,
         show_progress=progress,
-    )  # fmt: skip
+    )
     try:
         result = find_capacity(
-            runner, search, seed=seed,
+            runner,
+            search,
+            seed=seed,
             on_trial=lambda t: console.print(trial_line(t), highlight=False),
-        )  # fmt: skip
+        )
     except (BenchError, ValueError) as exc:
         fail(str(exc))
     if out is not None:
@@ -233,9 +247,15 @@ def compare_command(
     loaded = _scenario(scenario)
     try:
         results, _, outputs = run_compare(
-            loaded, configs, out, duration_seconds=duration_seconds, capacity_rps=capacity_rps,
-            seed=seed, console=_console(), show_progress=progress,
-        )  # fmt: skip
+            loaded,
+            configs,
+            out,
+            duration_seconds=duration_seconds,
+            capacity_rps=capacity_rps,
+            seed=seed,
+            console=_console(),
+            show_progress=progress,
+        )
     except (BenchError, RuntimeError, ValueError) as exc:
         fail(str(exc))
     from sluicegate.bench.targets import targets_markdown
@@ -284,10 +304,16 @@ def upstream_command(
     loaded = _scenario(scenario)
     try:
         results, _, outputs = run_upstream_compare(
-            loaded, upstream_config, out, gateway_config=gateway,
-            duration_seconds=duration_seconds, capacity_rps=capacity_rps, seed=seed,
-            console=_console(), show_progress=progress,
-        )  # fmt: skip
+            loaded,
+            upstream_config,
+            out,
+            gateway_config=gateway,
+            duration_seconds=duration_seconds,
+            capacity_rps=capacity_rps,
+            seed=seed,
+            console=_console(),
+            show_progress=progress,
+        )
     except (BenchError, RuntimeError, ValueError) as exc:
         fail(str(exc))
     from sluicegate.bench.compare import headline_line
@@ -387,9 +413,13 @@ def soak_command(
     console = _console()
     loaded = _scenario(scenario)
     runner = Runner(
-        _target(target), loaded, api_key=api_key, model=model, console=console,
+        _target(target),
+        loaded,
+        api_key=api_key,
+        model=model,
+        console=console,
         show_progress=progress,
-    )  # fmt: skip
+    )
     try:
         schedule = build_schedule(loaded, seed=seed, duration_seconds=duration_seconds)
         console.print(
@@ -451,10 +481,19 @@ def engine_command(
 
     console = _console()
     report = run_engine_bench(
-        model, dtype, batch or [1, 8, 32, 64], prompt_tokens, new_tokens, mixed_requests,
-        mixed_rate, peer, threads, progress=lambda m: console.print(f"[dim]{m}[/dim]"),
-        server_streams=server_streams, compile=engine_compile,
-    )  # fmt: skip
+        model,
+        dtype,
+        batch or [1, 8, 32, 64],
+        prompt_tokens,
+        new_tokens,
+        mixed_requests,
+        mixed_rate,
+        peer,
+        threads,
+        progress=lambda m: console.print(f"[dim]{m}[/dim]"),
+        server_streams=server_streams,
+        compile=engine_compile,
+    )
     table = markdown_table(report)
     console.print(table)
     if json_out is not None:

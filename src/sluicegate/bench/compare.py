@@ -19,12 +19,13 @@ from rich.console import Console
 from sluicegate.bench.capacity import CapacityResult, Trial, find_capacity
 from sluicegate.bench.client import Target
 from sluicegate.bench.plots import plot_capacity, write_plots
-from sluicegate.bench.report import write_results, write_summary
+from sluicegate.bench.results_file import write_results
 from sluicegate.bench.runner import Runner, RunResult
 from sluicegate.bench.scenario import Scenario
 from sluicegate.bench.schedule import build_schedule
 from sluicegate.bench.server_process import server_settings, start_server
 from sluicegate.bench.stats import GroupStats
+from sluicegate.bench.summary import write_summary
 
 
 @dataclass(slots=True)
@@ -129,9 +130,11 @@ def run_compare(
         ) as server:
             console.print(f"  ready on {server.base_url}; settings {settings}")
             runner = Runner(
-                Target.parse(server.base_url), scenario, console=console,
+                Target.parse(server.base_url),
+                scenario,
+                console=console,
                 show_progress=show_progress,
-            )  # fmt: skip
+            )
             if scenario.needs_capacity and capacity_rps is None:
                 console.print(f"  measuring capacity on {label} (used for every configuration)")
                 capacity = measure_capacity(runner, console)

@@ -139,9 +139,13 @@ def peer_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> floa
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return time.perf_counter() - t0
 
 
@@ -239,10 +243,14 @@ async def _stream_all(base_url: str, prompts: list[list[int]], new_tokens: int) 
     async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
         nonlocal tokens
         body = {
-            "model": model, "prompt": prompt, "max_tokens": new_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
             "stream_options": {"include_usage": True},
-        }  # fmt: skip
+        }
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -265,18 +273,28 @@ async def _stream_all(base_url: str, prompts: list[list[int]], new_tokens: int) 
 
 
 def server_rate(
-    model_path: str | None, dtype: str, threads: int | None, prompts: list[list[int]],
-    new_tokens: int, log_dir: Path, compile: str = "off",
-) -> float:  # fmt: skip
+    model_path: str | None,
+    dtype: str,
+    threads: int | None,
+    prompts: list[list[int]],
+    new_tokens: int,
+    log_dir: Path,
+    compile: str = "off",
+) -> float:
     """Aggregate output tok/s of ``prompts`` streamed at once through ``sluicegate serve``."""
     from sluicegate.bench.server_process import start_server
 
     config: dict[str, Any] = {
-        "engine": "torch", "dtype": dtype, "max_num_seqs": len(prompts),
-        "max_model_len": 1024, "request_log": False, "log_level": "warning",
-        "max_num_batched_tokens": max(512, len(prompts)), "breaker": False,
+        "engine": "torch",
+        "dtype": dtype,
+        "max_num_seqs": len(prompts),
+        "max_model_len": 1024,
+        "request_log": False,
+        "log_level": "warning",
+        "max_num_batched_tokens": max(512, len(prompts)),
+        "breaker": False,
         "engine_compile": compile,
-    }  # fmt: skip
+    }
     if model_path is not None:
         config["model"] = model_path
     if threads is not None:
@@ -327,12 +345,17 @@ def run_engine_bench(
     peak = engine.call(gemm_peak_gflops, engine.dtype)
     bound = peak * 1e9 / flops_per_token(engine.args, context)
     report: dict[str, Any] = {
-        "model": engine.model_name, "dtype": str(engine.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(), "prompt_tokens": prompt_tokens,
-        "new_tokens": new_tokens, "gemm_peak_gflops": peak, "bound_tok_s": bound,
-        "flops_per_token": flops_per_token(engine.args, context), "batch": {},
+        "model": engine.model_name,
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "gemm_peak_gflops": peak,
+        "bound_tok_s": bound,
+        "flops_per_token": flops_per_token(engine.args, context),
+        "batch": {},
         "engine_compile": compile,
-    }  # fmt: skip
+    }
     rng = random.Random(0)
     peer_model = engine.call(load_peer, engine) if peer else None
     prompts_by_n: dict[int, list[list[int]]] = {}
@@ -340,13 +363,17 @@ def run_engine_bench(
         progress(f"batch {n}: raw forward")
         raw = measure_decode(engine, n, context, steps=5, blocks=3)
         progress(f"batch {n}: ours")
-        prompts = [[rng.randrange(100, engine.args.vocab_size) for _ in range(prompt_tokens)]
-                   for _ in range(n)]  # fmt: skip
+        prompts = [
+            [rng.randrange(100, engine.args.vocab_size) for _ in range(prompt_tokens)]
+            for _ in range(n)
+        ]
         prompts_by_n[n] = prompts
         ours = run_ours(
-            engine, [MixedRequest(0.0, p, new_tokens) for p in prompts], max_seqs,
+            engine,
+            [MixedRequest(0.0, p, new_tokens) for p in prompts],
+            max_seqs,
             max(512, max_seqs),
-        )  # fmt: skip
+        )
         entry: dict[str, Any] = {
             "raw_tok_s": raw["raw_tok_s"],
             "ours_decode_tok_s": ours["decode_tok_s"],
@@ -371,15 +398,19 @@ def run_engine_bench(
     prefill_ms = measure_prefill(engine, 512, 512, repeats=3)
     gflops = prefill_flops(engine.args, 512) / (prefill_ms / 1e3) / 1e9
     report["prefill"] = {
-        "tokens": 512, "ms": prefill_ms, "gflops": gflops, "vs_peak": gflops / peak,
-    }  # fmt: skip
+        "tokens": 512,
+        "ms": prefill_ms,
+        "gflops": gflops,
+        "vs_peak": gflops / peak,
+    }
     if mixed_requests:
         workload = mixed_workload(engine.args.vocab_size, mixed_requests, mixed_rate, seed=1)
         progress("mixed: ours")
         mixed: dict[str, Any] = {
-            "requests": mixed_requests, "rate_per_second": mixed_rate,
+            "requests": mixed_requests,
+            "rate_per_second": mixed_rate,
             "ours": run_ours(engine, workload, max_seqs, max(512, max_seqs)),
-        }  # fmt: skip
+        }
         if peer_model is not None:
             progress("mixed: peer")
             mixed["peer"] = engine.call(peer_mixed, peer_model, workload, max_seqs)
@@ -392,14 +423,21 @@ def run_engine_bench(
     if server_streams and server_streams in prompts_by_n:
         progress(f"server: {server_streams} streams of {new_tokens} tokens")
         rate = server_rate(
-            model_path_used, dtype_name, num_threads, prompts_by_n[server_streams], new_tokens,
-            log_dir or Path(tempfile.gettempdir()), compile,
-        )  # fmt: skip
+            model_path_used,
+            dtype_name,
+            num_threads,
+            prompts_by_n[server_streams],
+            new_tokens,
+            log_dir or Path(tempfile.gettempdir()),
+            compile,
+        )
         engine_rate = report["batch"][str(server_streams)]["ours_e2e_tok_s"]
         report["server"] = {
-            "streams": server_streams, "tok_s": rate, "engine_tok_s": engine_rate,
+            "streams": server_streams,
+            "tok_s": rate,
+            "engine_tok_s": engine_rate,
             "vs_engine": rate / engine_rate,
-        }  # fmt: skip
+        }
     return report
 
 

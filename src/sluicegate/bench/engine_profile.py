@@ -35,9 +35,12 @@ from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear"}
 ATTENTION_OPS = {
-    "aten::bmm", "aten::_softmax", "aten::index_select", "aten::_index_put_impl_",
+    "aten::bmm",
+    "aten::_softmax",
+    "aten::index_select",
+    "aten::_index_put_impl_",
     "aten::index_put_",
-}  # fmt: skip
+}
 CATEGORIES = (
     "projections",
     "attention",
@@ -175,12 +178,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="Write the report here too.")
     args = parser.parse_args(argv)
-    engine = TorchEngine(args.model, dtype=args.dtype, max_num_seqs=max(args.batch),
-                         max_model_len=1024, num_threads=args.threads)  # fmt: skip
+    engine = TorchEngine(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(args.batch),
+        max_model_len=1024,
+        num_threads=args.threads,
+    )
     report: dict[str, Any] = {
-        "model": engine.model_name, "dtype": str(engine.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(), "prompt_tokens": args.prompt_tokens, "batch": {},
-    }  # fmt: skip
+        "model": engine.model_name,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": args.prompt_tokens,
+        "batch": {},
+    }
     for n in args.batch:
         report["batch"][str(n)] = engine.call(
             profile_batch, engine, n, args.prompt_tokens, args.steps

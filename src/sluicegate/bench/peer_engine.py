@@ -126,10 +126,13 @@ async def _closed_loop(base_url: str, streams: int, seconds: float, max_tokens: 
             words = " ".join(WORDS[(index * 7 + n * 3 + k) % len(WORDS)] for k in range(12))
             body = {
                 "messages": [{"role": "user", "content": f"Tell a story about: {words}"}],
-                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7,
-                "seed": index * 1000 + n, "stream": True,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0.7,
+                "seed": index * 1000 + n,
+                "stream": True,
                 "stream_options": {"include_usage": True},
-            }  # fmt: skip
+            }
             got, first, retry = await _one(client, body)
             if retry is not None:
                 refused += 1
@@ -157,10 +160,12 @@ async def _prompt_rate(base_url: str, count: int, prompt_words: int) -> tuple[fl
         for i in range(count):
             words = " ".join(WORDS[(i * 5 + k * k) % len(WORDS)] for k in range(prompt_words))
             body = {
-                "messages": [{"role": "user", "content": f"{i} {words}"}], "max_tokens": 1,
-                "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"{i} {words}"}],
+                "max_tokens": 1,
+                "stream": True,
+                "stream_options": {"include_usage": True},
                 "cache_prompt": False,  # llama-server: do not reuse an earlier prompt
-            }  # fmt: skip
+            }
             started = time.monotonic()
             prompt_tokens = 0
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -183,8 +188,11 @@ async def _own_decode_rate(base_url: str, max_tokens: int, count: int = 3) -> fl
             break
         body = {
             "messages": [{"role": "user", "content": f"Tell a story about: {WORDS[i]}"}],
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7, "seed": i,
-        }  # fmt: skip
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.7,
+            "seed": i,
+        }
         try:
             async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
                 response = await client.post("/v1/chat/completions", json=body)
@@ -271,8 +279,10 @@ def table(runs: Sequence[PeerRun]) -> list[str]:
     for i, point in enumerate(ours.points):
         base = eager.points[i].tokens_per_second
         if peer is None:
-            lines.append(f"| {point.streams} | {base:.1f} | {point.tokens_per_second:.1f} | – "
-                         f"| – | – | {point.ttft_p50 * 1000:.0f} ms |")  # fmt: skip
+            lines.append(
+                f"| {point.streams} | {base:.1f} | {point.tokens_per_second:.1f} | – "
+                f"| – | – | {point.ttft_p50 * 1000:.0f} ms |"
+            )
             continue
         other = peer.points[i]
         theirs = other.tokens_per_second or float("nan")
@@ -286,19 +296,24 @@ def table(runs: Sequence[PeerRun]) -> list[str]:
         lines.append(
             f"prompt rate, {run.label} ({run.prompt_tokens}-token prompts, uncached): "
             f"{run.prompt_rate:.0f} tokens/s"
-            + (f" vs {peer.prompt_rate:.0f} ({run.prompt_rate / peer.prompt_rate:.2f}x)"
-               if peer else "")
-        )  # fmt: skip
+            + (
+                f" vs {peer.prompt_rate:.0f} ({run.prompt_rate / peer.prompt_rate:.2f}x)"
+                if peer
+                else ""
+            )
+        )
         refused = sum(p.refused for p in run.points)
         if refused:
-            lines.append(f"{run.label} refused {refused} requests (429), each retried after "
-                         "Retry-After")  # fmt: skip
+            lines.append(
+                f"{run.label} refused {refused} requests (429), each retried after Retry-After"
+            )
     for run in (eager, ours):
         lines.append(f"start-up, {run.label}: ready {run.ready_seconds:.1f} s after launch")
     if ours.compiled_seconds:
         how = "built, then loaded" if ours.built else "loaded from the cache"
-        lines.append(f"compiled decode step in use {ours.compiled_seconds:.1f} s after launch "
-                     f"({how})")  # fmt: skip
+        lines.append(
+            f"compiled decode step in use {ours.compiled_seconds:.1f} s after launch ({how})"
+        )
     if peer is None:
         lines.append("llama-server: skipped (no --peer-llama-server binary)")
     elif peer.own_decode_rate:
@@ -308,5 +323,5 @@ def table(runs: Sequence[PeerRun]) -> list[str]:
             f"{peer.own_decode_rate:.0f} tokens/s, against {peer.points[0].tokens_per_second:.0f}"
             f" through HTTP; ours compiled at one stream: "
             f"{ours.points[0].tokens_per_second / peer.own_decode_rate:.2f}x it"
-        )  # fmt: skip
+        )
     return lines

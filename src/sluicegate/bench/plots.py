@@ -48,9 +48,13 @@ def plot_latency_vs_load(results: Sequence[RunResult], path: Path) -> Path:
                 _line(tpot_ax, x, tpot, style, _color(i), f"{result.label} {q}", scale=1000)
         _line(good_ax, x, [g.goodput_rps for g in stats], "-", _color(i), f"{result.label} goodput")
         _line(
-            rej_ax, x, [g.rejection_rate * 100 for g in stats], ":", _color(i),
+            rej_ax,
+            x,
+            [g.rejection_rate * 100 for g in stats],
+            ":",
+            _color(i),
             f"{result.label} rejected %",
-        )  # fmt: skip
+        )
     ttft_ax.set(title="TTFT", xlabel="offered load (requests/s)", ylabel="ms")
     tpot_ax.set(title="TPOT", xlabel="offered load (requests/s)", ylabel="ms")
     good_ax.set(title="goodput and rejections", xlabel="offered load (requests/s)")
@@ -109,9 +113,13 @@ def plot_ttft_timeline(results: Sequence[RunResult], path: Path) -> Path:
         rejected = [a.sent_offset_seconds for s in result.samples if (a := s.first) and s.rejected]
         if rejected:
             ax.scatter(
-                rejected, [0.0] * len(rejected), marker="x", s=12, color=_color(i),
+                rejected,
+                [0.0] * len(rejected),
+                marker="x",
+                s=12,
+                color=_color(i),
                 label=f"{result.label} rejected",
-            )  # fmt: skip
+            )
     ax.set(title="TTFT of each request", xlabel="sent at (s)", ylabel="TTFT (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -122,15 +130,17 @@ def plot_capacity(capacity: CapacityResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for trial in capacity.trials:
         ax.scatter(
-            trial.rate_rps, trial.ttft_growth_seconds_per_second,
+            trial.rate_rps,
+            trial.ttft_growth_seconds_per_second,
             color="tab:green" if trial.sustainable else "tab:red",
-        )  # fmt: skip
+        )
         ax.annotate(str(trial.index + 1), (trial.rate_rps, trial.ttft_growth_seconds_per_second))
     ax.axvline(capacity.capacity_rps, color="grey", linestyle="--", label="capacity")
     ax.set(
-        title="capacity search (green: sustainable)", xlabel="offered load (requests/s)",
+        title="capacity search (green: sustainable)",
+        xlabel="offered load (requests/s)",
         ylabel="TTFT growth (s/s)",
-    )  # fmt: skip
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, path)

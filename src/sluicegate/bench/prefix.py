@@ -38,9 +38,11 @@ class PrefixRun:
         return median_high(self.repeated_ttft)
 
     def line(self) -> str:
-        return (f"{self.label}: first request TTFT {self.first_ttft * 1000:.0f} ms, repeated "
-                f"system prompt TTFT median {self.repeated_median * 1000:.0f} ms "
-                f"(of {len(self.repeated_ttft)})")  # fmt: skip
+        return (
+            f"{self.label}: first request TTFT {self.first_ttft * 1000:.0f} ms, repeated "
+            f"system prompt TTFT median {self.repeated_median * 1000:.0f} ms "
+            f"(of {len(self.repeated_ttft)})"
+        )
 
 
 def _ttft(client: httpx.Client, question: str, system: str = SYSTEM_PROMPT) -> float:
@@ -60,8 +62,12 @@ def _first_token(
 ) -> Answer:
     """A streamed greedy answer of 8 tokens (TTFT, text, prompt tokens): a chat of
     ``messages``, or a completion of ``prompt``."""
-    body: dict[str, object] = {"max_tokens": 8, "temperature": 0.0, "stream": True,
-                               "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, object] = {
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if messages is not None:
         body["messages"] = messages
     else:
@@ -112,10 +118,21 @@ def run_llama_server(
     port = free_port()
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [binary, "-m", default_model_path(), "-t", "2", *args, "--host",
-             "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                binary,
+                "-m",
+                default_model_path(),
+                "-t",
+                "2",
+                *args,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         base_url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 120
@@ -140,8 +157,10 @@ def prefix_reuse(out: Path, repeats: int = 5, llama_server: str | None = None) -
     question ``repeats + 1`` times in turn."""
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for label, flag in (("prefix caching", "--prefix-caching"),
-                        ("no prefix caching", "--no-prefix-caching")):  # fmt: skip
+    for label, flag in (
+        ("prefix caching", "--prefix-caching"),
+        ("no prefix caching", "--no-prefix-caching"),
+    ):
         args = [flag, "--max-model-len", "2048"]
         server = start_server_with_args(args, out / f"server-{flag.strip('-')}.log")
         try:
@@ -156,11 +175,17 @@ def prefix_reuse(out: Path, repeats: int = 5, llama_server: str | None = None) -
 
 #: Earlier turns of a support conversation, repeated to make a ~2,000-token history.
 _HISTORY_TURN = [
-    {"role": "user", "content": "I ordered three sourdough loaves and a brioche for Saturday "
-     "morning at the shop on the harbour. Can I change the pick-up time to the afternoon?"},
-    {"role": "assistant", "content": "Our shops close at 13 on Saturdays, so the latest pick-up "
-     "is just before one. I can move your order to 12:30 if that suits you."},
-]  # fmt: skip
+    {
+        "role": "user",
+        "content": "I ordered three sourdough loaves and a brioche for Saturday "
+        "morning at the shop on the harbour. Can I change the pick-up time to the afternoon?",
+    },
+    {
+        "role": "assistant",
+        "content": "Our shops close at 13 on Saturdays, so the latest pick-up "
+        "is just before one. I can move your order to 12:30 if that suits you.",
+    },
+]
 
 
 @dataclass(slots=True)
@@ -207,8 +232,10 @@ def turns_and_warmups(out: Path, repeats: int = 3) -> TurnsRun:
     try:
         with httpx.Client(base_url=server.base_url, timeout=120) as client:
             _ttft(client, "Say hi.", system="Be brief.")  # first-use costs
-            shorts = [_first_token(client, None, f"Count to ten, take {i}: one")
-                      for i in range(repeats + 2)]  # fmt: skip
+            shorts = [
+                _first_token(client, None, f"Count to ten, take {i}: one")
+                for i in range(repeats + 2)
+            ]
             short = [a.ttft for a in shorts]
             turns: list[float] = []
             alone: list[Answer] = []
@@ -218,20 +245,27 @@ def turns_and_warmups(out: Path, repeats: int = 3) -> TurnsRun:
                 history = [{"role": "system", "content": system}, *_HISTORY_TURN * 7]
                 first_turn = [*history, {"role": "user", "content": "And the rye bread?"}]
                 answer = _first_token(client, first_turn).text
-                second = [*first_turn, {"role": "assistant", "content": answer},
-                          {"role": "user", "content": "Thank you, see you then."}]  # fmt: skip
+                second = [
+                    *first_turn,
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": "Thank you, see you then."},
+                ]
                 reply = _first_token(client, second)
                 turns.append(reply.ttft)
                 history_tokens = reply.prompt_tokens
                 # What the second turn adds, as the model reads it, on its own.
-                added = (f"{i}<|im_end|>\n<|im_start|>user\nThank you, see you then.<|im_end|>"
-                         "\n<|im_start|>assistant\n")  # fmt: skip
+                added = (
+                    f"{i}<|im_end|>\n<|im_start|>user\nThank you, see you then.<|im_end|>"
+                    "\n<|im_start|>assistant\n"
+                )
                 alone.append(_first_token(client, None, added))
             warmed: list[float] = []
             for i in range(repeats):
                 system = f"Customer {i}. " + SYSTEM_PROMPT
-                typed = [{"role": "system", "content": system},
-                         {"role": "user", "content": "Do you bake gluten-free"}]  # fmt: skip
+                typed = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": "Do you bake gluten-free"},
+                ]
                 queries = client.get("/v1/stats").json()["prefix_cache"]["queries"]
                 warm = client.post("/v1/prefill", json={"messages": typed})
                 if warm.status_code != 202:
@@ -242,9 +276,14 @@ def turns_and_warmups(out: Path, repeats: int = 3) -> TurnsRun:
     finally:
         server.stop()
     return TurnsRun(
-        short, shorts[0].prompt_tokens, [a.ttft for a in alone], alone[0].prompt_tokens, turns,
-        warmed, history_tokens,
-    )  # fmt: skip
+        short,
+        shorts[0].prompt_tokens,
+        [a.ttft for a in alone],
+        alone[0].prompt_tokens,
+        turns,
+        warmed,
+        history_tokens,
+    )
 
 
 def _wait_idle(client: httpx.Client, queries: int, timeout: float = 60.0) -> None:

@@ -105,9 +105,18 @@ class RunDisplay:
         self.progress.update(self.task, completed=c.num_sent)
         table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
         for column in (
-            "open", "done", "429/503", "left", "failed", "tokens", "TTFT p50",
-            "queued", "paused", "KV", "RSS",
-        ):  # fmt: skip
+            "open",
+            "done",
+            "429/503",
+            "left",
+            "failed",
+            "tokens",
+            "TTFT p50",
+            "queued",
+            "paused",
+            "KV",
+            "RSS",
+        ):
             table.add_column(column, justify="right")
         ttft = c.recent_ttft_p50()
         point = self.latest_series()

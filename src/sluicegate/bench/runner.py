@@ -241,9 +241,11 @@ class Runner:
                             continue
                         counters.sent()
                         thread = threading.Thread(
-                            target=client, args=(request,), name=f"bench-{request.index}",
+                            target=client,
+                            args=(request,),
+                            name=f"bench-{request.index}",
                             daemon=True,
-                        )  # fmt: skip
+                        )
                         thread.start()
                         threads.append(thread)
                     window_end = run_start + schedule.arrival_window_seconds

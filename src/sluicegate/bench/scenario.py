@@ -284,9 +284,11 @@ class Scenario(_Strict):
         description="Prompt tokens per synthetic word; default: measured on the target.",
     )
     shared_system_prompt_words: int = Field(
-        0, ge=0, description="Chat: every request starts with the same system prompt of this "
+        0,
+        ge=0,
+        description="Chat: every request starts with the same system prompt of this "
         "many synthetic words (what prefix caching reuses); 0: none.",
-    )  # fmt: skip
+    )
     continuous_usage_stats: bool = Field(
         True, description="Ask for usage in every chunk (exact token counts per event)."
     )

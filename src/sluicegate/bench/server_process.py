@@ -140,13 +140,24 @@ def start_server_with_args(
     port = port or free_port(host)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "sluicegate", "serve", *args, "--host", host, "--port", str(port),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "sluicegate",
+        "serve",
+        *args,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
             preexec_fn=preexec_fn,
-        )  # fmt: skip
+        )
     server = ServerProcess(f"http://{host}:{port}", process, log_path)
     what = f"the server `sluicegate serve {' '.join(args)}`"
     deadline = time.monotonic() + ready_timeout_seconds

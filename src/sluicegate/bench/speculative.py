@@ -79,16 +79,20 @@ class SetResult:
         return self.rate("on") / off if off else 0.0
 
     def line(self) -> str:
-        return (f"{self.name}: {self.rate('on'):.1f} decode tokens/s with speculation, "
-                f"{self.rate('off'):.1f} without: {self.speedup:.2f}x; "
-                f"{self.identical}/{self.compared} answers identical")  # fmt: skip
+        return (
+            f"{self.name}: {self.rate('on'):.1f} decode tokens/s with speculation, "
+            f"{self.rate('off'):.1f} without: {self.speedup:.2f}x; "
+            f"{self.identical}/{self.compared} answers identical"
+        )
 
 
 def _answer(client: httpx.Client, prompt: str, max_tokens: int, seed: int | None) -> Answer:
     body: dict[str, object] = {
-        "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if seed is None:
         body["temperature"] = 0.0
     else:
@@ -116,9 +120,12 @@ def _answer(client: httpx.Client, prompt: str, max_tokens: int, seed: int | None
 
 
 def _run_set(
-    name: str, prompts: Sequence[str], clients: dict[str, httpx.Client], max_tokens: int,
+    name: str,
+    prompts: Sequence[str],
+    clients: dict[str, httpx.Client],
+    max_tokens: int,
     repeats: int,
-) -> SetResult:  # fmt: skip
+) -> SetResult:
     result = SetResult(name)
     turn = 0
     for prompt in prompts:
@@ -165,11 +172,16 @@ def speculative_decoding(out: Path, repeats: int = 2, max_tokens: int = 160) -> 
         "max_tokens": max_tokens,
         "repeats": repeats,
         "sets": [
-            {"name": r.name, "tokens_per_second": {w: r.rate(w) for w in ("on", "off")},
-             "speedup": r.speedup, "identical": r.identical, "compared": r.compared}
+            {
+                "name": r.name,
+                "tokens_per_second": {w: r.rate(w) for w in ("on", "off")},
+                "speedup": r.speedup,
+                "identical": r.identical,
+                "compared": r.compared,
+            }
             for r in results
         ],
         "speculation_stats": stats,
-    }  # fmt: skip
+    }
     (out / "results.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     return results

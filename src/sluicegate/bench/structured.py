@@ -164,10 +164,13 @@ def _answer(client: httpx.Client, body: Mapping[str, Any]) -> Answer:
 
 def _body(prompt: str, max_tokens: int, seed: int) -> dict[str, Any]:
     return {
-        "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": 0.7, "seed": seed, "stream": True,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": seed,
+        "stream": True,
         "stream_options": {"include_usage": True},
-    }  # fmt: skip
+    }
 
 
 def structured_output(
@@ -201,21 +204,28 @@ def structured_output(
             client.close()
         server.stop()
     document = {
-        "num_requests": num_requests, "streams": streams, "valid": result.valid,
-        "cut": result.cut, "identical": result.identical, "failures": result.failures,
+        "num_requests": num_requests,
+        "streams": streams,
+        "valid": result.valid,
+        "cut": result.cut,
+        "identical": result.identical,
+        "failures": result.failures,
         "tpot_seconds": {w: result.tpot(w) for w in ("schema", "free")},
-        "overhead": result.overhead, "answers": samples,
+        "overhead": result.overhead,
+        "answers": samples,
         "speculation": stats.get("speculation"),
-    }  # fmt: skip
+    }
     (out / "results.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     return result
 
 
 def _round(
-    pool: ThreadPoolExecutor, clients: Sequence[httpx.Client],
-    chunk: Sequence[tuple[tuple[str, str], int]], max_tokens: int,
+    pool: ThreadPoolExecutor,
+    clients: Sequence[httpx.Client],
+    chunk: Sequence[tuple[tuple[str, str], int]],
+    max_tokens: int,
     lengths: Sequence[int] | None,
-) -> list[Answer]:  # fmt: skip
+) -> list[Answer]:
     """One request per stream at once: under its schema (``lengths`` None), or free text
     held to the given lengths."""
     futures = []
@@ -223,8 +233,9 @@ def _round(
         if lengths is None:
             body = _body(prompt, max_tokens, seed)
             body["response_format"] = {
-                "type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]},
-            }  # fmt: skip
+                "type": "json_schema",
+                "json_schema": {"name": name, "schema": SCHEMAS[name]},
+            }
         else:
             body = {**_body(prompt, lengths[i], seed), "ignore_eos": True}
         futures.append(pool.submit(_answer, clients[i], body))
@@ -232,9 +243,13 @@ def _round(
 
 
 def _score(
-    result: StructuredResult, job: tuple[str, str], constrained: Answer, free: Answer,
-    again: Answer, samples: list[dict[str, Any]],
-) -> None:  # fmt: skip
+    result: StructuredResult,
+    job: tuple[str, str],
+    constrained: Answer,
+    free: Answer,
+    again: Answer,
+    samples: list[dict[str, Any]],
+) -> None:
     name, prompt = job
     ok = False
     try:
@@ -252,6 +267,12 @@ def _score(
         result.tokens["schema"] += max(0, answer.tokens - 1)
         result.seconds["schema"] += answer.decode_seconds
     samples.append(
-        {"schema": name, "prompt": prompt, "text": constrained.text, "valid": ok,
-         "tokens": constrained.tokens, "finish_reason": constrained.finish_reason}
-    )  # fmt: skip
+        {
+            "schema": name,
+            "prompt": prompt,
+            "text": constrained.text,
+            "valid": ok,
+            "tokens": constrained.tokens,
+            "finish_reason": constrained.finish_reason,
+        }
+    )

@@ -106,10 +106,15 @@ def run_figures(
         goodput = None if stats is None else _ratio(stats.goodput_rps, capacity_rps)
         figures.stages.append(
             StageFigures(
-                stage.index, stage.offered_rps, stage.capacity_multiplier, rss_mean, rss_max,
-                limit_mean, goodput,
+                stage.index,
+                stage.offered_rps,
+                stage.capacity_multiplier,
+                rss_mean,
+                rss_max,
+                limit_mean,
+                goodput,
             )
-        )  # fmt: skip
+        )
     figures.base_stage, figures.peak_stage = base_and_peak(stages)
     if figures.base_stage is None or figures.peak_stage is None:
         return figures
@@ -159,31 +164,38 @@ def check_targets(
         goal = targets.ttft_p99_ratio_max
         checks.append(
             TargetCheck(
-                f"admitted TTFT p99, {peak_name} / {base_name}", f"≤ {goal:g}", value,
+                f"admitted TTFT p99, {peak_name} / {base_name}",
+                f"≤ {goal:g}",
+                value,
                 "–" if value is None else f"{value:.2f}",
                 _judge(value, value is not None and value <= goal),
             )
-        )  # fmt: skip
+        )
     if targets.tpot_p99_within_objective:
         value = peak.tpot.p99 if peak is not None and peak.tpot else None
         goal = slo.tpot_seconds
         checks.append(
             TargetCheck(
-                f"admitted TPOT p99 at {peak_name}", f"≤ {goal * 1000:g} ms", value, _ms(value),
+                f"admitted TPOT p99 at {peak_name}",
+                f"≤ {goal * 1000:g} ms",
+                value,
+                _ms(value),
                 _judge(value, value is not None and value <= goal),
             )
-        )  # fmt: skip
+        )
     if targets.goodput_capacity_fraction_min is not None:
         value = None if peak_figures is None else peak_figures.goodput_capacity_fraction
         goal = targets.goodput_capacity_fraction_min
         rps = "" if peak is None else f" ({peak.goodput_rps:.2f} req/s)"
         checks.append(
             TargetCheck(
-                f"goodput at {peak_name} / capacity", f"≥ {goal:.0%}", value,
+                f"goodput at {peak_name} / capacity",
+                f"≥ {goal:.0%}",
+                value,
                 "–" if value is None else f"{value:.0%}{rps}",
                 _judge(value, value is not None and value >= goal),
             )
-        )  # fmt: skip
+        )
     if targets.refusal_p99_seconds_below is not None:
         refusals = peak.refusal_latency if peak is not None else None
         value = refusals.p99 if refusals is not None else None
@@ -191,21 +203,25 @@ def check_targets(
         count = 0 if refusals is None else refusals.count
         checks.append(
             TargetCheck(
-                f"refusal latency p99 at {peak_name}", f"< {goal * 1000:g} ms", value,
+                f"refusal latency p99 at {peak_name}",
+                f"< {goal * 1000:g} ms",
+                value,
                 "no refusals" if value is None else f"{_ms(value)} (of {count})",
                 _judge(value, value is not None and value < goal),
             )
-        )  # fmt: skip
+        )
     if targets.resident_memory_ratio_tolerance is not None:
         value = figures.resident_memory_ratio
         goal = targets.resident_memory_ratio_tolerance
         checks.append(
             TargetCheck(
-                f"max RSS, {peak_name} / {base_name}", f"within ±{goal:.0%}", value,
+                f"max RSS, {peak_name} / {base_name}",
+                f"within ±{goal:.0%}",
+                value,
                 "–" if value is None else f"{value:.3f}",
                 _judge(value, value is not None and abs(value - 1.0) <= goal),
             )
-        )  # fmt: skip
+        )
     if targets.retry_admitted_fraction_min is not None:
         everything = groups.get("all")
         value = None if everything is None else everything.retry_on_time_admitted_fraction
@@ -218,10 +234,13 @@ def check_targets(
             )
         checks.append(
             TargetCheck(
-                "retries at the advertised time admitted", f"≥ {goal:.0%}", value, shown,
+                "retries at the advertised time admitted",
+                f"≥ {goal:.0%}",
+                value,
+                shown,
                 _judge(value, value is not None and value >= goal),
             )
-        )  # fmt: skip
+        )
     return checks
 
 

@@ -63,8 +63,9 @@ def run_upstream_compare(
 
     def drive(label: str, server: ServerProcess) -> None:
         nonlocal capacity, capacity_rps, schedule
-        runner = Runner(Target.parse(server.base_url), scenario, console=console,
-                        show_progress=show_progress)  # fmt: skip
+        runner = Runner(
+            Target.parse(server.base_url), scenario, console=console, show_progress=show_progress
+        )
         if schedule is None:
             if scenario.needs_capacity and capacity_rps is None:
                 console.print(f"  measuring capacity {label} (used for both runs)")
@@ -92,9 +93,10 @@ def run_upstream_compare(
             {**gateway_values, "engine": "upstream", "upstream": [engine.base_url]},
         )
         with start_server(
-            gateway_path, out_dir / "server-gateway.log",
+            gateway_path,
+            out_dir / "server-gateway.log",
             ready_timeout_seconds=ready_timeout_seconds,
-        ) as gateway:  # fmt: skip
+        ) as gateway:
             drive("gateway", gateway)
     return results, capacity, write_outputs(out_dir, results, capacity)
 
@@ -107,13 +109,22 @@ def ratio_lines(results: Sequence[RunResult]) -> list[str]:
         return []
     lines = []
     for name, d, g in (
-        ("TTFT p50", direct.ttft.p50 if direct.ttft else None,
-         gateway.ttft.p50 if gateway.ttft else None),
-        ("TTFT p99", direct.ttft.p99 if direct.ttft else None,
-         gateway.ttft.p99 if gateway.ttft else None),
-        ("TPOT p50", direct.tpot.p50 if direct.tpot else None,
-         gateway.tpot.p50 if gateway.tpot else None),
-    ):  # fmt: skip
+        (
+            "TTFT p50",
+            direct.ttft.p50 if direct.ttft else None,
+            gateway.ttft.p50 if gateway.ttft else None,
+        ),
+        (
+            "TTFT p99",
+            direct.ttft.p99 if direct.ttft else None,
+            gateway.ttft.p99 if gateway.ttft else None,
+        ),
+        (
+            "TPOT p50",
+            direct.tpot.p50 if direct.tpot else None,
+            gateway.tpot.p50 if gateway.tpot else None,
+        ),
+    ):
         if d is not None and g is not None:
             lines.append(
                 f"{name}: direct {d * 1e3:.1f} ms, gateway {g * 1e3:.1f} ms "
@@ -155,8 +166,13 @@ class RelayResult:
 
 async def _stream_all(base_url: str, streams: int, max_tokens: int) -> int:
     """Open ``streams`` streamed completions at once, read them whole; the tokens."""
-    body = {"prompt": "relay", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": "relay",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
         tail = b""
@@ -208,11 +224,18 @@ def relay_throughput(
     and tokens per CPU-second of the engine (direct) and of the gateway (through)."""
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    engine_path = _write(out_dir / "relay-engine.yaml", {
-        **PLAIN_ENGINE, "engine": "sim", "sim_step_base_ms": 0.1, "sim_step_per_token_ms": 0.0,
-        "max_num_seqs": streams, "max_num_batched_tokens": max(512, streams),
-        "max_model_len": max_tokens + 64,
-    })  # fmt: skip
+    engine_path = _write(
+        out_dir / "relay-engine.yaml",
+        {
+            **PLAIN_ENGINE,
+            "engine": "sim",
+            "sim_step_base_ms": 0.1,
+            "sim_step_per_token_ms": 0.0,
+            "max_num_seqs": streams,
+            "max_num_batched_tokens": max(512, streams),
+            "max_model_len": max_tokens + 64,
+        },
+    )
     results = []
     with start_server(engine_path, out_dir / "server-relay-engine.log") as engine:
         asyncio.run(_stream_all(engine.base_url, 4, 50))  # warm
@@ -222,11 +245,17 @@ def relay_throughput(
         seconds, used = time.monotonic() - started, _cpu_seconds(engine) - cpu
         results.append(RelayResult("direct (engine's CPU)", streams, tokens, seconds, used))
         console.print(results[-1].line())
-        gateway_path = _write(out_dir / "relay-gateway.yaml", {
-            "engine": "upstream", "upstream": [engine.base_url], "upstream_tokenizer": "bytes",
-            "upstream_max_concurrent": streams, "admission": "static",
-            "max_num_seqs": streams,
-        })  # fmt: skip
+        gateway_path = _write(
+            out_dir / "relay-gateway.yaml",
+            {
+                "engine": "upstream",
+                "upstream": [engine.base_url],
+                "upstream_tokenizer": "bytes",
+                "upstream_max_concurrent": streams,
+                "admission": "static",
+                "max_num_seqs": streams,
+            },
+        )
         with start_server(gateway_path, out_dir / "server-relay-gateway.log") as gateway:
             asyncio.run(_stream_all(gateway.base_url, 4, 50))  # warm
             through = asyncio.run(_first_token_seconds(gateway.base_url, 200))

@@ -60,8 +60,13 @@ def main() -> None:
     # SmolLM2-135M: 30 layers of qkv (960x576), o (576x576), gate/up (3072x576),
     # down (576x1536), and the 49,152-row output head.
     layers = 30
-    shapes = [(960, 576, layers), (576, 576, layers), (3072, 576, layers),
-              (576, 1536, layers), (49152, 576, 1)]  # fmt: skip
+    shapes = [
+        (960, 576, layers),
+        (576, 576, layers),
+        (3072, 576, layers),
+        (576, 1536, layers),
+        (49152, 576, 1),
+    ]
     print("| rows | " + " | ".join(FORMATS) + " |")
     print("|---" * (len(FORMATS) + 1) + "|")
     for rows in args.rows:

@@ -1,4 +1,6 @@
-"""The engine protocol: computes the steps the scheduler plans.
+"""The engine protocols: the :class:`Engine` computes the steps the scheduler plans; an
+:class:`EngineCore` is what the service drives (the embedded core around an engine, or
+the upstream core that relays requests to other servers).
 
 The engine owns its KV cache storage; the scheduler owns the *accounting* (which slot a
 sequence lives in and how many of its tokens are cached).  The step's boundary types
@@ -7,9 +9,16 @@ sequence lives in and how many of its tokens are cached).  The step's boundary t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from sluicegate.engine.output import RequestStream
+from sluicegate.engine.upstream.wire import UpstreamCall
+from sluicegate.scheduler.capacity import DispatchCapacity
+from sluicegate.scheduler.kv_cache import KVCacheStats
+from sluicegate.scheduler.request import Request
+from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.scheduler.step import StepPlan, StepResult
 
 
@@ -50,3 +59,130 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Figures of one engine step, for metrics."""
+
+    step_seconds: float
+    num_seqs: int
+    num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class CoreHooks:
+    """What a core reports as it goes (the embedded core calls them on its thread)."""
+
+    #: After every engine step.
+    on_step: Callable[[StepStats], None] | None = None
+    #: An abort took effect, this many seconds after it was asked for.
+    on_abort: Callable[[float], None] | None = None
+    #: A paused sequence was resumed after this many seconds.
+    on_resume: Callable[[float], None] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class CoreFeatures:
+    """What a core does itself, so that the layers above never ask which core it is."""
+
+    #: Requests are relayed to other servers, which are sent the client's own body (they
+    #: validate and serve what the gateway does not act on; their models may change).
+    relays: bool = False
+    #: Structured output is enforced here, by grammar-constrained decoding (it needs
+    #: logits: a real model, not the sim).
+    constrains_output: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class CoreStats:
+    """A core's state in one shape, whichever core it is: a snapshot, safe to read on the
+    event loop."""
+
+    num_running: int
+    #: In the core's own waiting line (not the fair queue's).
+    num_waiting: int
+    num_paused: int
+    #: Waiting for their pace (``max_tokens_per_second``), their seats lent out.
+    num_throttled: int
+    num_waiting_by_priority: dict[int, int]
+    num_preemptions_total: int
+    preemptions_by_reason: dict[str, int]
+    #: Engine steps computed, or (a relaying core) upstream calls made.
+    num_steps: int
+    engine_up: bool
+    #: Sequences in the latest engine step (0 for a relaying core).
+    batch_size: int = 0
+    #: None: this core keeps no KV cache (an upstream engine keeps its own).
+    kv_cache: KVCacheStats | None = None
+    kv_cache_bytes: int = 0
+    #: The torch engine's compiled decode step (:attr:`Engine.compile_status`).
+    compile_status: str = "off"
+    #: The prefix cache's counters (None: prefix caching off or no cache here).
+    prefix_cache: dict[str, float | int] | None = None
+    #: Speculative decoding's counters (None: off).
+    speculation: dict[str, float | int] | None = None
+    #: Pace-aware scheduling's counters (None: fcfs).
+    pacing: dict[str, float | int] | None = None
+    #: The core's own sections of ``/v1/stats``: the seat limiter and cost model, or the
+    #: upstreams.
+    sections: dict[str, object] = field(default_factory=dict)
+
+
+class EngineCore(Protocol):
+    """What the service drives: the embedded core (the scheduler and an engine, torch or
+    sim, on their own thread) or the upstream core (each request relayed from a pool of
+    OpenAI-compatible servers).  Built by :func:`sluicegate.engine.factory.build_core`;
+    nothing above the engine asks which one it holds.
+
+    Every method is called on the event loop.
+    """
+
+    @property
+    def features(self) -> CoreFeatures: ...
+
+    @property
+    def capacity(self) -> DispatchCapacity:
+        """The seats and KV the dispatcher hands out (this core alone moves them)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every model served (a relaying core's change as its upstreams do)."""
+        ...
+
+    async def start(self, on_measured: Callable[[], None]) -> None:
+        """Calibrate and start serving; ``on_measured`` is called once :meth:`estimate`
+        reflects measurements (maybe later, in the background, for a relaying core whose
+        upstreams are not reachable yet)."""
+        ...
+
+    async def close(self) -> None:
+        """Fail what is running ("server shutting down") and release the engine."""
+        ...
+
+    def add_request(
+        self, request: Request, stream: RequestStream, call: UpstreamCall | None = None
+    ) -> None:
+        """Run a dispatched request, writing its output to ``stream`` (a relaying core
+        sends ``call`` upstream)."""
+        ...
+
+    def abort_request(self, request_id: str) -> None:
+        """End it before its next step; its stream gets a final ``abort`` output."""
+        ...
+
+    def pause_request(self, request_id: str) -> None:
+        """A slow reader: stop producing for it and lend its seat (idempotent)."""
+        ...
+
+    def resume_request(self, request_id: str) -> None: ...
+
+    def stats(self) -> CoreStats: ...
+
+    def estimate(self) -> ServiceEstimate:
+        """What admission predicts with: seats, step time, prompt and output lengths."""
+        ...

@@ -160,15 +160,26 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
         low, high = min(moved.values()), max(moved.values())
         if high <= CHECK_SPREAD * low:
             break
-        logger.info("saved calibration: the cheap shapes moved by %.2f-%.2fx (check %d of %d)",
-                    low, high, attempt, CHECK_ATTEMPTS)  # fmt: skip
+        logger.info(
+            "saved calibration: the cheap shapes moved by %.2f-%.2fx (check %d of %d)",
+            low,
+            high,
+            attempt,
+            CHECK_ATTEMPTS,
+        )
     else:
         logger.info("saved calibration not reused: measuring every shape")
         return None
     factor = statistics.median(moved.values())
-    logger.info("saved calibration reused: %d of %d shapes measured (%.2f-%.2fx the saved "
-                "times), the rest scaled by %.2f", len(moved), len(shapes), low, high,
-                factor)  # fmt: skip
+    logger.info(
+        "saved calibration reused: %d of %d shapes measured (%.2f-%.2fx the saved "
+        "times), the rest scaled by %.2f",
+        len(moved),
+        len(shapes),
+        low,
+        high,
+        factor,
+    )
     now = dict(_medians(last))  # the check that agreed
     return [(shape, now.get(shape, before[shape][0] * factor)) for shape in shapes]
 

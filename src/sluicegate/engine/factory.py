@@ -1,16 +1,25 @@
-"""Build the configured engine and its tokenizer."""
+"""Build the configured engine, its tokenizer and its core: the one place that knows
+which core it builds (:class:`~sluicegate.engine.base.EngineCore`)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from sluicegate.config import Settings
-from sluicegate.engine.base import Engine
+from sluicegate.engine.base import CoreFeatures, CoreHooks, Engine, EngineCore
+from sluicegate.engine.embedded import EmbeddedCore, WarmUp
 from sluicegate.engine.sampling_defaults import SamplingDefaults, with_settings
 from sluicegate.engine.sim import SimEngine
 from sluicegate.engine.tokenizer import TextTokenizer, byte_level_tokenizer
-from sluicegate.engine.upstream.pool import UpstreamPool
+from sluicegate.engine.upstream.core import UpstreamCore
+from sluicegate.engine.upstream.pool import PoolCollector, UpstreamPool
+from sluicegate.scheduler.pacing import PacingConfig, seat_objective_seconds
+from sluicegate.scheduler.prompt_lookup import SpeculationConfig
+from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 class EngineLoadError(RuntimeError):
@@ -49,17 +58,24 @@ def build_engine(settings: Settings) -> LoadedEngine:
             else UPSTREAM_MAX_MODEL_LEN
         )
         return LoadedEngine(
-            pool, upstream_tokenizer(settings), settings.served_model_name or "",
-            max_model_len, sum(u.max_concurrent for u in settings.upstream_configs),
+            pool,
+            upstream_tokenizer(settings),
+            settings.served_model_name or "",
+            max_model_len,
+            sum(u.max_concurrent for u in settings.upstream_configs),
             sampling_defaults(settings, SamplingDefaults()),
-        )  # fmt: skip
+        )
     if settings.engine == "sim":
         sim = SimEngine(settings.sim_step_base_ms, settings.sim_step_per_token_ms)
         name = settings.served_model_name or sim.model_name
         return LoadedEngine(
-            sim, sim.tokenizer, name, settings.max_model_len, settings.max_num_seqs,
+            sim,
+            sim.tokenizer,
+            name,
+            settings.max_model_len,
+            settings.max_num_seqs,
             sampling_defaults(settings, SamplingDefaults()),
-        )  # fmt: skip
+        )
     try:  # imported here so that a sim server never loads torch
         from sluicegate.engine.torch.runner import TorchEngine
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -76,10 +92,14 @@ def build_engine(settings: Settings) -> LoadedEngine:
     )
     name = settings.served_model_name or engine.model_name
     return LoadedEngine(
-        engine, engine.tokenizer, name, engine.max_model_len, engine.max_num_seqs,
+        engine,
+        engine.tokenizer,
+        name,
+        engine.max_model_len,
+        engine.max_num_seqs,
         sampling_defaults(settings, engine.sampling_defaults),
         engine.calibration_path() if settings.reuse_calibration else None,
-    )  # fmt: skip
+    )
 
 
 def sampling_defaults(settings: Settings, model: SamplingDefaults) -> SamplingDefaults:
@@ -109,3 +129,80 @@ def upstream_tokenizer(settings: Settings) -> TextTokenizer:
         return load_tokenizer(spec, settings.cache_dir)
     except Exception as exc:
         raise EngineLoadError(f"cannot load upstream_tokenizer {spec!r}: {exc}") from exc
+
+
+def build_core(
+    settings: Settings,
+    loaded: LoadedEngine,
+    loop: asyncio.AbstractEventLoop,
+    hooks: CoreHooks | None = None,
+    registry: CollectorRegistry | None = None,
+) -> EngineCore:
+    """The core that serves ``loaded``: the upstream core for a pool (its collector
+    registered in ``registry``), else the embedded core with its scheduler."""
+    if isinstance(loaded.engine, UpstreamPool):
+        if registry is not None:
+            registry.register(PoolCollector(loaded.engine))
+        return UpstreamCore(
+            loaded.engine, loaded.tokenizer, settings, hooks, max_model_len=loaded.max_model_len
+        )
+    features = CoreFeatures(constrains_output=settings.engine == "torch")
+    return EmbeddedCore(
+        loaded.engine,
+        loaded.tokenizer,
+        build_scheduler(settings, loaded),
+        loop,
+        hooks,
+        model_name=loaded.model_name,
+        # The sim's steps follow its own law (a sleep), so one timed pass is enough; a
+        # real engine's vary with the machine's load, and the median of three counts.
+        warm=WarmUp(1 if settings.engine == "sim" else 3, loaded.calibration_path),
+        features=features,
+    )
+
+
+def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
+    """The scheduler for ``loaded``: its context is the smaller of the configured and the
+    model's, and every capacity figure (slots, KV blocks) derives from it once, here."""
+    pacing = PacingConfig(
+        enabled=settings.scheduling == "qoe",
+        reading_tokens_per_second=settings.reading_tokens_per_second,
+        lead_seconds=settings.qoe_lead_seconds,
+    )
+    tpot = settings.tpot_slo_ms / 1000.0 if settings.admission == "slo" else None
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=min(settings.max_num_seqs, loaded.max_num_seqs),
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=min(settings.max_model_len, loaded.max_model_len),
+            kv_block_size=settings.kv_block_size,
+            num_kv_blocks=settings.num_kv_blocks,
+            prefix_caching=settings.prefix_caching,
+            speculation=SpeculationConfig(
+                num_tokens=speculative_tokens(settings), max_batch=settings.speculative_max_batch
+            ),
+            pause_preempt_seconds=pause_preempt_seconds(settings),
+            pacing=pacing,
+            tpot_objective_seconds=seat_objective_seconds(tpot, pacing),
+        ),
+        eos_token_ids=loaded.tokenizer.eos_token_ids,
+    )
+
+
+def speculative_tokens(settings: Settings) -> int:
+    """Draft tokens a step may add: the setting on the embedded engine; on the sim engine
+    only when set explicitly, because its text repeats, so drafts would be accepted far
+    more often than on any model, and its timing (capacity planning, tests) would be too
+    optimistic."""
+    explicit = "speculative_tokens" in settings.model_fields_set
+    return settings.speculative_tokens if settings.engine == "torch" or explicit else 0
+
+
+def pause_preempt_seconds(settings: Settings) -> float | None:
+    """When a paused sequence loses its KV: as configured; otherwise only when needed
+    (admission by objective) or after 5 s (static admission, as before objectives)."""
+    if not settings.pause:
+        return None
+    if settings.pause_preempt_seconds is not None:
+        return settings.pause_preempt_seconds
+    return None if settings.admission == "slo" else 5.0

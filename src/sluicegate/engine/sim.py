@@ -17,10 +17,37 @@ from sluicegate.scheduler.step import StepPlan, StepResult
 
 # Words with multi-byte characters on purpose: their bytes span several tokens.
 _WORDS = (
-    "the", "river", "flows", "through", "a", "gate", "and", "water", "waits", "café",
-    "naïve", "über", "señal", "日本", "水門", "поток", "σήμα", "🙂", "🌊", "flow", "control",
-    "back", "pressure", "token", "stream", "reader", "slow", "fast", "batch", "queue",
-)  # fmt: skip
+    "the",
+    "river",
+    "flows",
+    "through",
+    "a",
+    "gate",
+    "and",
+    "water",
+    "waits",
+    "café",
+    "naïve",
+    "über",
+    "señal",
+    "日本",
+    "水門",
+    "поток",
+    "σήμα",
+    "🙂",
+    "🌊",
+    "flow",
+    "control",
+    "back",
+    "pressure",
+    "token",
+    "stream",
+    "reader",
+    "slow",
+    "fast",
+    "batch",
+    "queue",
+)
 
 SIM_MODEL_NAME = "sluicegate-sim"
 

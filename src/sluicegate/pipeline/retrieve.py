@@ -80,14 +80,18 @@ class Retriever:
         self.stemmer = Stemmer.Stemmer("english")
         self.index = bm25s.BM25()
         corpus = bm25s.tokenize(
-            [p.text for p in self.passages], stopwords="en", stemmer=self.stemmer,
+            [p.text for p in self.passages],
+            stopwords="en",
+            stemmer=self.stemmer,
             show_progress=False,
-        )  # fmt: skip
+        )
         self.index.index(corpus, show_progress=False)
         logger.info(
             "indexed %d passages from %s in %.2f s",
-            len(self.passages), root, time.perf_counter() - started,
-        )  # fmt: skip
+            len(self.passages),
+            root,
+            time.perf_counter() - started,
+        )
 
     def retrieve(self, query: str) -> Retrieved:
         started = time.perf_counter()

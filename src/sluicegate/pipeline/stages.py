@@ -39,9 +39,15 @@ class Stage(Protocol):
 def final_like(delta: RequestOutput, text: str, reason: FinishReason) -> RequestOutput:
     """A final delta carrying ``text`` instead of what the engine produced."""
     return RequestOutput(
-        delta.request_id, text, 0, delta.num_prompt_tokens, delta.num_output_tokens, reason,
-        reported_usage=delta.reported_usage, num_cached_tokens=delta.num_cached_tokens,
-    )  # fmt: skip
+        delta.request_id,
+        text,
+        0,
+        delta.num_prompt_tokens,
+        delta.num_output_tokens,
+        reason,
+        reported_usage=delta.reported_usage,
+        num_cached_tokens=delta.num_cached_tokens,
+    )
 
 
 class GuardStage:
@@ -73,8 +79,11 @@ class GuardStage:
             # Stopped or failed: what is held was never checked, so it is not sent (a
             # resumed stream regenerates it: it was not logged).
             self.held, self.held_tokens = [], 0
-            return [final_like(delta, "", delta.finish_reason or FinishReason.ABORT)
-                    if delta.error is None and delta.failure is None else delta]  # fmt: skip
+            return [
+                final_like(delta, "", delta.finish_reason or FinishReason.ABORT)
+                if delta.error is None and delta.failure is None
+                else delta
+            ]
         self.held.append(delta)
         self.held_tokens += delta.num_new_tokens
         if self.held_tokens < self.settings.stride_tokens and not delta.finished:

@@ -27,13 +27,19 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from sluicegate.errors import APIError
+from sluicegate.queue.batch_format import (
+    ENDPOINTS,
+    FileRecord,
+    batch_view,
+    check_batch_lines,
+    result_line,
+)
 from sluicegate.queue.journal import JobJournal
 
 _SCHEMA = """
@@ -69,67 +75,8 @@ CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
 """
 
 #: Endpoints a batch may run, and the kind of request each line is.
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-#: OpenAI's limits: 50,000 requests per batch, 200 MB per file.
-MAX_LINES = 50_000
-MAX_FILE_BYTES = 200 * 1024 * 1024
-#: The one completion window OpenAI offers, in seconds.
 COMPLETION_WINDOWS = {"24h": 86400.0}
 _UNFINISHED = ("in_progress", "cancelling")
-
-
-@dataclass(slots=True, frozen=True)
-class FileRecord:
-    file_id: str
-    tenant: str
-    purpose: str
-    filename: str
-    bytes: int
-    created_at: float
-
-    def view(self) -> dict[str, Any]:
-        return {"id": self.file_id, "object": "file", "bytes": self.bytes,
-                "created_at": int(self.created_at), "filename": self.filename,
-                "purpose": self.purpose, "status": "processed"}  # fmt: skip
-
-
-def check_batch_lines(data: bytes) -> int:
-    """Check an uploaded batch file (JSONL of requests); returns its number of requests.
-    Raises a 400 naming the first bad line."""
-    seen: dict[str, int] = {}
-    count = 0
-    for number, raw in enumerate(data.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        count += 1
-        if count > MAX_LINES:
-            raise _bad_file(f"it has more than {MAX_LINES} requests, the limit of one batch")
-        try:
-            line = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _bad_file(f"line {number} is not JSON: {exc}") from None
-        if not isinstance(line, dict):
-            raise _bad_file(f"line {number} is not a JSON object")
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            raise _bad_file(f"line {number} has no custom_id (a non-empty string)")
-        if custom_id in seen:
-            raise _bad_file(f"line {number} repeats the custom_id of line {seen[custom_id]}")
-        seen[custom_id] = number
-        if line.get("method") != "POST":
-            raise _bad_file(f"line {number}: method must be POST")
-        if line.get("url") not in ENDPOINTS:
-            raise _bad_file(f"line {number}: url must be one of {sorted(ENDPOINTS)}")
-        if not isinstance(line.get("body"), dict):
-            raise _bad_file(f"line {number}: body must be a JSON object")
-    if count == 0:
-        raise _bad_file("it has no requests")
-    return count
-
-
-def _bad_file(reason: str) -> APIError:
-    return APIError(400, f"The batch file is not valid: {reason}.", param="file",
-                    code="invalid_batch_file")  # fmt: skip
 
 
 def _not_found(what: str, ident: str) -> APIError:
@@ -154,8 +101,9 @@ class Batches:
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch'; got {purpose!r}", param="purpose")
         check_batch_lines(data)
-        record = FileRecord(f"file-{uuid.uuid4().hex}", tenant, purpose, filename, len(data),
-                            self._clock())  # fmt: skip
+        record = FileRecord(
+            f"file-{uuid.uuid4().hex}", tenant, purpose, filename, len(data), self._clock()
+        )
         self._write(record.file_id, [data])
         self._insert_file(record)
         return record
@@ -164,8 +112,9 @@ class Batches:
         with self.journal.connection() as db:
             row = db.execute(
                 "SELECT file_id, tenant, purpose, filename, bytes, created_at FROM files"
-                " WHERE file_id = ?", (file_id,),
-            ).fetchone()  # fmt: skip
+                " WHERE file_id = ?",
+                (file_id,),
+            ).fetchone()
         if row is None or row[1] != tenant:
             raise _not_found("file", file_id)
         return FileRecord(*row)
@@ -174,8 +123,12 @@ class Batches:
         """The tenant's files, newest first, ``limit`` after the file ``after``."""
         return self._page(
             "SELECT file_id, tenant, purpose, filename, bytes, created_at FROM files",
-            "file_id", FileRecord, tenant, limit, after,
-        )  # fmt: skip
+            "file_id",
+            FileRecord,
+            tenant,
+            limit,
+            after,
+        )
 
     def content(self, record: FileRecord) -> Path:
         return self.files_dir / f"{record.file_id}.jsonl"
@@ -189,16 +142,26 @@ class Batches:
 
     # ---------------------------------------------------------------- batches
     def create(
-        self, tenant: str, input_file_id: str, endpoint: str, completion_window: str,
+        self,
+        tenant: str,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
         metadata: dict[str, str] | None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
-            raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}; got {endpoint!r}",
-                           param="endpoint")  # fmt: skip
+            raise APIError(
+                400,
+                f"endpoint must be one of {sorted(ENDPOINTS)}; got {endpoint!r}",
+                param="endpoint",
+            )
         window = COMPLETION_WINDOWS.get(completion_window)
         if window is None:
-            raise APIError(400, f"completion_window must be '24h'; got {completion_window!r}",
-                           param="completion_window")  # fmt: skip
+            raise APIError(
+                400,
+                f"completion_window must be '24h'; got {completion_window!r}",
+                param="completion_window",
+            )
         source = self.file(input_file_id, tenant)
         lines = []
         for raw in self.content(source).read_bytes().splitlines():
@@ -206,9 +169,11 @@ class Batches:
                 line = orjson.loads(raw)
                 if line["url"] != endpoint:
                     raise APIError(
-                        400, f"Request {line['custom_id']!r} is for {line['url']}, not the "
-                        f"batch's endpoint {endpoint}.", param="endpoint",
-                    )  # fmt: skip
+                        400,
+                        f"Request {line['custom_id']!r} is for {line['url']}, not the "
+                        f"batch's endpoint {endpoint}.",
+                        param="endpoint",
+                    )
                 lines.append(line)
         batch_id = f"batch_{uuid.uuid4().hex}"
         now = self._clock()
@@ -220,17 +185,35 @@ class Batches:
                     "INSERT INTO batches (batch_id, tenant, endpoint, input_file_id,"
                     " completion_window, status, metadata_json, total, created_at, expires_at)"
                     " VALUES (?, ?, ?, ?, ?, 'in_progress', ?, ?, ?, ?)",
-                    (batch_id, tenant, endpoint, input_file_id, completion_window,
-                     orjson.dumps(metadata).decode() if metadata else None, len(lines), now,
-                     now + window),
-                )  # fmt: skip
+                    (
+                        batch_id,
+                        tenant,
+                        endpoint,
+                        input_file_id,
+                        completion_window,
+                        orjson.dumps(metadata).decode() if metadata else None,
+                        len(lines),
+                        now,
+                        now + window,
+                    ),
+                )
                 db.executemany(
                     "INSERT INTO jobs (job_id, tenant, state, body_json, created_at, updated_at,"
                     " batch_id, custom_id, line) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
-                    ((f"job-{uuid.uuid4().hex}", tenant,
-                      orjson.dumps({"kind": kind, "body": line["body"]}).decode(), now, now,
-                      batch_id, line["custom_id"], index) for index, line in enumerate(lines)),
-                )  # fmt: skip
+                    (
+                        (
+                            f"job-{uuid.uuid4().hex}",
+                            tenant,
+                            orjson.dumps({"kind": kind, "body": line["body"]}).decode(),
+                            now,
+                            now,
+                            batch_id,
+                            line["custom_id"],
+                            index,
+                        )
+                        for index, line in enumerate(lines)
+                    ),
+                )
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
@@ -240,12 +223,13 @@ class Batches:
     def view(self, batch_id: str, tenant: str) -> dict[str, Any]:
         """The batch in OpenAI's shape, its counts as of now."""
         with self.journal.connection() as db:
-            row = db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE batch_id = ?",
-                             (batch_id,)).fetchone()  # fmt: skip
+            row = db.execute(
+                f"SELECT {_BATCH_COLUMNS} FROM batches WHERE batch_id = ?", (batch_id,)
+            ).fetchone()
             if row is None or row[1] != tenant:
                 raise _not_found("batch", batch_id)
             counts = _line_counts(db, batch_id) if row[5] in _UNFINISHED else None
-        return _batch_view(row, counts)
+        return batch_view(row, counts)
 
     def batches(
         self, tenant: str, limit: int, after: str | None
@@ -262,8 +246,11 @@ class Batches:
             with self.journal.connection() as db:
                 db.execute("BEGIN IMMEDIATE")
                 db.execute("DELETE FROM jobs WHERE batch_id = ? AND state = 'queued'", (batch_id,))
-                db.execute("UPDATE batches SET status = 'cancelling', ending = ?, cancelling_at = ?"
-                           " WHERE batch_id = ?", (ending, self._clock(), batch_id))  # fmt: skip
+                db.execute(
+                    "UPDATE batches SET status = 'cancelling', ending = ?, cancelling_at = ?"
+                    " WHERE batch_id = ?",
+                    (ending, self._clock(), batch_id),
+                )
                 db.execute("COMMIT")
             self.finish_if_done(batch_id)
         return self.view(batch_id, tenant)
@@ -287,8 +274,9 @@ class Batches:
     def finish_if_done(self, batch_id: str) -> bool:
         """Finalize the batch if none of its lines is queued or running any more."""
         with self.journal.connection() as db:
-            row = db.execute("SELECT status, ending FROM batches WHERE batch_id = ?",
-                             (batch_id,)).fetchone()  # fmt: skip
+            row = db.execute(
+                "SELECT status, ending FROM batches WHERE batch_id = ?", (batch_id,)
+            ).fetchone()
             if row is None or row[0] not in _UNFINISHED:
                 return False
             unfinished = db.execute(
@@ -301,7 +289,7 @@ class Batches:
         hex_id = batch_id.removeprefix("batch_")
         outputs: dict[str, list[bytes]] = {"output": [], "errors": []}
         for custom_id, job_id, state, result, error in self._lines(batch_id):
-            ok, entry = _result_line(custom_id, job_id, state, result, error)
+            ok, entry = result_line(custom_id, job_id, state, result, error)
             outputs["output" if ok else "errors"].append(entry)
         now = self._clock()
         file_ids: dict[str, str | None] = {}
@@ -311,8 +299,16 @@ class Batches:
                 continue
             file_id = f"file-{hex_id}-{which}"
             size = self._write(file_id, entries)
-            self._insert_file(FileRecord(file_id, self._tenant(batch_id), "batch_output",
-                                         f"{batch_id}_{which}.jsonl", size, now))  # fmt: skip
+            self._insert_file(
+                FileRecord(
+                    file_id,
+                    self._tenant(batch_id),
+                    "batch_output",
+                    f"{batch_id}_{which}.jsonl",
+                    size,
+                    now,
+                )
+            )
             file_ids[which] = file_id
         status = row[1] or "completed"
         with self.journal.connection() as db:
@@ -320,9 +316,16 @@ class Batches:
             db.execute(
                 "UPDATE batches SET status = ?, completed = ?, failed = ?, output_file_id = ?,"
                 " error_file_id = ?, finished_at = ? WHERE batch_id = ?",
-                (status, counts["completed"], counts["failed"], file_ids["output"],
-                 file_ids["errors"], now, batch_id),
-            )  # fmt: skip
+                (
+                    status,
+                    counts["completed"],
+                    counts["failed"],
+                    file_ids["output"],
+                    file_ids["errors"],
+                    now,
+                    batch_id,
+                ),
+            )
             db.execute("DELETE FROM jobs WHERE batch_id = ?", (batch_id,))
             db.execute("COMMIT")
         return True
@@ -374,9 +377,15 @@ class Batches:
             db.execute(
                 "INSERT OR REPLACE INTO files (file_id, tenant, purpose, filename, bytes,"
                 " created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (record.file_id, record.tenant, record.purpose, record.filename, record.bytes,
-                 record.created_at),
-            )  # fmt: skip
+                (
+                    record.file_id,
+                    record.tenant,
+                    record.purpose,
+                    record.filename,
+                    record.bytes,
+                    record.created_at,
+                ),
+            )
 
     def _page(
         self, select: str, key: str, make: Any, tenant: str, limit: int, after: str | None
@@ -387,8 +396,9 @@ class Batches:
                 where += f" AND created_at < (SELECT created_at FROM {select.split()[-1]}"
                 where += f" WHERE {key} = ?)"
                 params.append(after)
-            rows = db.execute(f"{select} WHERE {where} ORDER BY created_at DESC LIMIT ?",
-                              (*params, limit + 1)).fetchall()  # fmt: skip
+            rows = db.execute(
+                f"{select} WHERE {where} ORDER BY created_at DESC LIMIT ?", (*params, limit + 1)
+            ).fetchall()
         items = [make(*row) for row in rows[:limit]]
         return items, len(rows) > limit
 
@@ -408,48 +418,3 @@ def _line_counts(db: Any, batch_id: str) -> dict[str, int]:
         (batch_id,),
     ).fetchone()
     return {"completed": int(completed), "failed": int(finished) - int(completed)}
-
-
-def _result_line(
-    custom_id: str, job_id: str, state: str, result: str | None, error: str | None
-) -> tuple[bool, bytes]:
-    """A line of the output file (True) or of the error file (False), newline included."""
-    line_id = "batch_req_" + job_id.removeprefix("job-")
-    if state == "done" and result is not None:
-        answer = orjson.loads(result)
-        body = answer["body"]
-        ok = answer["status_code"] == 200
-        response = {"status_code": answer["status_code"],
-                    "request_id": body.get("id") if ok else None, "body": body}  # fmt: skip
-        entry = {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
-    else:
-        ok = False
-        entry = {"id": line_id, "custom_id": custom_id, "response": None,
-                 "error": {"code": "failed", "message": error or "the request failed"}}  # fmt: skip
-    return ok, orjson.dumps(entry) + b"\n"
-
-
-def _batch_view(row: tuple[Any, ...], counts: dict[str, int] | None) -> dict[str, Any]:
-    (batch_id, _tenant, endpoint, input_file_id, window, status, _ending, metadata, total,
-     completed, failed, output_file_id, error_file_id, created_at, expires_at, cancelling_at,
-     finished_at) = row  # fmt: skip
-    if counts is not None:
-        completed, failed = counts["completed"], counts["failed"]
-
-    def stamp(value: float | None) -> int | None:
-        return None if value is None else int(value)
-
-    finished = stamp(finished_at)
-    return {
-        "id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None,
-        "input_file_id": input_file_id, "completion_window": window, "status": status,
-        "output_file_id": output_file_id, "error_file_id": error_file_id,
-        "created_at": int(created_at), "in_progress_at": int(created_at),
-        "expires_at": int(expires_at), "finalizing_at": finished,
-        "completed_at": finished if status == "completed" else None, "failed_at": None,
-        "expired_at": finished if status == "expired" else None,
-        "cancelling_at": stamp(cancelling_at),
-        "cancelled_at": finished if status == "cancelled" else None,
-        "request_counts": {"total": total, "completed": completed, "failed": failed},
-        "metadata": orjson.loads(metadata) if metadata else None,
-    }  # fmt: skip

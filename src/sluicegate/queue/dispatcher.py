@@ -197,9 +197,12 @@ class Dispatcher:
             for ticket, expected in late:
                 self.queue.remove(ticket.request_id)
                 retry_after = predictor.refuse(
-                    holders, self._queued_ahead(pc), free, objective,
+                    holders,
+                    self._queued_ahead(pc),
+                    free,
+                    objective,
                     ticket.request.num_prompt_tokens,
-                )  # fmt: skip
+                )
                 self._refuse_with(ticket, slo_rejection(expected, objective, retry_after))
 
     def position(self, ticket: Ticket) -> tuple[int, float]:

@@ -102,18 +102,21 @@ class JobRunner:
         size = len(payload_json.encode())
         if size > limits.max_job_bytes:
             raise APIError(
-                413, f"This background job is {size} bytes once validated; the limit is "
+                413,
+                f"This background job is {size} bytes once validated; the limit is "
                 f"{limits.max_job_bytes} bytes (max_job_bytes). Shorten the prompt.",
                 code="job_too_large",
-            )  # fmt: skip
+            )
         unfinished = await asyncio.to_thread(self.journal.count_unfinished, tenant_name)
         if unfinished >= limits.max_unfinished_jobs_per_tenant:
             raise APIError(
-                429, f"Tenant {tenant_name!r} already has {unfinished} background jobs queued "
+                429,
+                f"Tenant {tenant_name!r} already has {unfinished} background jobs queued "
                 f"or running, its limit (max_unfinished_jobs_per_tenant). Retry when some "
                 "have finished.",
-                code="too_many_jobs", headers={"retry-after": "10"},
-            )  # fmt: skip
+                code="too_many_jobs",
+                headers={"retry-after": "10"},
+            )
         if charge is not None:
             await charge()
         job_id = f"job-{uuid.uuid4().hex}"
@@ -130,9 +133,12 @@ class JobRunner:
         record = await asyncio.to_thread(self.journal.get, job_id)
         if record is None or record.tenant != tenant_name:
             raise APIError(
-                404, f"No job with id '{job_id}' (finished jobs are kept "
-                f"{self.limits.retention_seconds:g}s).", param="job_id", code="not_found",
-            )  # fmt: skip
+                404,
+                f"No job with id '{job_id}' (finished jobs are kept "
+                f"{self.limits.retention_seconds:g}s).",
+                param="job_id",
+                code="not_found",
+            )
         return record
 
     async def purge(self) -> int:

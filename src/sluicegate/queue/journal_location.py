@@ -62,7 +62,8 @@ def claim_journal(journal_path: str | None, cache_dir: str | None) -> JournalLoc
         logger.warning(
             "job journal %s is in use by another server on this machine: this one journals "
             "background jobs in %s, deleted when it stops (set journal_path to keep them)",
-            path, temporary,
-        )  # fmt: skip
+            path,
+            temporary,
+        )
         return JournalLocation(temporary, temporary=True)
     return JournalLocation(path, _lock_fd=fd)

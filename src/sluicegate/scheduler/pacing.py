@@ -68,24 +68,26 @@ class ReaderPacing:
         """Its reader's pace: measured from its client, else declared, else the default;
         never faster than its own cap."""
         pace = (
-            request.measured_tokens_per_second
-            or request.reading_tokens_per_second
+            request.pace.measured_tokens_per_second
+            or request.pace.reading_tokens_per_second
             or self.config.reading_tokens_per_second
         )
-        if request.min_token_interval_seconds > 0:
-            pace = min(pace, 1.0 / request.min_token_interval_seconds)
+        if request.pace.capped:
+            pace = min(pace, 1.0 / request.pace.min_token_interval_seconds)
         return pace
 
     def note_token(self, request: Request, now: float) -> None:
         """A token was appended: the first one here starts its reader's clock (a resumed
         stream's starts as if the tokens it brought had been read at pace)."""
-        if request.first_output_time is None:
-            request.first_output_time = now - (request.num_output_tokens - 1) / self.pace(request)
+        if request.pace.first_output_time is None:
+            request.pace.first_output_time = now - (request.num_output_tokens - 1) / self.pace(
+                request
+            )
 
     def lead(self, request: Request, now: float) -> float:
         """Seconds until its reader needs a token it does not have (negative: behind)."""
-        assert request.first_output_time is not None
-        return request.first_output_time + request.num_output_tokens / self.pace(request) - now
+        assert request.pace.first_output_time is not None
+        return request.pace.first_output_time + request.num_output_tokens / self.pace(request) - now
 
     def plan(self, running: list[Request], num_waiting: int, now: float) -> None:
         """Before a step: set ``yielding`` on each running sequence.  Only sequences that
@@ -98,8 +100,12 @@ class ReaderPacing:
         needs_speed = num_waiting > 0
         ahead: list[tuple[Request, bool]] = []
         for request in running:
-            was_yielding, request.yielding = request.yielding, False
-            if request.paused or request.throttled or request.first_output_time is None:
+            was_yielding, request.pace.yielding = request.pace.yielding, False
+            if (
+                request.pause.paused
+                or request.pace.throttled
+                or request.pace.first_output_time is None
+            ):
                 continue  # idle, or a new prompt whose reader's clock has not started
             lead = self.lead(request, now)
             if request.num_computed_tokens + 1 < request.num_tokens:
@@ -111,7 +117,7 @@ class ReaderPacing:
         if not needs_speed:
             return
         for request, was_yielding in ahead:
-            request.yielding = True
+            request.pace.yielding = True
             self.num_yields += not was_yielding
             self.num_yielded_steps += 1
 

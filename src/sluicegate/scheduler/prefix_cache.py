@@ -89,12 +89,13 @@ class PrefixCache:
 
     def keys_of(self, request: Request, num_tokens: int) -> list[bytes]:
         """The keys of the full blocks among the first ``num_tokens`` of a request's
-        tokens, kept on the request (``Request.prefix_keys``): each block is hashed once,
+        tokens, kept on the request (``Request.reuse.prefix_keys``): each block is hashed once,
         whether admission peeked first or the scheduler asks."""
-        keys = request.prefix_keys
+        keys = request.reuse.prefix_keys
         if len(keys) < num_tokens // self.block_size:
-            block_keys(request.all_token_ids[:num_tokens], self.block_size,
-                       request.prefix_namespace, keys)  # fmt: skip
+            block_keys(
+                request.all_token_ids[:num_tokens], self.block_size, request.reuse.namespace, keys
+            )
         return keys[: num_tokens // self.block_size]
 
     @property
@@ -159,7 +160,7 @@ class PrefixCache:
         starts from nothing; called before its ``num_computed_tokens`` is set)."""
         if not request.num_computed_tokens:
             self.record_query(request.num_tokens, start, hit is not None and not hit.idle)
-            request.num_cached_tokens += start
+            request.reuse.num_cached_tokens += start
 
     def remember(self, request: Request) -> None:
         """Index the blocks a sequence has computed in its slot (for others to reuse)."""

@@ -63,44 +63,54 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
-class Request:
-    """One sequence.  ``all_token_ids`` is prompt + generated output, appended in place.
+class PauseState:
+    """Paused for a slow reader: not scheduled (it keeps its KV unless preempted).
 
-    Invariant: ``num_computed_tokens <= len(all_token_ids)``; the scheduler hands out
-    the missing tokens under the step budget, which gives chunked prefill for free.
+    Written only by the core that runs the request (the scheduler on the engine thread,
+    or the upstream relay on the event loop), through :meth:`begin` and :meth:`end`;
+    flow control and the stats read it.
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    priority: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
-    all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
-    finish_reason: FinishReason | None = None
-    kv_slot: int | None = None
-    #: Prompt positions reused from the prefix cache instead of computed (summed over
-    #: admissions: a re-prefill after preemption counts again).
-    num_cached_tokens: int = 0
-    #: Whose prefixes it may reuse: "" for everyone's, a tenant's name with
-    #: ``prefix_cache_scope: tenant`` (its key chain starts from it).
-    prefix_namespace: str = ""
-    #: The prefix cache's keys of its full blocks, as far as they have been hashed.
-    prefix_keys: list[bytes] = field(default_factory=list)
-    num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    #: Paused for a slow reader: not scheduled (keeps its KV unless preempted).  Set by
-    #: the scheduler only (the engine thread); others may read it.
     paused: bool = False
-    paused_since: float = 0.0
-    total_paused_seconds: float = 0.0
-    #: Token-level throttle: at most one output token per this many seconds (0 = off).
+    since: float = 0.0
+    total_seconds: float = 0.0
+
+    def begin(self, now: float) -> bool:
+        """Pause; False if it already was."""
+        if self.paused:
+            return False
+        self.paused = True
+        self.since = now
+        return True
+
+    def end(self, now: float) -> float | None:
+        """Resume; how long it was paused (None: it was not)."""
+        if not self.paused:
+            return None
+        self.paused = False
+        seconds = now - self.since
+        self.total_seconds += seconds
+        return seconds
+
+
+def next_token_time(previous: float, now: float, interval: float, num_tokens: int = 1) -> float:
+    """When a paced sequence's next token may come, after ``num_tokens`` came at ``now``:
+    one every ``interval`` seconds, with at most one interval of credit from a slower
+    time (a stream that fell behind its pace catches up by one token, not by a burst).
+    The one pacing rule of both cores."""
+    return max(previous, now - interval) + interval * num_tokens
+
+
+@dataclass(slots=True)
+class Pace:
+    """How fast its tokens may come (``max_tokens_per_second``) and are read."""
+
+    #: At most one output token per this many seconds (0 = no cap); set at arrival.
     min_token_interval_seconds: float = 0.0
+    #: When its next token may come (:func:`next_token_time`); the core running it.
     next_token_time: float = 0.0
-    #: Waiting for its pace (``max_tokens_per_second``) for longer than a step: not
-    #: scheduled, and its dispatch seat lent out like a paused sequence's.  Set by the
-    #: scheduler only (the engine thread); others may read it.
+    #: Waiting for its pace for longer than a step: not scheduled, and its dispatch seat
+    #: lent out like a paused sequence's.  The scheduler only (engine thread).
     throttled: bool = False
     #: Pace-aware scheduling (``scheduling: qoe``): far enough ahead of its reader to sit
     #: out this step while others need speed (it keeps its seat and KV).  Engine thread.
@@ -113,10 +123,63 @@ class Request:
     #: Its reader's pace as measured by flow control: how fast its client takes tokens in
     #: while it has a backlog (written on the event loop, read by the scheduler).
     measured_tokens_per_second: float | None = None
+
+    @property
+    def capped(self) -> bool:
+        return self.min_token_interval_seconds > 0.0
+
+    def after_tokens(self, now: float, num_tokens: int = 1) -> float:
+        """``num_tokens`` came at ``now``: seconds until the next may come (0: at once)."""
+        if not self.capped:
+            return 0.0
+        self.next_token_time = next_token_time(
+            self.next_token_time, now, self.min_token_interval_seconds, num_tokens
+        )
+        return max(0.0, self.next_token_time - now)
+
+
+@dataclass(slots=True)
+class Reuse:
+    """What it reuses of computation already done: the prefix cache's blocks and prompt
+    lookup's drafts (both the scheduler's, on the engine thread)."""
+
+    #: Whose prefixes it may reuse: "" for everyone's, a tenant's name with
+    #: ``prefix_cache_scope: tenant`` (its key chain starts from it).
+    namespace: str = ""
+    #: The prefix cache's keys of its full blocks, as far as they have been hashed.
+    prefix_keys: list[bytes] = field(default_factory=list)
+    #: Prompt positions reused from the prefix cache instead of computed (summed over
+    #: admissions: a re-prefill after preemption counts again).
+    num_cached_tokens: int = 0
     #: Its prompt-lookup drafting state (speculative decoding; made at its first draft).
     lookup: PromptLookup | None = None
-    #: What an upstream engine sends (upstream mode only; the scheduler never reads it).
-    upstream_call: object | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence.  ``all_token_ids`` is prompt + generated output, appended in place.
+
+    Invariant: ``num_computed_tokens <= len(all_token_ids)``; the scheduler hands out
+    the missing tokens under the step budget, which gives chunked prefill for free.
+    Its progress (status, computed tokens, KV slot) is the scheduler's; its pause, pace
+    and reuse are parts with owners of their own.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    kv_slot: int | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    pause: PauseState = field(default_factory=PauseState)
+    pace: Pace = field(default_factory=Pace)
+    reuse: Reuse = field(default_factory=Reuse)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -62,9 +62,11 @@ class Scheduler:
         self._last_step_seconds = 0.0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(
-            config.max_num_seqs, config.total_kv_blocks, config.kv_block_size,
+            config.max_num_seqs,
+            config.total_kv_blocks,
+            config.kv_block_size,
             prefix_caching=config.prefix_caching,
-        )  # fmt: skip
+        )
         #: What the dispatcher may still hand over; kept by this scheduler alone.
         self.capacity = DispatchCapacity(
             config.max_num_seqs, config.total_kv_blocks * config.kv_block_size, config.kv_block_size
@@ -120,7 +122,7 @@ class Scheduler:
     def has_schedulable_work(self) -> bool:
         """False when everything left is paused or throttled: the engine thread may sleep
         (until :meth:`seconds_until_wake`).  Call :meth:`release_paced` first."""
-        return len(self.waiting) > 0 or any(not (r.paused or r.throttled) for r in self.running)
+        return len(self.waiting) > 0 or any(not self._idle(r) for r in self.running)
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
@@ -229,23 +231,23 @@ class Scheduler:
 
     def _sits_out(self, request: Request, now: float) -> bool:
         """Idle, yielding to readers behind it, or its pace allows no token yet."""
-        paced = request.min_token_interval_seconds > 0 and now < request.next_token_time
+        paced = request.pace.capped and now < request.pace.next_token_time
         decoding = request.num_computed_tokens + 1 >= request.num_tokens  # not a prefill
-        return self._idle(request) or request.yielding or (paced and decoding)
+        return self._idle(request) or request.pace.yielding or (paced and decoding)
 
     @staticmethod
     def _idle(request: Request) -> bool:
         """Paused for its reader or throttled by its pace: it lends its seat."""
-        return request.paused or request.throttled
+        return request.pause.paused or request.pace.throttled
 
     def _idle_victim(self) -> Request | None:
         """The running sequence to give up its KV first: the newest paused one, else the
         throttled one whose next token is furthest away."""
-        paused = next((r for r in reversed(self.running) if r.paused), None)
+        paused = next((r for r in reversed(self.running) if r.pause.paused), None)
         if paused is not None:
             return paused
-        throttled = [r for r in self.running if r.throttled]
-        return max(throttled, key=lambda r: r.next_token_time) if throttled else None
+        throttled = [r for r in self.running if r.pace.throttled]
+        return max(throttled, key=lambda r: r.pace.next_token_time) if throttled else None
 
     def _pick_victim(self) -> Request:
         idle = self._idle_victim()
@@ -274,21 +276,17 @@ class Scheduler:
         A paused sequence holds no dispatch capacity: waiting work may take its slot.
         """
         request = self.requests.get(request_id)
-        if request is None or request.paused:
+        if request is None or not request.pause.begin(self._clock()):
             return False
-        request.paused = True
-        request.paused_since = self._clock()
         self._lend_seat(request)
         return True
 
     def resume(self, request_id: str) -> float | None:
         """Schedule a paused sequence again; returns how long it was paused (None: it was not)."""
         request = self.requests.get(request_id)
-        if request is None or not request.paused:
+        paused_seconds = None if request is None else request.pause.end(self._clock())
+        if request is None or paused_seconds is None:
             return None
-        request.paused = False
-        paused_seconds = self._clock() - request.paused_since
-        request.total_paused_seconds += paused_seconds
         self._lend_seat(request)
         return paused_seconds
 
@@ -299,7 +297,7 @@ class Scheduler:
         if not self.throttled:
             return 0
         now = self._clock()
-        due = [r for r in self.throttled.values() if now >= r.next_token_time]
+        due = [r for r in self.throttled.values() if now >= r.pace.next_token_time]
         for request in due:
             self._set_throttled(request, False)
         return len(due)
@@ -309,15 +307,15 @@ class Scheduler:
         preemption or a throttled sequence's next token (None: nothing pending)."""
         due = [self.seconds_until_long_pause()]
         if self.throttled:
-            next_token = min(r.next_token_time for r in self.throttled.values())
+            next_token = min(r.pace.next_token_time for r in self.throttled.values())
             due.append(max(0.0, next_token - self._clock()))
         pending = [seconds for seconds in due if seconds is not None]
         return min(pending) if pending else None
 
     def _set_throttled(self, request: Request, throttled: bool) -> None:
-        if request.throttled == throttled:
+        if request.pace.throttled == throttled:
             return
-        request.throttled = throttled
+        request.pace.throttled = throttled
         if throttled:
             self.throttled[request.request_id] = request
         else:
@@ -344,7 +342,7 @@ class Scheduler:
         if limit is None:
             return 0
         now = self._clock()
-        due = [r for r in self.running if r.paused and now - r.paused_since >= limit]
+        due = [r for r in self.running if r.pause.paused and now - r.pause.since >= limit]
         for request in due:
             self._preempt(request, PreemptReason.LONG_PAUSE)
         return len(due)
@@ -354,7 +352,7 @@ class Scheduler:
         limit = self.config.pause_preempt_seconds
         if limit is None:
             return None
-        started = [r.paused_since for r in self.running if r.paused]
+        started = [r.pause.since for r in self.running if r.pause.paused]
         if not started:
             return None
         return max(0.0, min(started) + limit - self._clock())
@@ -413,27 +411,19 @@ class Scheduler:
         or its length (returns why it finished)."""
         reason = FinishReason.STOP if is_stop_token else self._check_length(request)
         self.pacing.note_token(request, self._clock())
-        if request.min_token_interval_seconds > 0 and reason is None:
-            self._pace(request)
+        if reason is None and request.pace.after_tokens(self._clock()) > self._last_step_seconds:
+            # Its next token is more than a step away: it sits out and lends its seat.
+            self._set_throttled(request, True)
         if reason is not None:
             # The prompt it made the engine compute: cache hits are not prefill load.
             computed = request.num_prompt_tokens - min(
-                request.num_cached_tokens, request.num_prompt_tokens - 1
+                request.reuse.num_cached_tokens, request.num_prompt_tokens - 1
             )
             self.seats.on_finished(computed, request.num_output_tokens)
             request.finish_reason = reason
             stopped = reason == FinishReason.STOP
             self._finish(request, RequestStatus.FINISHED_STOPPED if stopped else _LENGTH)
         return reason
-
-    def _pace(self, request: Request) -> None:
-        """After a token of a paced sequence: when may it have the next one?  If that is
-        more than a step away, it sits out as throttled and lends its seat."""
-        now = self._clock()
-        interval = request.min_token_interval_seconds
-        request.next_token_time = max(request.next_token_time, now - interval) + interval
-        if request.next_token_time - now > self._last_step_seconds:
-            self._set_throttled(request, True)
 
     def _is_stop_token(self, request: Request, token_id: int) -> bool:
         """The one stop-token check: end of sequence (unless ignored) or a stop token id."""
@@ -463,10 +453,8 @@ class Scheduler:
             self._freed_slots.append(request.kv_slot)
         request.kv_slot = None
         request.status = status
-        if request.paused:
-            request.paused = False
-            request.total_paused_seconds += self._clock() - request.paused_since
-        request.throttled = request.yielding = False
+        request.pause.end(self._clock())
+        request.pace.throttled = request.pace.yielding = False
         self.throttled.pop(request.request_id, None)
         self.capacity.release(request.request_id)
         if request.finish_reason is None:
@@ -485,8 +473,8 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_paused=sum(1 for r in self.running if r.paused)
-            + sum(1 for r in self.parked.values() if r.paused),
+            num_paused=sum(1 for r in self.running if r.pause.paused)
+            + sum(1 for r in self.parked.values() if r.pause.paused),
             num_throttled=len(self.throttled),
             kv_cache=self.kv.stats(),
             num_preemptions_total=sum(self._counters.preemptions.values()),

@@ -65,7 +65,7 @@ class Speculator:
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens to plan after ``request``'s last token (it decodes this step;
         ``budget``: the step's tokens left, that token included)."""
-        if not self._active or request.min_token_interval_seconds > 0:
+        if not self._active or request.pace.capped:
             return []
         if request.num_output_tokens == 0 or request.num_computed_tokens + 1 != request.num_tokens:
             return []  # not decoding (a prompt, or a re-prefill after preemption)
@@ -77,9 +77,9 @@ class Speculator:
         )
         if limit <= 0:
             return []
-        if request.lookup is None:
-            request.lookup = PromptLookup(self.config)
-        return request.lookup.propose(request.all_token_ids, limit)
+        if request.reuse.lookup is None:
+            request.reuse.lookup = PromptLookup(self.config)
+        return request.reuse.lookup.propose(request.all_token_ids, limit)
 
     def verify(self, request: Request, drafts: list[int], sampled: list[int]) -> list[int]:
         """The tokens to keep, given ``sampled`` (the token after the last known one, then
@@ -87,8 +87,8 @@ class Speculator:
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
             accepted += 1
-        if request.lookup is not None:
-            request.lookup.record(len(drafts), accepted)
+        if request.reuse.lookup is not None:
+            request.reuse.lookup.record(len(drafts), accepted)
         self.counters.drafts += 1
         self.counters.proposed_tokens += len(drafts)
         self.counters.accepted_tokens += accepted

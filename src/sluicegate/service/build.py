@@ -20,13 +20,9 @@ from sluicegate.admission.slo import (
 )
 from sluicegate.admission.tenants import Tenant, TenantRegistry
 from sluicegate.config import Settings
-from sluicegate.engine.factory import LoadedEngine
 from sluicegate.errors import APIError
 from sluicegate.queue.fair_queue import FairQueueConfig
-from sluicegate.scheduler.pacing import PacingConfig, seat_objective_seconds
-from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request
-from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.store.errors import StoreUnavailable
 from sluicegate.types import PriorityClass
@@ -44,34 +40,6 @@ class Admission:
     breaker: CircuitBreaker | None
 
 
-def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
-    """The scheduler for ``loaded``: its context is the smaller of the configured and the
-    model's, and every capacity figure (slots, KV blocks) derives from it once, here."""
-    pacing = PacingConfig(
-        enabled=settings.scheduling == "qoe",
-        reading_tokens_per_second=settings.reading_tokens_per_second,
-        lead_seconds=settings.qoe_lead_seconds,
-    )
-    tpot = settings.tpot_slo_ms / 1000.0 if settings.admission == "slo" else None
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=min(settings.max_num_seqs, loaded.max_num_seqs),
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=min(settings.max_model_len, loaded.max_model_len),
-            kv_block_size=settings.kv_block_size,
-            num_kv_blocks=settings.num_kv_blocks,
-            prefix_caching=settings.prefix_caching,
-            speculation=SpeculationConfig(
-                num_tokens=speculative_tokens(settings), max_batch=settings.speculative_max_batch
-            ),
-            pause_preempt_seconds=pause_preempt_seconds(settings),
-            pacing=pacing,
-            tpot_objective_seconds=seat_objective_seconds(tpot, pacing),
-        ),
-        eos_token_ids=loaded.tokenizer.eos_token_ids,
-    )
-
-
 def apply_pace(
     settings: Settings, tenant: Tenant, request: Request, max_tokens_per_second: float | None
 ) -> None:
@@ -84,33 +52,14 @@ def apply_pace(
         # Never below the floor (checked at the front door; a stream continued from an
         # older replica's log is held to it too).
         pace = max(pace, settings.pace_floor_tokens_per_second)
-        request.min_token_interval_seconds = 1.0 / pace
-    request.reading_tokens_per_second = tenant.reading_tokens_per_second
-
-
-def speculative_tokens(settings: Settings) -> int:
-    """Draft tokens a step may add: the setting on the embedded engine; on the sim engine
-    only when set explicitly, because its text repeats, so drafts would be accepted far
-    more often than on any model, and its timing (capacity planning, tests) would be too
-    optimistic."""
-    explicit = "speculative_tokens" in settings.model_fields_set
-    return settings.speculative_tokens if settings.engine == "torch" or explicit else 0
+        request.pace.min_token_interval_seconds = 1.0 / pace
+    request.pace.reading_tokens_per_second = tenant.reading_tokens_per_second
 
 
 def prefix_namespace(settings: Settings, tenant: str) -> str:
     """Whose cached prefixes a tenant's requests may reuse: everyone's (""), or with
     ``prefix_cache_scope: tenant`` only its own."""
     return tenant if settings.prefix_cache_scope == "tenant" else ""
-
-
-def pause_preempt_seconds(settings: Settings) -> float | None:
-    """When a paused sequence loses its KV: as configured; otherwise only when needed
-    (admission by objective) or after 5 s (static admission, as before objectives)."""
-    if not settings.pause:
-        return None
-    if settings.pause_preempt_seconds is not None:
-        return settings.pause_preempt_seconds
-    return None if settings.admission == "slo" else 5.0
 
 
 def objectives(settings: Settings) -> dict[PriorityClass, Objectives]:

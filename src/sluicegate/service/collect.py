@@ -37,9 +37,11 @@ async def collect(
                 continue
             if generation.life is Life.STOPPED:
                 raise APIError(
-                    503, "The server is shutting down; retry the request on another replica.",
-                    code="server_draining", headers={"retry-after": "1"},
-                )  # fmt: skip
+                    503,
+                    "The server is shutting down; retry the request on another replica.",
+                    code="server_draining",
+                    headers={"retry-after": "1"},
+                )
             if output.finish_reason == FinishReason.ERROR:
                 service.complete(generation, "error")
                 raise service.failure(generation, output)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.engine.upstream.wire import UpstreamCall
 from sluicegate.pipeline.chain import StageChain
 from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
@@ -68,6 +69,8 @@ class Generation:
     chain: StageChain | None = None
     #: A pipeline's retrieval before generation, in seconds.
     retrieval_seconds: float | None = None
+    #: What a relaying core sends upstream for it (None: the engine here generates it).
+    upstream_call: UpstreamCall | None = None
 
     @property
     def produced(self) -> RequestStream:
@@ -119,7 +122,7 @@ class Generation:
             else self.first_meaningful_time - request.arrival_time,
             "tpot_seconds": tpot,
             "e2e_seconds": now - request.arrival_time,
-            "paused_seconds": request.total_paused_seconds,
+            "paused_seconds": request.pause.total_seconds,
             **(
                 {}
                 if self.retrieval_seconds is None

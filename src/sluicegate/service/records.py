@@ -19,9 +19,16 @@ from sluicegate.types import PriorityClass
 #: cancelled, or its detached stream's grace ran out), ``evicted`` (it stopped reading),
 #: ``drained`` (stopped by a shutdown) and ``moved`` (another replica continues it).
 REQUEST_STATUSES = (
-    "stop", "length", "content_filter", "error", "refused", "cancelled", "evicted", "drained",
+    "stop",
+    "length",
+    "content_filter",
+    "error",
+    "refused",
+    "cancelled",
+    "evicted",
+    "drained",
     "moved",
-)  # fmt: skip
+)
 
 
 @dataclass(slots=True)
@@ -36,9 +43,13 @@ class LatencyWindows:
 
 
 def record_delivery(
-    metrics: Metrics, generation: Generation, num_tokens: int, slo: SLOAdmission | None,
-    text: str = "", reading_pace: float = 8.0,
-) -> None:  # fmt: skip
+    metrics: Metrics,
+    generation: Generation,
+    num_tokens: int,
+    slo: SLOAdmission | None,
+    text: str = "",
+    reading_pace: float = 8.0,
+) -> None:
     """Time to first token (and to the first meaningful one), inter-token gaps and tokens
     on time for their reader of one write to the client; the TTFT prediction's error
     teaches admission its margin."""
@@ -73,16 +84,20 @@ def record_delivery(
 
 
 def count_on_time(
-    generation: Generation, first: int, num_tokens: int, written: float, slo: SLOAdmission,
+    generation: Generation,
+    first: int,
+    num_tokens: int,
+    written: float,
+    slo: SLOAdmission,
     reading_pace: float,
-) -> None:  # fmt: skip
+) -> None:
     """QoE's numerator (after Andes, as ``sluicegate bench`` scores it): token ``i`` of an
     interactive answer is on time if written by arrival + the TTFT objective + ``i / pace``,
     at its reader's pace (measured from its client, else declared, else the default)."""
     if generation.priority_label != PriorityClass.INTERACTIVE.value:
         return
     request = generation.request
-    pace = request.measured_tokens_per_second or request.reading_tokens_per_second
+    pace = request.pace.measured_tokens_per_second or request.pace.reading_tokens_per_second
     pace = pace or reading_pace
     objective = slo.objectives[PriorityClass.INTERACTIVE].ttft_seconds
     # On time: i >= (written - arrival - objective) * pace.

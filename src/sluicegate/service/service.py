@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,25 +20,21 @@ from sluicegate.admission.decision import Rejection, RejectReason
 from sluicegate.admission.limits import BucketFactory
 from sluicegate.admission.tenants import AuthError, Tenant
 from sluicegate.config import Settings
-from sluicegate.engine.calibrate import warm_up
-from sluicegate.engine.core import CoreHooks, EngineCore, StepStats
-from sluicegate.engine.factory import LoadedEngine, build_engine
+from sluicegate.engine.base import CoreHooks, EngineCore, StepStats
+from sluicegate.engine.factory import LoadedEngine, build_core, build_engine
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
-from sluicegate.engine.upstream.core import UpstreamCore
-from sluicegate.engine.upstream.pool import PoolCollector, UpstreamPool
+from sluicegate.engine.upstream.wire import UpstreamCall
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics
 from sluicegate.pipeline.chain import StageChain
 from sluicegate.pipeline.pipelines import Pipelines, check_pipeline_models
 from sluicegate.queue.dispatcher import Dispatcher
 from sluicegate.queue.ticket import Ticket
-from sluicegate.scheduler.capacity import DispatchCapacity
-from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
+from sluicegate.scheduler.request import FinishReason, Request, Reuse, SamplingParams
 from sluicegate.service.build import (
     apply_pace,
     build_admission,
-    build_scheduler,
     build_slo,
     log_auto_objective,
     prefix_namespace,
@@ -50,7 +45,6 @@ from sluicegate.service.build import (
 from sluicegate.service.generation import Generation, Life
 from sluicegate.service.ownership import Owner, new_resume_token, resume_token_digest
 from sluicegate.service.records import LatencyWindows, record_delivery, record_end
-from sluicegate.service.upstream_start import start_pool
 from sluicegate.store.errors import StoreUnavailable
 from sluicegate.types import PriorityClass
 
@@ -58,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 class Service:
-    """Admission, queue and engine, joined.  Owned by the event loop."""
+    """Admission, queue and engine core, joined.  Owned by the event loop."""
 
     def __init__(
         self,
@@ -75,7 +69,6 @@ class Service:
         self._require_store = require_store
         self.metrics = metrics
         self.tokenizer: TextTokenizer = loaded.tokenizer
-        self._model_name = loaded.model_name
         #: Sampling of a request that sets none (the model's recommended sampling).
         self.sampling_defaults = loaded.sampling_defaults
         hooks = CoreHooks(
@@ -83,34 +76,18 @@ class Service:
             on_abort=metrics.cancel_latency_seconds.observe,
             on_resume=metrics.stream_pause_seconds.observe,
         )
-        self.core: EngineCore | UpstreamCore
-        if isinstance(loaded.engine, UpstreamPool):
-            # Upstream mode: no scheduler here; the pool's places are the seats.
-            self.pool: UpstreamPool | None = loaded.engine
-            self.scheduler = None
-            self.capacity = DispatchCapacity(loaded.max_num_seqs, 1 << 62, 1)
-            self.max_model_len = loaded.max_model_len
-            self.core = UpstreamCore(self.pool, loaded.tokenizer, self.capacity, settings, hooks)
-            estimate = self.core.estimate
-            self.pool.on_change = self._pool_changed
-            metrics.registry.register(PoolCollector(self.pool))
-        else:
-            self.pool = None
-            self.scheduler = build_scheduler(settings, loaded)
-            self.capacity = self.scheduler.capacity
-            self.max_model_len = self.scheduler.config.max_model_len
-            scheduler = self.scheduler
-            estimate = lambda: scheduler.seats.estimate  # noqa: E731
+        self._loop = loop
+        self.core: EngineCore = build_core(settings, loaded, loop, hooks, metrics.registry)
         admission = build_admission(settings, bucket_factory)
         self.tenants = admission.tenants
         self.admission = admission.controller
         self.estimator = admission.estimator
         self.breaker = admission.breaker
-        self.slo = build_slo(settings, estimate)
+        self.slo = build_slo(settings, self.core.estimate)
         self.dispatcher = Dispatcher(
             queue_config(settings),
             {t.name: t.weight for t in self.tenants.tenants},
-            self.capacity,
+            self.core.capacity,
             self.estimator,
             metrics,
             max_queue_wait_seconds=settings.max_queue_wait_seconds,
@@ -119,18 +96,11 @@ class Service:
             breaker=self.breaker,
             slo=self.slo,
         )
-        self._loop = loop
-        if self.pool is None:
-            assert self.scheduler is not None and not isinstance(loaded.engine, UpstreamPool)
-            self.core = EngineCore(loaded.engine, loaded.tokenizer, self.scheduler, loop, hooks)
-        self.capacity.on_change = self._capacity_changed
+        self.core.capacity.on_change = self._capacity_changed
         #: Live requests by id; an entry leaves when its request ends.
         self.generations: dict[str, Generation] = {}
         self.pipelines = Pipelines([])
         self.latency = LatencyWindows()
-        #: Sequences in the latest engine step (written by the engine thread).
-        self.last_batch_size = 0
-        self._calibration: asyncio.Task[None] | None = None
 
     @classmethod
     async def load(
@@ -146,65 +116,32 @@ class Service:
             settings, metrics, loaded, asyncio.get_running_loop(), bucket_factory, require_store
         )
         service.pipelines = await asyncio.to_thread(Pipelines, settings.pipelines)
-        check_pipeline_models(service.pipelines, service.model_names, service.pool is not None)
-        if isinstance(service.core, UpstreamCore):
-            pool = service.core.pool
-            service._calibration = await start_pool(
-                service.core, settings, service.slo, service._pool_changed
-            )
-            service.dispatcher.start()
-            metrics.engine_up.labels(metrics.engine).set(1)
-            logger.info(
-                "engine upstream ready: %d of %d upstreams healthy (%s), serving %s",
-                pool.num_healthy, len(pool.upstreams), ", ".join(u.name for u in pool.upstreams),
-                service.model_names or "no model yet",
-            )  # fmt: skip
-            return service
-        assert service.scheduler is not None and not isinstance(loaded.engine, UpstreamPool)
-        config = service.scheduler.config
-        started = time.monotonic()
-        # The sim's steps follow its own law (a sleep), so one timed pass is enough; a
-        # real engine's vary with the machine's load, and the median of three counts.
-        observations = await asyncio.to_thread(
-            warm_up, loaded.engine, config.max_num_seqs, config.max_model_len,
-            config.max_num_batched_tokens, 1 if settings.engine == "sim" else 3,
-            loaded.calibration_path,
-        )  # fmt: skip
-        service.scheduler.calibrate(observations)
-        await asyncio.to_thread(loaded.engine.warmed_up)
-        logger.info(
-            "cost model calibrated in %.2fs: %s; seat limit %d",
-            time.monotonic() - started, service.scheduler.cost.snapshot(),
-            service.scheduler.seats.limit,
-        )  # fmt: skip
-        log_auto_objective(
-            resolve_auto_objective(settings, service.scheduler.seats.estimate, service.slo)
-        )
-        # What lives as long as the process (the model, the tokenizer, the app) leaves the
-        # collector's generations: a collection then scans only what requests made, and
-        # does not pause the event loop for the whole heap.
-        gc.freeze()
-        service.core.start()
+        core = service.core
+        check_pipeline_models(service.pipelines, core.model_names, core.features.relays)
+        await core.start(service._measured)
         service.dispatcher.start()
         metrics.engine_up.labels(metrics.engine).set(1)
         logger.info(
             "engine %s ready: model %s, max_model_len %d; default sampling: %s",
-            settings.engine, service.model_name, service.max_model_len,
+            settings.engine,
+            service.model_name,
+            core.max_model_len,
             service.sampling_defaults.describe(),
-        )  # fmt: skip
+        )
         return service
+
+    def _measured(self) -> None:
+        """The core's estimate reflects measurements: size an automatic objective."""
+        log_auto_objective(resolve_auto_objective(self.settings, self.core.estimate(), self.slo))
 
     @property
     def model_names(self) -> list[str]:
         """Every model served: the engine's, or what the upstreams serve."""
-        if self.pool is not None:
-            return self.pool.served_models()
-        return [self._model_name]
+        return self.core.model_names
 
     @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes of the embedded engine's KV cache (0 upstream: the upstreams keep it)."""
-        return self.core.engine.kv_cache_bytes if isinstance(self.core, EngineCore) else 0
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
 
     @property
     def model_name(self) -> str:
@@ -213,13 +150,8 @@ class Service:
         return names[0] if names else ""
 
     async def close(self) -> None:
-        if self._calibration is not None:
-            self._calibration.cancel()
         await self.dispatcher.stop()
-        if isinstance(self.core, UpstreamCore):
-            await self.core.close()
-        else:
-            await asyncio.to_thread(self.core.shutdown)
+        await self.core.close()
 
     # ------------------------------------------------------------ admission
     def authenticate(self, authorization: str | None) -> Tenant:
@@ -243,7 +175,7 @@ class Service:
         resume_token_sha256: str | None = None,
         request_charged: bool = False,
         rate_limits_charged: bool = False,
-        upstream_call: object | None = None,
+        upstream_call: UpstreamCall | None = None,
         chain: StageChain | None = None,
         arrival_time: float | None = None,
     ) -> Generation:
@@ -263,8 +195,7 @@ class Service:
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             all_token_ids=[*prompt_ids, *output_token_ids],
-            upstream_call=upstream_call,
-            prefix_namespace=prefix_namespace(self.settings, tenant.name),
+            reuse=Reuse(namespace=prefix_namespace(self.settings, tenant.name)),
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -272,17 +203,27 @@ class Service:
         priority_class = PriorityClass(priority) if priority else tenant.priority_class
         request.priority = priority_class.rank
         admitted = await self._admit(
-            tenant, priority_class, request, rate_limited=not (resumed or rate_limits_charged),
+            tenant,
+            priority_class,
+            request,
+            rate_limited=not (resumed or rate_limits_charged),
             request_charged=request_charged,
-        )  # fmt: skip
+        )
         ticket = Ticket(request, tenant, priority_class, admitted, time.monotonic())
         token = new_resume_token() if resume_token_sha256 is None else None
         digest = resume_token_digest(token) if token is not None else resume_token_sha256 or ""
         generation = Generation(
-            request_id, request, RequestStream(request_id) if chain is None else chain.tail,
-            ticket, Owner(tenant.name, digest), priority_class.value, resume_token=token,
-            num_resumed_tokens=len(output_token_ids), chain=chain,
-        )  # fmt: skip
+            request_id,
+            request,
+            RequestStream(request_id) if chain is None else chain.tail,
+            ticket,
+            Owner(tenant.name, digest),
+            priority_class.value,
+            resume_token=token,
+            num_resumed_tokens=len(output_token_ids),
+            chain=chain,
+            upstream_call=upstream_call,
+        )
         self.generations[request_id] = generation
         try:
             await self.dispatcher.enqueue(ticket)
@@ -330,9 +271,13 @@ class Service:
         try:
             self._check_store()
             admitted = await self.admission.admit_async(
-                tenant, priority_class, request.num_prompt_tokens, request.sampling.max_tokens,
-                rate_limited=rate_limited, request_charged=request_charged,
-            )  # fmt: skip
+                tenant,
+                priority_class,
+                request.num_prompt_tokens,
+                request.sampling.max_tokens,
+                rate_limited=rate_limited,
+                request_charged=request_charged,
+            )
         except StoreUnavailable as error:
             raise self._store_refusal(error) from None
         if isinstance(admitted, Rejection):
@@ -369,9 +314,10 @@ class Service:
         if not self._let_go(generation):
             request = generation.request
             generation.stream.put(
-                RequestOutput(request.request_id, "", 0, request.num_prompt_tokens, 0,
-                              FinishReason.ABORT)
-            )  # fmt: skip
+                RequestOutput(
+                    request.request_id, "", 0, request.num_prompt_tokens, 0, FinishReason.ABORT
+                )
+            )
         self._end(generation, Life.STOPPED, status)
 
     def complete(self, generation: Generation, status: str) -> None:
@@ -414,9 +360,13 @@ class Service:
     def delivered(self, generation: Generation, num_tokens: int, text: str = "") -> None:
         """``num_tokens`` tokens of ``generation`` (``text``) were written to its client."""
         record_delivery(
-            self.metrics, generation, num_tokens, self.slo, text,
+            self.metrics,
+            generation,
+            num_tokens,
+            self.slo,
+            text,
             self.settings.reading_tokens_per_second,
-        )  # fmt: skip
+        )
 
     def position(self, generation: Generation) -> tuple[int, float]:
         """(0-based position, expected wait in seconds) of a queued request."""
@@ -455,9 +405,9 @@ class Service:
     def _submit(self, ticket: Ticket) -> None:
         generation = self.generations.get(ticket.request_id)
         if generation is None:  # cannot happen: an ending request leaves the queue first
-            self.capacity.release(ticket.request_id)
+            self.core.capacity.release(ticket.request_id)
             return
-        self.core.add_request(ticket.request, generation.produced)
+        self.core.add_request(ticket.request, generation.produced, generation.upstream_call)
 
     def _refused(self, ticket: Ticket) -> None:
         generation = self.generations.get(ticket.request_id)
@@ -466,25 +416,23 @@ class Service:
         request = ticket.request
         generation.stream.put(
             RequestOutput(
-                request.request_id, "", 0, request.num_prompt_tokens, 0,
-                FinishReason.ERROR, error=ticket.rejection.message,
+                request.request_id,
+                "",
+                0,
+                request.num_prompt_tokens,
+                0,
+                FinishReason.ERROR,
+                error=ticket.rejection.message,
             )
-        )  # fmt: skip
+        )
 
     def _on_step(self, step: StepStats) -> None:  # the engine thread
-        self.last_batch_size = step.num_seqs
         self.metrics.engine_step_seconds.observe(step.step_seconds)
         self.metrics.batch_size.observe(step.num_seqs)
         self.metrics.batch_tokens.observe(step.num_batched_tokens)
         with contextlib.suppress(RuntimeError):  # the loop is closing
             self._loop.call_soon_threadsafe(self.dispatcher.record_step, step.step_seconds)
 
-    def _pool_changed(self) -> None:
-        """Upstream mode: a limit changed or an upstream came or went (the event loop)."""
-        if self.pool is not None:
-            self.capacity.set_seat_limit(max(1, self.pool.total_limit))
-        self.dispatcher.wake()
-
-    def _capacity_changed(self) -> None:  # the engine thread
+    def _capacity_changed(self) -> None:  # the engine thread, or the event loop
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.dispatcher.wake)

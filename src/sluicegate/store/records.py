@@ -185,10 +185,14 @@ def degraded_operation_labels(
     raised, dropped = DegradedOutcome.RAISED, DegradedOutcome.DROPPED
     pairs = [(op, raised) for op in _READS]
     pairs += [(op, raised if closed else dropped) for op in _WRITES]
-    pairs += [(op, raised if closed else DegradedOutcome.GRANTED)
-              for op in ("acquire_lease", "renew_lease")]  # fmt: skip
-    pairs += [(op, raised if closed else DegradedOutcome.ADMITTED)
-              for op in ("bucket_acquire", "bucket_peek")]  # fmt: skip
+    pairs += [
+        (op, raised if closed else DegradedOutcome.GRANTED)
+        for op in ("acquire_lease", "renew_lease")
+    ]
+    pairs += [
+        (op, raised if closed else DegradedOutcome.ADMITTED)
+        for op in ("bucket_acquire", "bucket_peek")
+    ]
     pairs += [(op, dropped) for op in ("release_lease", "bucket_charge", "bucket_refund")]
     return pairs
 

@@ -116,10 +116,17 @@ class RedisStore(Store):
         # Load the scripts now so that the first EVALSHA finds them (AsyncScript falls
         # back to EVAL by itself if Redis restarted and forgot them).
         scripts = (
-            self._append, self._finish, self._put_meta, self._update_meta, self._get_meta,
-            self._read, self._acquire_lease, self._renew_lease, self._release_lease,
+            self._append,
+            self._finish,
+            self._put_meta,
+            self._update_meta,
+            self._get_meta,
+            self._read,
+            self._acquire_lease,
+            self._renew_lease,
+            self._release_lease,
             self._bucket_script,
-        )  # fmt: skip
+        )
 
         async def load(client: aioredis.Redis) -> None:
             for script in scripts:
@@ -135,8 +142,7 @@ class RedisStore(Store):
     def _keys(self, stream_id: str) -> list[str]:
         """state, log, tokens, known, lease (see :mod:`~sluicegate.store.redis_scripts`)."""
         base = f"{self.config.key_prefix}:stream:{{{validate_stream_id(stream_id)}}}"
-        return [f"{base}:state", f"{base}:log", f"{base}:tokens", f"{base}:known",
-                f"{base}:lease"]  # fmt: skip
+        return [f"{base}:state", f"{base}:log", f"{base}:tokens", f"{base}:known", f"{base}:lease"]
 
     def _write_args(self, owner: str | None) -> list[str | int | bytes]:
         return [self._ttl_ms, self._known_ttl_ms, owner or ""]

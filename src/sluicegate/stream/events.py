@@ -46,8 +46,11 @@ class StreamFormat:
         if self.kind == "chat":
             delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
             choice: dict[str, Any] = {
-                "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
-            }  # fmt: skip
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
             obj = "chat.completion.chunk"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -62,6 +65,12 @@ class StreamFormat:
         }
 
     def first_chunk(self, stream_id: str, num_prompt_tokens: int) -> bytes | None:
+        """The opening chat chunk (the assistant role) as an SSE event; completions have
+        none."""
+        first = self.role_chunk(stream_id, num_prompt_tokens)
+        return None if first is None else sse_data(first)
+
+    def role_chunk(self, stream_id: str, num_prompt_tokens: int) -> dict[str, Any] | None:
         """The opening chat chunk (the assistant role); completions have none."""
         if self.kind != "chat":
             return None
@@ -73,7 +82,7 @@ class StreamFormat:
                 "completion_tokens": 0,
                 "total_tokens": num_prompt_tokens,
             }
-        return sse_data(first)
+        return first
 
     def flush_policy(self, default: FlushPolicy) -> FlushPolicy:
         if self.flush_interval_seconds is None and self.flush_max_tokens is None:
@@ -203,8 +212,12 @@ def is_final_event(data: bytes) -> bool:
 def error_event(status: str, message: str, **extra: JSONValue) -> bytes:
     """A final SSE error event in OpenAI's shape, with ``[DONE]``."""
     body: dict[str, JSONValue] = {
-        "message": message, "type": status, "param": None, "code": status, **extra,
-    }  # fmt: skip
+        "message": message,
+        "type": status,
+        "param": None,
+        "code": status,
+        **extra,
+    }
     return sse_data({"error": body}) + DONE
 
 

@@ -8,8 +8,9 @@ slow reader megabytes too late (see DESIGN.md, "Seeing a slow reader early").
 
 At ``high_water_tokens`` flow control asks for the sequence to be paused (the scheduler
 skips it; it keeps its KV cache until the scheduler decides to free it); at
-``low_water_tokens`` it asks for it to be resumed.  The scheduler owns the pause state
-(``Request.paused``): flow control reads it and asks, and asking twice is harmless.
+``low_water_tokens`` it asks for it to be resumed.  The core running the sequence owns
+the pause state (``Request.pause``): flow control reads it and asks, and asking twice is
+harmless.
 When the client accepts no bytes for ``stall_timeout_seconds``, the stream is evicted.
 
 A client with a backlog takes tokens in as fast as its reader reads, so that rate is
@@ -88,7 +89,8 @@ class StreamFlow:
     """One stream's delivery accounting.  Written by its writer, read by the controller."""
 
     stream: RequestStream
-    #: The scheduler's request (read only here: the scheduler owns its pause state).
+    #: The core's request (its pause is read here, never written; its reader's measured
+    #: pace is written here only).
     request: Request
     transport: Any = None
     #: (cumulative socket bytes, cumulative tokens) at the end of each write.
@@ -114,7 +116,7 @@ class StreamFlow:
     source: RequestStream | None = None
     #: Where a pipeline's backlog is held (a stage's name, or ``client``).
     holdup: Callable[[], str] | None = None
-    #: A pause was asked for and not yet a resume (the scheduler sets ``paused`` later).
+    #: Flow control asked for a pause and not yet for a resume (the core pauses later).
     pause_asked: bool = False
 
     @property
@@ -155,8 +157,8 @@ class StreamFlow:
 
     @property
     def paused(self) -> bool:
-        """The scheduler has paused this stream's sequence."""
-        return self.request.paused
+        """The core has paused this stream's sequence."""
+        return self.request.pause.paused
 
     @property
     def credit_available(self) -> int:
@@ -200,8 +202,8 @@ class StreamFlow:
         self.pace_mark = (now, self.tokens_received)
         if rate <= 0:
             return  # a stalled reader: the stall timeout's business, not a pace
-        old = self.request.measured_tokens_per_second
-        self.request.measured_tokens_per_second = rate if old is None else (old + rate) / 2
+        old = self.request.pace.measured_tokens_per_second
+        self.request.pace.measured_tokens_per_second = rate if old is None else (old + rate) / 2
 
     @property
     def unreceived_tokens(self) -> int:
@@ -263,8 +265,8 @@ class FlowController:
                 "sending": f.sending,
                 "paused": f.paused,
                 "preempted": f.request.status == RequestStatus.PREEMPTED,
-                "reader_tokens_per_second": _rounded(f.request.measured_tokens_per_second),
-                "yielding": f.request.yielding,
+                "reader_tokens_per_second": _rounded(f.request.pace.measured_tokens_per_second),
+                "yielding": f.request.pace.yielding,
                 "held_by": f.stage(),
             }
             for f in flows[:limit]

@@ -72,12 +72,15 @@ async def follow(
             if result.events:
                 continue
             if sessions.service.admission.draining:
-                yield error_event(
-                    "server_draining",
-                    "The server is shutting down. Resume the stream with GET "
-                    f"/v1/streams/{stream_id} (with Last-Event-ID) on another replica.",
-                    stream_id=stream_id,
-                ), 0  # fmt: skip
+                yield (
+                    error_event(
+                        "server_draining",
+                        "The server is shutting down. Resume the stream with GET "
+                        f"/v1/streams/{stream_id} (with Last-Event-ID) on another replica.",
+                        stream_id=stream_id,
+                    ),
+                    0,
+                )
                 return
             session = sessions.get(stream_id)
             if session is None and await store.lease_owner(stream_id) is None:

@@ -32,11 +32,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from sluicegate.engine.output import FlushPolicy, RequestOutput
-from sluicegate.scheduler.request import FinishReason
-from sluicegate.service.generation import Generation, Life, finish_reason_text
+from sluicegate.service.generation import Generation, Life
 from sluicegate.service.service import Service
 from sluicegate.store.base import Store
 from sluicegate.store.errors import LeaseLost, ReplayTrimmed, StoreError, StoreUnavailable
@@ -48,11 +47,11 @@ from sluicegate.stream.events import (
     error_event,
     replay_error,
     superseded_notice,
-    usage,
 )
 from sluicegate.stream.feed import FEED_MAX_WAITING, Emission, Feed, FeedItem
 from sluicegate.stream.flow import FlowController, StreamFlow
 from sluicegate.stream.sse import DONE, EventStreamResponse, SSEConnection, sse_data, with_event_id
+from sluicegate.stream.writer import ChunkWriter, Frame
 
 logger = logging.getLogger(__name__)
 
@@ -288,15 +287,13 @@ class StreamSession:
         service = self.service
         generation = self.generation
         stream = generation.stream
-        fmt = self.format
-        policy = fmt.flush_policy(self.context.flush_policy)
+        policy = self.format.flush_policy(self.context.flush_policy)
         queued_policy = FlushPolicy(
             policy.interval_seconds, policy.max_tokens, min(1.0, policy.heartbeat_seconds)
         )
         if first_chunk is not None:
             yield Emission(first_chunk)
-        carried = 0
-        carried_ids: list[int] = []
+        writer = ChunkWriter(service, generation, self.format)
         while True:
             if generation.queued:
                 # Queued: tell the client where it stands, once a second, until it starts.
@@ -308,23 +305,14 @@ class StreamSession:
                 output = await stream.next(policy)
             if output is None:
                 continue  # heartbeats are the writer's
-            service.delivered(generation, output.num_new_tokens, output.text)
+            frame = writer.write(output)
             self._observe_backlog()
-            use = usage(output) if fmt.continuous_usage else None
-            num_tokens = output.num_new_tokens + carried
-            committed = carried_ids + output.committed_token_ids
             if output.finished:
-                for emission in self._last(output, num_tokens, committed, use):
+                for emission in self._last(writer, output, frame):
                     yield emission
                 return
-            if output.text or fmt.continuous_usage:
-                chunk = fmt.chunk(self.stream_id, output.text, None, use)
-                yield Emission(sse_data(chunk), num_tokens, committed)
-                carried, carried_ids = 0, []
-            else:
-                # Tokens with no text yet (part of a UTF-8 character) ride with the next
-                # write, so delivery accounting counts every token exactly once.
-                carried, carried_ids = num_tokens, committed
+            if frame.chunk is not None:
+                yield Emission(sse_data(frame.chunk), frame.num_tokens, frame.committed_token_ids)
 
     def _observe_backlog(self) -> None:
         """Tokens not yet received by the client, and (a pipeline) in front of each stage."""
@@ -335,21 +323,12 @@ class StreamSession:
             for stage, tokens in chain.backlog().items():
                 histogram.labels(stage).observe(tokens)
 
-    def _last(
-        self,
-        output: RequestOutput,
-        num_tokens: int,
-        committed: list[int],
-        use: dict[str, Any] | None,
-    ) -> list[Emission]:
+    def _last(self, writer: ChunkWriter, output: RequestOutput, frame: Frame) -> list[Emission]:
         """The end of the stream: one logged event (so that a takeover never sees half of
         it), or, when stopped to stay resumable, the last text and an unlogged notice."""
-        service = self.service
-        generation = self.generation
-        fmt = self.format
-        sid = self.stream_id
-        text = sse_data(fmt.chunk(sid, output.text, None, use)) if output.text else b""
-        if generation.life is Life.STOPPED:
+        text = b"" if frame.chunk is None else sse_data(frame.chunk)
+        num_tokens, committed = frame.num_tokens, frame.committed_token_ids
+        if self.generation.life is Life.STOPPED:
             emissions = [Emission(text, num_tokens, committed)] if text else []
             notice = self._notice()
             if notice is not None:
@@ -358,17 +337,11 @@ class StreamSession:
         if self.stop_reason == "evicted":
             data = text + sse_data(self._stall_error()) + DONE
             return [Emission(data, num_tokens, committed, final=True)]
-        if output.finish_reason == FinishReason.ERROR:
-            service.complete(generation, "error")
-            data = text + sse_data(service.failure(generation, output).event_body()) + DONE
+        ending = writer.finish(output)
+        if ending.error is not None:
+            data = text + sse_data(ending.error.event_body()) + DONE
             return [Emission(data, num_tokens, committed, final=True)]
-        finish = finish_reason_text(output.finish_reason)
-        service.complete(generation, finish or "")
-        data = text + sse_data(fmt.chunk(sid, "", finish, use))
-        if fmt.include_usage:
-            final = fmt.chunk(sid, "", None, {**usage(output), "sluicegate": generation.timing()})
-            final["choices"] = []
-            data += sse_data(final)
+        data = text + b"".join(sse_data(chunk) for chunk in ending.chunks)
         return [Emission(data + DONE, num_tokens, committed, final=True)]
 
     def _notice(self) -> bytes | None:

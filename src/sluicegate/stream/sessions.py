@@ -178,7 +178,7 @@ class SessionRegistry:
         fmt = StreamFormat.from_json(meta.extra, meta.model)
         pipeline = service.pipelines.get(meta.model)
         served = pipeline is not None or meta.model in service.model_names
-        if not served or ((fmt.upstream_call is None) != (service.pool is None)):
+        if not served or (fmt.upstream_call is not None) != service.core.features.relays:
             names = ", ".join(f"'{n}'" for n in [*service.model_names, *service.pipelines.names])
             raise APIError(
                 503,
@@ -198,20 +198,30 @@ class SessionRegistry:
             chain = None
             if pipeline is not None:
                 chain = pipeline.chain(
-                    stream_id, service.metrics, lambda: service.core.abort_request(stream_id),
-                    fmt.sources or [], resumed=True,
-                )  # fmt: skip
+                    stream_id,
+                    service.metrics,
+                    lambda: service.core.abort_request(stream_id),
+                    fmt.sources or [],
+                    resumed=True,
+                )
             try:
                 generation = await service.submit(
-                    tenant, fmt.priority, stream_id, meta.prompt_token_ids, sampling,
-                    fmt.max_tokens_per_second, output_token_ids=generated, resumed=True,
+                    tenant,
+                    fmt.priority,
+                    stream_id,
+                    meta.prompt_token_ids,
+                    sampling,
+                    fmt.max_tokens_per_second,
+                    output_token_ids=generated,
+                    resumed=True,
                     resume_token_sha256=meta.resume_token_sha256,
                     upstream_call=(
-                        None if fmt.upstream_call is None
+                        None
+                        if fmt.upstream_call is None
                         else UpstreamCall.from_json(fmt.upstream_call)
                     ),
                     chain=chain,
-                )  # fmt: skip
+                )
             except BaseException:
                 if chain is not None:
                     chain.close()
@@ -223,7 +233,10 @@ class SessionRegistry:
             raise
         logger.info(
             "stream %s taken over after seq %d (%d tokens re-prefilled)",
-            stream_id, last_seq, len(meta.prompt_token_ids) + len(generated),
-        )  # fmt: skip
-        return StreamSession(self.context, generation, tenant.name, fmt, first_chunk=None,
-                             last_seq=last_seq)  # fmt: skip
+            stream_id,
+            last_seq,
+            len(meta.prompt_token_ids) + len(generated),
+        )
+        return StreamSession(
+            self.context, generation, tenant.name, fmt, first_chunk=None, last_seq=last_seq
+        )

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
 from sluicegate.engine.torch.compiled import CompiledDecode, main
 from sluicegate.engine.torch.model import Transformer
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 if TYPE_CHECKING:
     from sluicegate.engine.torch import TorchEngine
@@ -61,20 +61,37 @@ def cut_model(
 
 def serve(model: Path, cache: Path) -> ServerProcess:
     return start_server(
-        ["--model", str(model), "--dtype", "float32", "--engine-compile", "decode",
-         "--max-num-seqs", str(SLOTS), "--max-model-len", str(LENGTH), "--cache-dir", str(cache),
-         # The build competes for the CPU; these tests are not about admission.
-         "--ttft-slo-ms", "60000"],
+        [
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--engine-compile",
+            "decode",
+            "--max-num-seqs",
+            str(SLOTS),
+            "--max-model-len",
+            str(LENGTH),
+            "--cache-dir",
+            str(cache),
+            # The build competes for the CPU; these tests are not about admission.
+            "--ttft-slo-ms",
+            "60000",
+        ],
         "compiled",
-    )  # fmt: skip
+    )
 
 
 def complete(server: ServerProcess, seed: int) -> str:
     with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
         reply = client.completions.create(
-            model=str(server.stats()["model"]), prompt="Once upon a time", max_tokens=24,
-            temperature=0.8, seed=seed, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model=str(server.stats()["model"]),
+            prompt="Once upon a time",
+            max_tokens=24,
+            temperature=0.8,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
     return reply.choices[0].text
 
 
@@ -143,9 +160,14 @@ def cut_engine(
     server, cache = compiled_server
     wait_until_built(server)
     return TorchEngine(
-        str(cut_model), dtype="float32", max_num_seqs=SLOTS, max_model_len=LENGTH,
-        cache_dir=str(cache), compile="decode", **options,
-    )  # fmt: skip
+        str(cut_model),
+        dtype="float32",
+        max_num_seqs=SLOTS,
+        max_model_len=LENGTH,
+        cache_dir=str(cache),
+        compile="decode",
+        **options,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -273,15 +295,37 @@ def test_a_second_build_of_the_same_package_finds_it_done(
     wait_until_built(server)
     (package,) = (cache / "compiled").glob("*.pt2")
     built = package.stat().st_mtime_ns
-    main(["--model", "unused", "--dtype", "float32", "--slots", "4", "--max-model-len", "256",
-          "--out", str(package)])  # fmt: skip
+    main(
+        [
+            "--model",
+            "unused",
+            "--dtype",
+            "float32",
+            "--slots",
+            "4",
+            "--max-model-len",
+            "256",
+            "--out",
+            str(package),
+        ]
+    )
     assert "is built (by another process)" in capsys.readouterr().out
     assert package.stat().st_mtime_ns == built
 
 
 def test_closing_the_engine_stops_its_build(cut_model: Path, tmp_path: Path) -> None:
-    args = ["--model", str(cut_model), "--dtype", "float32", "--slots", "4",
-            "--max-model-len", "256", "--cache-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        "--model",
+        str(cut_model),
+        "--dtype",
+        "float32",
+        "--slots",
+        "4",
+        "--max-model-len",
+        "256",
+        "--cache-dir",
+        str(tmp_path),
+    ]
     handle = CompiledDecode(tmp_path / "compiled" / "cut.pt2", build_args=args)
     assert handle._process is None  # nothing before start
     handle.start()

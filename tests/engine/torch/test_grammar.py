@@ -82,8 +82,9 @@ def test_an_output_its_grammar_cannot_follow_ends_the_answer(engine_bf16: TorchE
     engine = engine_bf16
     grammar = grammar_for_response_format({"type": "json_object"})
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "JSON, please."}])
-    bad = Request("bad", list(prompt), SamplingParams(max_tokens=20, seed=0, temperature=0.0,
-                                                      grammar=grammar))  # fmt: skip
+    bad = Request(
+        "bad", list(prompt), SamplingParams(max_tokens=20, seed=0, temperature=0.0, grammar=grammar)
+    )
     not_json = engine.tokenizer.tokenizer.encode("hello", add_special_tokens=False).ids
     bad.all_token_ids.extend(not_json)
     good = requests(engine, "beside")[0]

@@ -27,9 +27,13 @@ def resident_bytes() -> int:
 
 def load(path: str, cache_dir: Path, kv_cache_memory_bytes: int) -> TorchEngine:
     return TorchEngine(
-        path, dtype="float32", max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
-        cache_dir=str(cache_dir), kv_cache_memory_bytes=kv_cache_memory_bytes,
-    )  # fmt: skip
+        path,
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        cache_dir=str(cache_dir),
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+    )
 
 
 def test_a_budget_caps_the_slots_and_is_resident_at_load(

@@ -229,9 +229,12 @@ print(model.kv_cache_bytes, allocated - before, resident() - allocated)
 def test_kv_cache_is_resident_from_the_start() -> None:
     """Every page of the cache is written at allocation: memory does not grow with load."""
     out = subprocess.run(
-        [sys.executable, "-c", RESIDENT_CHECK], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", RESIDENT_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=120,
         check=True,
-    ).stdout  # fmt: skip
+    ).stdout
     kv_bytes, grown_at_allocation, grown_when_touched = map(int, out.split())
     assert kv_bytes == 64 * 2**20
     assert grown_at_allocation >= 0.9 * kv_bytes

@@ -25,13 +25,18 @@ def chat(engine: TorchEngine, question: str) -> list[int]:
 
 def scheduler_for(engine: TorchEngine, prefix_caching: bool = True) -> Scheduler:
     limits = engine.limits
-    config = SchedulerConfig(limits.max_num_seqs, 64, limits.max_model_len,
-                             prefix_caching=prefix_caching)  # fmt: skip
+    config = SchedulerConfig(
+        limits.max_num_seqs, 64, limits.max_model_len, prefix_caching=prefix_caching
+    )
     return Scheduler(config, eos_token_ids=engine.eos_token_ids)
 
 
-def run(engine: TorchEngine, scheduler: Scheduler, requests: list[Request],
-        start_after: dict[str, int] | None = None) -> list[tuple[int, int, int]]:  # fmt: skip
+def run(
+    engine: TorchEngine,
+    scheduler: Scheduler,
+    requests: list[Request],
+    start_after: dict[str, int] | None = None,
+) -> list[tuple[int, int, int]]:
     """Run to completion; a request named in ``start_after`` is added once the step
     count reaches its value.  Returns the KV copies the plans asked for."""
     start_after = start_after or {}
@@ -68,9 +73,9 @@ def test_a_repeated_prompt_reuses_its_cached_slot_and_answers_the_same(
     assert first.output_token_ids == again.output_token_ids == cold[0]
     assert sampled.output_token_ids == cold[1]
     reusable = len(prompt) - 1  # all but the last prompt token, which gives the logits
-    assert again.num_cached_tokens == reusable  # adopted: the first answer's own slot
+    assert again.reuse.num_cached_tokens == reusable  # adopted: the first answer's own slot
     # The second request found the same prefix in the first's slot while "again" held it.
-    assert sampled.num_cached_tokens == reusable and copies
+    assert sampled.reuse.num_cached_tokens == reusable and copies
     stats = scheduler.kv.prefix.stats if scheduler.kv.prefix else None
     assert stats is not None and stats.hits == 2 and stats.hit_tokens == 2 * reusable
 
@@ -84,11 +89,15 @@ def test_a_conversations_second_turn_reuses_the_first_turns_prompt_and_answer(
     run(engine, scheduler, [first])
     answer = engine.tokenizer.decode(first.output_token_ids)
     second_prompt = engine.tokenizer.encode_chat(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
-         {"role": "assistant", "content": answer}, {"role": "user", "content": "And rye?"}]
-    )  # fmt: skip
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And rye?"},
+        ]
+    )
     second = Request("turn-2", second_prompt, greedy(10))
     run(engine, scheduler, [second])
     # Everything up to the first answer's last full block is reused.
-    assert second.num_cached_tokens >= len(first.prompt_token_ids) - 16
+    assert second.reuse.num_cached_tokens >= len(first.prompt_token_ids) - 16
     assert second.output_token_ids == generate(engine, [second_prompt], 10)[0]

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ServerProcess, start_server
+from tests.support.servers import ServerProcess, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -49,8 +49,10 @@ def test_streaming_and_context_limit(torch_server: ServerProcess) -> None:
     stream = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
         messages=[{"role": "user", "content": "Count from one to five."}],
-        max_tokens=24, temperature=0, stream=True,
-    )  # fmt: skip
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text.strip()
     with pytest.raises(openai.BadRequestError) as info:
@@ -96,15 +98,21 @@ def test_json_schema_answers_parse_and_validate_batched_and_alone(
 
     def ask(prompt: str, seed: int = 7) -> tuple[str, str | None]:
         reply = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}],
-            max_tokens=96, temperature=0.8, seed=seed, response_format=fmt,  # type: ignore[arg-type]
-        )  # fmt: skip
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=96,
+            temperature=0.8,
+            seed=seed,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
         return reply.choices[0].message.content or "", reply.choices[0].finish_reason
 
     prompts = [
-        "Describe a person who lives in Paris.", "Tell me about your grandmother.",
-        "Who wrote Hamlet?", "Write a haiku about the sea.",
-    ]  # fmt: skip
+        "Describe a person who lives in Paris.",
+        "Tell me about your grandmother.",
+        "Who wrote Hamlet?",
+        "Write a haiku about the sea.",
+    ]
     with ThreadPoolExecutor(4) as pool:  # four at once: masks in a batched decode
         batched = list(pool.map(ask, prompts))
     for text, finish in batched:
@@ -121,28 +129,38 @@ def test_json_object_mode_and_refused_formats(torch_server: ServerProcess) -> No
         {"role": "user", "content": 'What is the capital of France? Answer in JSON, key "capital".'}
     ]
     reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=96, temperature=0,  # type: ignore[arg-type]
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        max_tokens=96,
+        temperature=0,  # type: ignore[arg-type]
         response_format={"type": "json_object"},
-    )  # fmt: skip
+    )
     assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
     bad_formats: list[tuple[dict[str, object], str]] = [
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
-         "objekt"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
+            "objekt",
+        ),
         ({"type": "yaml"}, "'yaml'"),
         ({"type": "json_schema", "json_schema": "person"}, "json_schema must be an object"),
-    ]  # fmt: skip
+    ]
     for fmt, named in bad_formats:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                model="SmolLM2-135M-Instruct",
+                messages=messages,
+                max_tokens=8,  # type: ignore[arg-type]
                 response_format=fmt,  # type: ignore[arg-type]
-            )  # fmt: skip
+            )
         assert named in str(info.value) and info.value.body["param"] == "response_format"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,  # type: ignore[arg-type]
-            response_format={"type": "json_object"}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            max_tokens=8,  # type: ignore[arg-type]
+            response_format={"type": "json_object"},
+            extra_body={"ignore_eos": True},
+        )
     assert "ignore_eos" in str(info.value)
     client.close()

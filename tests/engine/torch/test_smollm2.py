@@ -171,8 +171,9 @@ def test_batched_generation_equals_each_alone(engine: TorchEngine) -> None:
     # A budget of 16 tokens per step (3 of them to slot holders at first): prefill chunks
     # and decode tokens of different sequences share steps, in slots 3.. (not slot 0,
     # where they ran alone).
-    together = generate(recorder, prompts, max_new_tokens=12, max_num_batched_tokens=16,
-                        hold_slots=3)  # fmt: skip
+    together = generate(
+        recorder, prompts, max_new_tokens=12, max_num_batched_tokens=16, hold_slots=3
+    )
     assert together == alone
     mixed = [p for p in recorder.plans if 1 in p and any(n > 1 for n in p)]
     assert mixed, "no step mixed decode tokens with prefill chunks"
@@ -191,8 +192,14 @@ def test_seeded_sampling_is_independent_of_the_batch(engine: TorchEngine) -> Non
     ]
     # Prefilled in chunks (an 8-token budget, 2 of them to slot holders at first) beside
     # decode steps of the others, in slot 2 or above (alone: slot 0).
-    together = generate(engine, [*others, prompt], max_new_tokens=20,
-                        sampling=mixed_params, max_num_batched_tokens=8, hold_slots=2)  # fmt: skip
+    together = generate(
+        engine,
+        [*others, prompt],
+        max_new_tokens=20,
+        sampling=mixed_params,
+        max_num_batched_tokens=8,
+        hold_slots=2,
+    )
     assert together[2] == alone
     other_seed = SamplingParams(max_tokens=20, seed=4321, temperature=0.9, top_p=0.95, top_k=40)
     assert generate(engine, [prompt], max_new_tokens=20, sampling=other_seed)[0] != alone
@@ -241,8 +248,9 @@ def test_nine_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngine
         for p, s in zip(prompts, params, strict=True)
     ]
     # A 32-token budget per step, less than any prompt: every prompt is prefilled in chunks.
-    together = generate(engine, prompts, max_new_tokens=10, sampling=params,
-                        max_num_batched_tokens=32)  # fmt: skip
+    together = generate(
+        engine, prompts, max_new_tokens=10, sampling=params, max_num_batched_tokens=32
+    )
     assert together == alone
     resumed = []
     for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
@@ -290,8 +298,13 @@ def test_paris_float32(engine_f32: TorchEngine) -> None:
 
 
 def test_paris_bfloat16(smollm2_path: str, torch_cache_dir: Path) -> None:
-    engine = TorchEngine(smollm2_path, dtype="bfloat16", max_num_seqs=2, max_model_len=256,
-                         cache_dir=str(torch_cache_dir))  # fmt: skip
+    engine = TorchEngine(
+        smollm2_path,
+        dtype="bfloat16",
+        max_num_seqs=2,
+        max_model_len=256,
+        cache_dir=str(torch_cache_dir),
+    )
     try:
         assert engine.model.dtype == torch.bfloat16
         text, out = ask(engine, "What is the capital of France?")
@@ -301,8 +314,9 @@ def test_paris_bfloat16(smollm2_path: str, torch_cache_dir: Path) -> None:
         engine.close()
 
 
-def test_warm_cache_holds_the_same_weights(engine_f32: TorchEngine, smollm2_path: str,
-                                           torch_cache_dir: Path) -> None:  # fmt: skip
+def test_warm_cache_holds_the_same_weights(
+    engine_f32: TorchEngine, smollm2_path: str, torch_cache_dir: Path
+) -> None:
     entries = list((torch_cache_dir / "torch").iterdir())
     assert len(entries) == 1
     files = {p.name for p in entries[0].iterdir()}

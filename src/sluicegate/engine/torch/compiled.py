@@ -107,9 +107,14 @@ class DecodeGraph(nn.Module):
             new_v.append(v)
             queries = q.reshape(rows, nkv, group, hd).float()
             out = _attend_in_place(
-                queries, k.float(), v.float(), k_cache[i, slots, :, :keys_len],
-                v_cache[i, slots, :, :keys_len], bias, attention.scale,
-            )  # fmt: skip
+                queries,
+                k.float(),
+                v.float(),
+                k_cache[i, slots, :, :keys_len],
+                v_cache[i, slots, :, :keys_len],
+                bias,
+                attention.scale,
+            )
             h = x + attention.wo(out.to(x.dtype).reshape(rows, nh * hd))  # [B, D]
             x = h + layer.feed_forward(layer.ffn_norm(h))
         logits = m.logits(x)
@@ -117,9 +122,14 @@ class DecodeGraph(nn.Module):
 
 
 def _attend_in_place(
-    queries: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, bias: Tensor,
+    queries: Tensor,
+    key: Tensor,
+    value: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor,
     scale: float,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Attention of ``queries`` ``[B, KVH, G, hd]`` over each row's cached ``keys`` and
     ``values`` ``[B, KVH, L, hd]`` (its slot's, indexed) and its own new ``key`` and
     ``value`` ``[B, KVH, hd]``, in float32; ``bias`` ``[B, 1, 1, L + 1]``.
@@ -139,14 +149,23 @@ def _attend_in_place(
 
 
 def package_path(
-    model_path: str, dtype: torch.dtype, num_slots: int, max_model_len: int,
+    model_path: str,
+    dtype: torch.dtype,
+    num_slots: int,
+    max_model_len: int,
     cache_dir: str | None,
-) -> Path:  # fmt: skip
+) -> Path:
     """Where the package for this model file, dtype and cache shape lives."""
     entry = cache_entry(
-        Path(model_path), cache_dir, "compiled", dtype, num_slots, max_model_len,
-        torch.__version__, GRAPH_VERSION,
-    )  # fmt: skip
+        Path(model_path),
+        cache_dir,
+        "compiled",
+        dtype,
+        num_slots,
+        max_model_len,
+        torch.__version__,
+        GRAPH_VERSION,
+    )
     return entry.with_name(f"{entry.name}.pt2")
 
 
@@ -223,12 +242,20 @@ class CompiledDecode:
         self.package.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", BUILD_COMMAND, *self._build_args, "--out",
-                 str(self.package)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-c",
+                    BUILD_COMMAND,
+                    *self._build_args,
+                    "--out",
+                    str(self.package),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 # Its threads sleep when idle rather than spin on the engine's cores.
                 env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
-            )  # fmt: skip
+            )
         log.info("compiled decode step: building in the background (log: %s)", self.log_path)
 
     def _load_in_background(self) -> None:
@@ -260,8 +287,9 @@ class CompiledDecode:
             self._loader = None
             loaded, self._loaded = self._loaded, None
             if isinstance(loaded, Exception):
-                log.warning("compiled decode step: cannot load %s (%s); eager", self.package,
-                            loaded)  # fmt: skip
+                log.warning(
+                    "compiled decode step: cannot load %s (%s); eager", self.package, loaded
+                )
                 self.status = "failed"
                 return False
             self._runner = loaded
@@ -382,8 +410,13 @@ def _build(args: argparse.Namespace, out: Path) -> None:
     model = build_model(checkpoint.args, checkpoint.state_dict, pack=False)
     # The graph's caches are inputs: shaped like the engine's, never filled here.
     length = align_keys(args.max_model_len)
-    shape = (checkpoint.args.n_layers, args.slots, checkpoint.args.n_kv_heads, length,
-             checkpoint.args.head_dim)  # fmt: skip
+    shape = (
+        checkpoint.args.n_layers,
+        args.slots,
+        checkpoint.args.n_kv_heads,
+        length,
+        checkpoint.args.head_dim,
+    )
     model.setup_caches(1, args.max_model_len)
     model.k_cache = torch.empty(shape, dtype=model.dtype)
     model.v_cache = torch.empty(shape, dtype=model.dtype)

@@ -19,8 +19,13 @@ from sluicegate.engine.torch.loader import load_checkpoint
 
 #: Files a Hugging Face Llama directory needs; written last is ``config.json``, so a
 #: directory with a config is complete.
-EXPORTED_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                  "generation_config.json", "config.json")  # fmt: skip
+EXPORTED_FILES = (
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "config.json",
+)
 
 
 def export_hf_directory(
@@ -39,8 +44,11 @@ def export_hf_directory(
     state = to_hf_state_dict(args, checkpoint.state_dict)
     if args.tie_word_embeddings:
         del state["lm_head.weight"]  # shared with the embedding; safetensors refuses both
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     tokenizer = checkpoint.tokenizer
     tokenizer.save(str(out / "tokenizer.json"))
     template = tokenizer.chat_template

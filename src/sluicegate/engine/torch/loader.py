@@ -221,8 +221,10 @@ def cpu_name() -> str:
     name = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            name = next((line.split(":", 1)[1].strip() for line in info
-                         if line.startswith("model name")), "")  # fmt: skip
+            name = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                "",
+            )
     except OSError:
         pass
     return f"{name or os.uname().machine} x{os.cpu_count()}"
@@ -285,9 +287,12 @@ def _load_gguf_cached(
     except OSError:
         pass
     return Checkpoint(
-        meta["name"], args, state_dict, _text_tokenizer_from_meta(tok, meta),
+        meta["name"],
+        args,
+        state_dict,
+        _text_tokenizer_from_meta(tok, meta),
         RecommendedSampling.from_json(meta["sampling"]),
-    )  # fmt: skip
+    )
 
 
 def _gguf_tokenizer_and_meta(

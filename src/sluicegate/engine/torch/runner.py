@@ -155,9 +155,17 @@ class TorchEngine:
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         run_on_torch_thread(
-            self._load, model_path, dtype, max_num_seqs, max_model_len, cache_dir, num_threads,
-            served_model_name, kv_cache_memory_bytes, compile,
-        )  # fmt: skip
+            self._load,
+            model_path,
+            dtype,
+            max_num_seqs,
+            max_model_len,
+            cache_dir,
+            num_threads,
+            served_model_name,
+            kv_cache_memory_bytes,
+            compile,
+        )
 
     def _load(
         self,
@@ -221,9 +229,17 @@ class TorchEngine:
             self.model_path, self.dtype, self.max_num_seqs, self.max_model_len, cache_dir
         )
         build = [
-            "--model", self.model_path, "--dtype", name, "--slots", str(self.max_num_seqs),
-            "--max-model-len", str(self.max_model_len), "--threads", str(self.num_threads),
-        ]  # fmt: skip
+            "--model",
+            self.model_path,
+            "--dtype",
+            name,
+            "--slots",
+            str(self.max_num_seqs),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--threads",
+            str(self.num_threads),
+        ]
         if cache_dir is not None:
             build += ["--cache-dir", cache_dir]
         return CompiledDecode(package, build)
@@ -233,9 +249,14 @@ class TorchEngine:
         (:func:`~sluicegate.engine.calibrate.warm_up`): per model file, dtype, threads,
         torch build and CPU; the file records the shapes it measured."""
         entry = cache_entry(
-            Path(self.model_path), self._cache_dir, "calibration", dtype_name(self.dtype),
-            self.num_threads, torch.__version__, cpu_name(),
-        )  # fmt: skip
+            Path(self.model_path),
+            self._cache_dir,
+            "calibration",
+            dtype_name(self.dtype),
+            self.num_threads,
+            torch.__version__,
+            cpu_name(),
+        )
         return entry.with_name(f"{entry.name}.json")
 
     @classmethod
@@ -312,11 +333,13 @@ class TorchEngine:
             model.copy_kv(source, dest, num_tokens)
         chunks = [
             SequenceChunk(
-                s.kv_slot, s.start_position, s.num_scheduled_tokens,
+                s.kv_slot,
+                s.start_position,
+                s.num_scheduled_tokens,
                 1 + len(s.draft_token_ids) if s.sample else 0,
             )
             for s in sequences
-        ]  # fmt: skip
+        ]
         for s in sequences:
             ids = [*s.new_token_ids, *s.draft_token_ids]
             if ids and (max(ids) >= self.args.vocab_size or min(ids) < 0):
@@ -361,9 +384,11 @@ class TorchEngine:
         ):
             return self._eager(model, sequences, chunks, list(range(len(chunks))))
         logits = compiled.run(
-            model, [sequences[i].new_token_ids[0] for i in decode], positions,
+            model,
+            [sequences[i].new_token_ids[0] for i in decode],
+            positions,
             [chunks[i].slot for i in decode],
-        )  # fmt: skip
+        )
         logits = logits[[j for j, i in enumerate(decode) if chunks[i].num_logits]]
         rest = [i for i, c in enumerate(chunks) if c.length != 1]
         if not rest:
@@ -373,9 +398,11 @@ class TorchEngine:
 
     @staticmethod
     def _eager(
-        model: Transformer, sequences: list[ScheduledSequence], chunks: list[SequenceChunk],
+        model: Transformer,
+        sequences: list[ScheduledSequence],
+        chunks: list[SequenceChunk],
         index: list[int],
-    ) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+    ) -> tuple[torch.Tensor, list[int]]:
         """``chunks`` (of ``sequences[index[k]]``) through the eager forward pass."""
         batch, order = build_batch(chunks)
         token_ids: list[int] = []
@@ -451,10 +478,14 @@ def _log_kv_cache(
     )
     logger.info(
         "KV cache: %d slots x %d positions%s, %s (%d bytes) allocated of a %s budget (%s)",
-        budget.num_slots, max_model_len, fewer, format_memory_size(allocated_bytes),
-        allocated_bytes, format_memory_size(budget.budget_bytes),
+        budget.num_slots,
+        max_model_len,
+        fewer,
+        format_memory_size(allocated_bytes),
+        allocated_bytes,
+        format_memory_size(budget.budget_bytes),
         "auto" if budget.auto else "kv_cache_memory",
-    )  # fmt: skip
+    )
 
 
 if TYPE_CHECKING:

@@ -42,8 +42,9 @@ def pool_estimate(
     known = [f for u in healthy if (f := u.latency.fit()) is not None]
     base, slope = (
         (sum(f[0] for f in known) / len(known), sum(f[1] for f in known) / len(known))
-        if known else (_PRIOR_TTFT_SECONDS, 0.0)
-    )  # fmt: skip
+        if known
+        else (_PRIOR_TTFT_SECONDS, 0.0)
+    )
     tpots = [u.latency.tpot_seconds for u in healthy if u.latency.tpot_seconds is not None]
     return UpstreamEstimate(
         seat_limit=max(1, seat_limit),
@@ -67,8 +68,12 @@ async def calibrate(
         if not models:
             continue
         for prompt in ("Hi", probe_text):
-            body = {"model": upstream.upstream_model(models[0]), "prompt": prompt,
-                    "max_tokens": 1, "stream": True}  # fmt: skip
+            body = {
+                "model": upstream.upstream_model(models[0]),
+                "prompt": prompt,
+                "max_tokens": 1,
+                "stream": True,
+            }
             started = time.monotonic()
             try:
                 async with upstream.client.stream(

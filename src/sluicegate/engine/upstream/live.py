@@ -34,8 +34,9 @@ class Live:
     request: Request
     stream: RequestStream
     call: UpstreamCall
+    #: Set while not paused: what a paused relay waits on.  Moved with the request's
+    #: pause state, which is the one record of it (:meth:`pause`, :meth:`resume`).
     running: asyncio.Event = field(default_factory=asyncio.Event)
-    paused_since: float = 0.0
     text: list[str] = field(default_factory=list)
     #: Upstreams that failed this request (not tried again for it).
     excluded: set[str] = field(default_factory=set)
@@ -50,7 +51,27 @@ class Live:
     #: Calls made for it so far, and whether it began with text delivered elsewhere.
     calls: int = 0
     taken_over: bool = False
-    next_token_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.request.pause.paused:
+            self.running.set()
+
+    @property
+    def paused(self) -> bool:
+        return self.request.pause.paused
+
+    def pause(self, now: float) -> bool:
+        """Its reader is behind: stop reading its upstream (False if it already was)."""
+        if not self.request.pause.begin(now):
+            return False
+        self.running.clear()
+        return True
+
+    def resume(self, now: float) -> float | None:
+        """Read on; how long it was paused (None: it was not)."""
+        seconds = self.request.pause.end(now)
+        self.running.set()
+        return seconds
 
     @property
     def partial_text(self) -> str:

@@ -165,8 +165,10 @@ class UpstreamPool:
         self.tpot_objective_seconds = tpot_objective_seconds
         timeout = httpx.Timeout(
             connect=settings.upstream_connect_timeout_seconds,
-            read=None, write=10.0, pool=settings.upstream_connect_timeout_seconds,
-        )  # fmt: skip
+            read=None,
+            write=10.0,
+            pool=settings.upstream_connect_timeout_seconds,
+        )
         self.upstreams = [
             Upstream(
                 config,
@@ -230,9 +232,8 @@ class UpstreamPool:
     ) -> Upstream | None:
         """The upstream for a request of ``tokens`` (None: none healthy with room)."""
         eligible = [
-            u for u in self.upstreams
-            if u.has_room and u.serves(model) and u.name not in exclude
-        ]  # fmt: skip
+            u for u in self.upstreams if u.has_room and u.serves(model) and u.name not in exclude
+        ]
         if not eligible:
             return None
         least = min(eligible, key=_load)

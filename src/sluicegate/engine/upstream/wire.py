@@ -21,9 +21,17 @@ Kind = Literal["chat", "completion"]
 
 #: Body fields that are Sluicegate's own (or that it sets itself): never forwarded.
 _OWN_FIELDS = frozenset(
-    {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-     "max_tokens_per_second", "priority", "n"}
-)  # fmt: skip
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_tokens_per_second",
+        "priority",
+        "n",
+    }
+)
 
 
 @dataclass(slots=True)
@@ -38,8 +46,12 @@ class UpstreamCall:
     max_tokens: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "body": self.body, "model": self.model,
-                "max_tokens": self.max_tokens}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "body": self.body,
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> UpstreamCall:
@@ -55,9 +67,21 @@ def forwarded_body(body: dict[str, Any]) -> dict[str, Any]:
 #: What a completion-style continuation of a chat request keeps of its body: the
 #: sampling fields both endpoints take.  (Tools and response formats are chat-only.)
 _SAMPLING_FIELDS = frozenset(
-    {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-     "frequency_penalty", "repetition_penalty", "logit_bias", "user", "ignore_eos"}
-)  # fmt: skip
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "user",
+        "ignore_eos",
+    }
+)
 
 
 def request_body(

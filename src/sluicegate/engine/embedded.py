@@ -1,9 +1,9 @@
-"""The engine loop: one thread that plans, computes and hands results back.
+"""The embedded core: one thread that plans, computes and hands results back.
 
 The event loop never blocks on the engine.  It talks to this thread through a command
-queue (add, abort) that is drained before every step, so an abort takes effect before
-the next step is planned; results come back once per step through
-``loop.call_soon_threadsafe``.  The scheduler's stats are published after every step and
+queue (add, abort, pause, resume) that is drained before every step, so an abort takes
+effect before the next step is planned; results come back once per step through
+``loop.call_soon_threadsafe``.  The core's stats are published after every step and
 after every batch of commands, so an abort shows in ``/v1/stats`` and the metrics at
 once, even when no step follows (every sequence left is paused or throttled).
 """
@@ -18,13 +18,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from sluicegate.engine.base import Engine
-from sluicegate.engine.detokenizer import TextAssembler
-from sluicegate.engine.output import RequestOutput, RequestStream
+from sluicegate.engine.base import CoreFeatures, CoreHooks, CoreStats, Engine, StepStats
+from sluicegate.engine.calibrate import warm_up
+from sluicegate.engine.deliveries import Deliveries, Delivery
+from sluicegate.engine.output import RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.engine.upstream.wire import UpstreamCall
+from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
-from sluicegate.scheduler.scheduler import Scheduler, SchedulerStats, TokenEvent
+from sluicegate.scheduler.scheduler import Scheduler
+from sluicegate.scheduler.seat_limit import ServiceEstimate
 
 logger = logging.getLogger(__name__)
 
@@ -57,38 +62,18 @@ class _Stop:
 _Command = _Add | _Abort | _Flow | _Stop
 
 
-@dataclass(slots=True)
-class StepStats:
-    """Figures of one engine step, for metrics."""
+@dataclass(slots=True, frozen=True)
+class WarmUp:
+    """The start-up calibration: timed passes over each shape (the sim's steps follow
+    its own law, so one is enough; a real engine's vary with the machine's load), and
+    where a warm start finds the last one (None: always measure)."""
 
-    step_seconds: float
-    num_seqs: int
-    num_batched_tokens: int
-
-
-@dataclass(slots=True)
-class CoreHooks:
-    """What the engine thread reports as it goes (called on the engine thread)."""
-
-    #: After every step.
-    on_step: Callable[[StepStats], None] | None = None
-    #: An abort took effect, this many seconds after it was asked for.
-    on_abort: Callable[[float], None] | None = None
-    #: A paused sequence was resumed after this many seconds.
-    on_resume: Callable[[float], None] | None = None
+    repeats: int = 3
+    saved: Path | None = None
 
 
-@dataclass(slots=True)
-class EngineCoreStats:
-    scheduler: SchedulerStats
-    num_steps: int
-    engine_up: bool
-    #: The engine's compiled decode step (:attr:`Engine.compile_status`).
-    compile_status: str = "off"
-
-
-class EngineCore:
-    """Owns the scheduler and the engine; runs them on a dedicated thread."""
+class EmbeddedCore:
+    """Owns the scheduler and the engine (torch or sim); runs them on a dedicated thread."""
 
     def __init__(
         self,
@@ -97,30 +82,79 @@ class EngineCore:
         scheduler: Scheduler,
         loop: asyncio.AbstractEventLoop,
         hooks: CoreHooks | None = None,
+        *,
+        model_name: str | None = None,
+        warm: WarmUp | None = None,
+        features: CoreFeatures | None = None,
     ) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
         self.scheduler = scheduler
         self._loop = loop
+        self._model_name = model_name or engine.model_name
+        self._warm = warm or WarmUp()
+        self._features = features or CoreFeatures()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
-        self._assemblers: dict[str, TextAssembler] = {}
-        #: Per request: output tokens already committed before the assembler was built.
-        self._committed_base: dict[str, int] = {}
+        self._deliveries = Deliveries(tokenizer)
         self._hooks = hooks or CoreHooks()
         self._thread = threading.Thread(target=self._run, name="sluicegate-engine", daemon=True)
         self._num_steps = 0
+        self._batch_size = 0
         #: The engine's compiled decode step as last seen.
         self._compile_status = engine.compile_status
         self.engine_up = True
         self._stats_lock = threading.Lock()
-        self._stats = EngineCoreStats(scheduler.make_stats(), 0, True, self._compile_status)
+        self._stats = self._make_stats()
 
-    # ----------------------------------------------------- event-loop side API
-    def start(self) -> None:
+    # ----------------------------------------------------------- the protocol
+    @property
+    def features(self) -> CoreFeatures:
+        return self._features
+
+    @property
+    def capacity(self) -> DispatchCapacity:
+        return self.scheduler.capacity
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self._model_name]
+
+    async def start(self, on_measured: Callable[[], None] | None = None) -> None:
+        """Calibrate the cost model with warm-up steps (off the event loop), then start
+        the engine thread."""
+        config = self.scheduler.config
+        started = time.monotonic()
+        observations = await asyncio.to_thread(
+            warm_up,
+            self.engine,
+            config.max_num_seqs,
+            config.max_model_len,
+            config.max_num_batched_tokens,
+            self._warm.repeats,
+            self._warm.saved,
+        )
+        self.scheduler.calibrate(observations)
+        await asyncio.to_thread(self.engine.warmed_up)
+        logger.info(
+            "cost model calibrated in %.2fs: %s; seat limit %d",
+            time.monotonic() - started,
+            self.scheduler.cost.snapshot(),
+            self.scheduler.seats.limit,
+        )
+        self._publish_stats()
+        if on_measured is not None:
+            on_measured()
         self._thread.start()
 
-    def add_request(self, request: Request, stream: RequestStream) -> None:
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def add_request(
+        self, request: Request, stream: RequestStream, call: UpstreamCall | None = None
+    ) -> None:
         self._commands.put(_Add(request, stream))
 
     def abort_request(self, request_id: str) -> None:
@@ -133,14 +167,24 @@ class EngineCore:
     def resume_request(self, request_id: str) -> None:
         self._commands.put(_Flow(request_id, pause=False))
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self._commands.put(_Stop())
-        self._thread.join(timeout)
-        self.engine.close()
-
-    def stats(self) -> EngineCoreStats:
+    def stats(self) -> CoreStats:
         with self._stats_lock:
             return self._stats
+
+    def estimate(self) -> ServiceEstimate:
+        # The seat limiter replaces its estimate whole (a reference read is atomic).
+        return self.scheduler.seats.estimate
+
+    # ----------------------------------------------------------- lifetime
+    def start_thread(self) -> None:
+        """Start the engine thread without a warm-up (tests that drive the core alone)."""
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._commands.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.engine.close()
 
     # ------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -154,6 +198,7 @@ class EngineCore:
             timeout = self.scheduler.seconds_until_wake() if block else None
             running = self._drain_commands(block, timeout)
             if not running or not self.scheduler.has_schedulable_work:
+                self._batch_size = 0
                 self._publish_stats()
                 continue
             plan = self.scheduler.schedule()
@@ -171,10 +216,11 @@ class EngineCore:
                 continue
             elapsed = time.perf_counter() - started
             self._num_steps += 1
+            self._batch_size = len(plan.sequences)
             if not self._compiled_step_changed():  # that step loaded it: not a sample
                 self.scheduler.record_step(plan, elapsed)
             events = self.scheduler.update_from_output(plan, result)
-            outputs = self._assemble(events)
+            outputs = self._deliveries.assemble(events, self._stop_string)
             if outputs:
                 self._post(outputs)
             if self._hooks.on_step is not None:
@@ -183,6 +229,10 @@ class EngineCore:
                 )
             self._publish_stats()
         self._fail_batch(list(self.scheduler.requests), reason="server shutting down")
+
+    def _stop_string(self, request: Request) -> None:
+        if not request.status.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _compiled_step_changed(self) -> bool:
         """Whether the torch engine's compiled decode step came into use (or failed) in the
@@ -214,7 +264,8 @@ class EngineCore:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Add):
-                self._add(command)
+                self._deliveries.add(command.request, command.stream)
+                self.scheduler.add_request(command.request)
             elif isinstance(command, _Abort):
                 self._abort(command)
             elif command.pause:
@@ -224,116 +275,63 @@ class EngineCore:
                 if paused_seconds is not None and self._hooks.on_resume is not None:
                     self._hooks.on_resume(paused_seconds)
 
-    def _add(self, command: _Add) -> None:
-        request = command.request
-        self._streams[request.request_id] = command.stream
-        # All known tokens, not only the prompt: a resumed request arrives with the output
-        # it already delivered (prompt + committed tokens), and its text continues from
-        # there.  Only tokens generated here are committed by this assembler.
-        decoder = self.tokenizer.decode_stream(request.all_token_ids)
-        self._assemblers[request.request_id] = TextAssembler(decoder, request.sampling.stop)
-        self._committed_base[request.request_id] = request.num_output_tokens
-        self.scheduler.add_request(request)
-
     def _abort(self, command: _Abort) -> None:
         request = self.scheduler.finish_request(command.request_id, RequestStatus.FINISHED_ABORTED)
-        self._assemblers.pop(command.request_id, None)
-        self._committed_base.pop(command.request_id, None)
-        stream = self._streams.pop(command.request_id, None)
-        if request is not None and self._hooks.on_abort is not None:
+        if request is None:
+            return
+        if self._hooks.on_abort is not None:
             self._hooks.on_abort(time.monotonic() - command.requested_at)
-        if stream is not None and request is not None:
-            out = RequestOutput(
-                request.request_id, "", 0, request.num_prompt_tokens,
-                request.num_output_tokens, FinishReason.ABORT,
-            )  # fmt: skip
-            self._post([(stream, out)])
-
-    def _assemble(self, events: list[TokenEvent]) -> list[tuple[RequestStream, RequestOutput]]:
-        outputs: list[tuple[RequestStream, RequestOutput]] = []
-        for event in events:
-            request = event.request
-            token_id = event.new_token_id
-            rid = request.request_id
-            assembler = self._assemblers.get(rid)
-            stream = self._streams.get(rid)
-            if assembler is None or stream is None:
-                continue
-            text = ""
-            committed_before = assembler.num_committed_tokens
-            # Its last event: the scheduler finished it with this token, or a stop string
-            # ends here (drafts verified in the same step may have added tokens after it).
-            done = event.finished
-            if token_id is not None:
-                text = assembler.push(token_id, skip=event.is_stop_token)
-                if assembler.stopped and not done:
-                    request.finish_reason = FinishReason.STOP
-                    if not request.status.is_finished:
-                        self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                    del request.all_token_ids[request.num_prompt_tokens + event.num_output_tokens :]
-                    done = True
-            if done:
-                text += assembler.flush()
-            committed: list[int] = []
-            if assembler.num_committed_tokens > committed_before:
-                start = request.num_prompt_tokens + self._committed_base.get(rid, 0)
-                committed = request.all_token_ids[
-                    start + committed_before : start + assembler.num_committed_tokens
-                ]
-            if done:
-                del self._assemblers[rid]
-                del self._streams[rid]
-                self._committed_base.pop(rid, None)
-            outputs.append(
-                (
-                    stream,
-                    RequestOutput(
-                        request_id=rid,
-                        text=text,
-                        num_new_tokens=1 if token_id is not None else 0,
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_output_tokens=event.num_output_tokens,
-                        finish_reason=request.finish_reason if done else None,
-                        committed_token_ids=committed,
-                        num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
-                    ),
-                )
-            )
-        return outputs
+        delivery = self._deliveries.end(request, FinishReason.ABORT)
+        if delivery is not None:
+            self._post([delivery])
 
     def _fail_batch(self, request_ids: list[str], reason: str = "engine step failed") -> None:
-        failed: list[tuple[RequestStream, RequestOutput]] = []
+        failed: list[Delivery] = []
         for rid in request_ids:
             request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
-            stream = self._streams.pop(rid, None)
-            self._assemblers.pop(rid, None)
-            self._committed_base.pop(rid, None)
-            if request is not None and stream is not None:
-                failed.append(
-                    (
-                        stream,
-                        RequestOutput(
-                            rid, "", 0, request.num_prompt_tokens, request.num_output_tokens,
-                            FinishReason.ERROR, error=reason,
-                        ),
-                    )
-                )  # fmt: skip
+            if request is not None:
+                delivery = self._deliveries.end(request, FinishReason.ERROR, reason)
+                if delivery is not None:
+                    failed.append(delivery)
         if failed:
             self._post(failed)
 
-    def _post(self, outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+    def _post(self, outputs: list[Delivery]) -> None:
         # A closed event loop means nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     @staticmethod
-    def _dispatch(outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+    def _dispatch(outputs: list[Delivery]) -> None:
         for stream, output in outputs:
             stream.put(output)
 
-    def _publish_stats(self) -> None:
-        stats = EngineCoreStats(
-            self.scheduler.make_stats(), self._num_steps, self.engine_up, self._compile_status
+    def _make_stats(self) -> CoreStats:
+        sched = self.scheduler.make_stats()
+        return CoreStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_paused=sched.num_paused,
+            num_throttled=sched.num_throttled,
+            num_waiting_by_priority=sched.num_waiting_by_priority,
+            num_preemptions_total=sched.num_preemptions_total,
+            preemptions_by_reason=sched.preemptions_by_reason,
+            num_steps=self._num_steps,
+            engine_up=self.engine_up,
+            batch_size=self._batch_size if sched.num_running else 0,
+            kv_cache=sched.kv_cache,
+            kv_cache_bytes=self.engine.kv_cache_bytes,
+            compile_status=self._compile_status,
+            prefix_cache=sched.prefix_cache,
+            speculation=sched.speculation,
+            pacing=sched.pacing,
+            sections={
+                "seats": self.scheduler.seats.snapshot(),
+                "cost_model": self.scheduler.cost.snapshot(),
+            },
         )
+
+    def _publish_stats(self) -> None:
+        stats = self._make_stats()
         with self._stats_lock:
             self._stats = stats

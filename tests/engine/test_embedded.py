@@ -1,4 +1,4 @@
-"""The engine loop with the simulated engine: its thread, commands and outputs.  No sockets."""
+"""The embedded core with the simulated engine: its thread, commands and outputs.  No sockets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from sluicegate.engine.core import CoreHooks, EngineCore, StepStats
+from sluicegate.engine.base import CoreHooks, StepStats
+from sluicegate.engine.embedded import EmbeddedCore
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.sim import SimEngine, sim_text_bytes
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -27,20 +28,21 @@ class Recorder:
 
 
 @pytest.fixture
-async def core() -> AsyncIterator[tuple[EngineCore, Recorder]]:
+async def core() -> AsyncIterator[tuple[EmbeddedCore, Recorder]]:
     sim = SimEngine(step_base_ms=1.0, step_per_token_ms=0.0)
     scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
-                        pause_preempt_seconds=0.2),
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, pause_preempt_seconds=0.2
+        ),
         eos_token_ids=sim.eos_token_ids,
-    )  # fmt: skip
+    )
     recorder = Recorder()
-    engine_core = EngineCore(
+    engine_core = EmbeddedCore(
         sim, sim.tokenizer, scheduler, asyncio.get_running_loop(), recorder.hooks()
     )
-    engine_core.start()
+    engine_core.start_thread()
     yield engine_core, recorder
-    await asyncio.to_thread(engine_core.shutdown)
+    await engine_core.close()
 
 
 def request(rid: str, prompt: str, max_tokens: int, **sampling: object) -> Request:
@@ -66,7 +68,7 @@ async def wait_until(condition: Callable[[], object], within_seconds: float = 5.
 
 
 async def test_a_request_runs_to_its_length_and_its_text_is_the_sims(
-    core: tuple[EngineCore, Recorder],
+    core: tuple[EmbeddedCore, Recorder],
 ) -> None:
     engine_core, recorder = core
     req = request("a", "hello", 40)
@@ -77,7 +79,7 @@ async def test_a_request_runs_to_its_length_and_its_text_is_the_sims(
     assert text.encode() == bytes(req.output_token_ids)  # byte-level: ids are the bytes
     assert req.output_token_ids[:8] == list(sim_text_bytes(7, _digest(req), 8))
     assert recorder.steps and all(s.num_seqs >= 1 for s in recorder.steps)
-    await wait_until(lambda: engine_core.stats().scheduler.num_running == 0)
+    await wait_until(lambda: engine_core.stats().num_running == 0)
 
 
 def _digest(req: Request) -> bytes:
@@ -85,7 +87,7 @@ def _digest(req: Request) -> bytes:
 
 
 async def test_a_stop_string_ends_the_sequence_without_showing_it(
-    core: tuple[EngineCore, Recorder],
+    core: tuple[EmbeddedCore, Recorder],
 ) -> None:
     engine_core, _ = core
     probe = request("probe", "stop me", 60)
@@ -102,7 +104,7 @@ async def test_a_stop_string_ends_the_sequence_without_showing_it(
 
 
 async def test_an_abort_takes_effect_before_the_next_step(
-    core: tuple[EngineCore, Recorder],
+    core: tuple[EmbeddedCore, Recorder],
 ) -> None:
     engine_core, recorder = core
     req = request("long", "x", 400)
@@ -120,7 +122,7 @@ async def test_an_abort_takes_effect_before_the_next_step(
 
 
 async def test_pause_stops_a_sequence_and_a_long_pause_frees_its_kv(
-    core: tuple[EngineCore, Recorder],
+    core: tuple[EmbeddedCore, Recorder],
 ) -> None:
     engine_core, recorder = core
     req = request("p", "pause", 300)
@@ -128,11 +130,11 @@ async def test_pause_stops_a_sequence_and_a_long_pause_frees_its_kv(
     engine_core.add_request(req, stream)
     await asyncio.wait_for(stream.get(), 5.0)
     engine_core.pause_request("p")
-    await wait_until(lambda: req.paused)
+    await wait_until(lambda: req.pause.paused)
     produced = req.num_output_tokens
     # Nothing else runs: the loop sleeps until the long pause is due, then preempts.
-    await wait_until(lambda: engine_core.stats().scheduler.preemptions_by_reason)
-    stats = engine_core.stats().scheduler
+    await wait_until(lambda: engine_core.stats().preemptions_by_reason)
+    stats = engine_core.stats()
     assert stats.preemptions_by_reason == {"long_pause": 1}
     assert stats.kv_cache.num_used_blocks == 0 and req.num_output_tokens == produced
     engine_core.resume_request("p")
@@ -141,7 +143,7 @@ async def test_pause_stops_a_sequence_and_a_long_pause_frees_its_kv(
     assert len(recorder.resumes) == 1 and recorder.resumes[0] >= 0.2
 
 
-async def test_shutdown_fails_what_is_left(core: tuple[EngineCore, Recorder]) -> None:
+async def test_shutdown_fails_what_is_left(core: tuple[EmbeddedCore, Recorder]) -> None:
     engine_core, _ = core
     streams = []
     for i in range(3):
@@ -149,29 +151,31 @@ async def test_shutdown_fails_what_is_left(core: tuple[EngineCore, Recorder]) ->
         engine_core.add_request(request(f"r{i}", "y", 10_000 // 50), stream)
         streams.append(stream)
     engine_core.pause_request("r0")
-    await asyncio.to_thread(engine_core.shutdown)
+    await engine_core.close()
     for stream in streams:
         _, last = await drain(stream)
         assert last.finish_reason in (FinishReason.ERROR, FinishReason.LENGTH)
 
 
 async def test_stats_show_an_abort_at_once_when_no_step_follows(
-    core: tuple[EngineCore, Recorder],
+    core: tuple[EmbeddedCore, Recorder],
 ) -> None:
     """Throttled sequences leave nothing to compute: an abort must still show at once."""
     engine_core, _ = core
     streams = {}
     for rid in ("slow-a", "slow-b"):
         req = request(rid, "pace", 100)
-        req.min_token_interval_seconds = 30.0  # its next token is far away
+        req.pace.min_token_interval_seconds = 30.0  # its next token is far away
         streams[rid] = RequestStream(rid)
         engine_core.add_request(req, streams[rid])
         await asyncio.wait_for(streams[rid].get(), 5.0)
     await asyncio.sleep(0.1)  # each has its token of slack, then waits for its pace
-    assert engine_core.stats().scheduler.num_running == 2
+    assert engine_core.stats().num_running == 2
     engine_core.abort_request("slow-a")
-    await wait_until(lambda: engine_core.stats().scheduler.num_running == 1, within_seconds=0.5)
+    # Well before either's next token (30 s away): the abort did not wait for a step.
+    await wait_until(lambda: engine_core.stats().num_running == 1, within_seconds=10.0)
     engine_core.abort_request("slow-b")
-    await wait_until(lambda: engine_core.stats().scheduler.num_running == 0, within_seconds=0.5)
-    stats = engine_core.stats().scheduler
-    assert stats.kv_cache.num_used_blocks == 0 and stats.num_throttled == 0
+    await wait_until(lambda: engine_core.stats().num_running == 0, within_seconds=10.0)
+    stats = engine_core.stats()
+    assert stats.kv_cache is not None and stats.kv_cache.num_used_blocks == 0
+    assert stats.num_throttled == 0

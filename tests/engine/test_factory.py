@@ -1,11 +1,15 @@
-"""The stages built from the settings: the scheduler plans with the engine's real slots."""
+"""The engine, its scheduler and its core built from the settings."""
 
 from __future__ import annotations
 
 from sluicegate.config import load_settings
-from sluicegate.engine.factory import LoadedEngine, build_engine
+from sluicegate.engine.factory import (
+    LoadedEngine,
+    build_engine,
+    build_scheduler,
+    speculative_tokens,
+)
 from sluicegate.engine.sim import SimEngine
-from sluicegate.service.build import build_scheduler, speculative_tokens
 
 
 def test_scheduler_and_dispatch_use_the_slots_the_engine_has() -> None:

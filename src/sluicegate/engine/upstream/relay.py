@@ -1,0 +1,297 @@
+"""One call to one upstream: send the request (or its continuation), relay its streamed
+answer into the request's stream, and say how it ended (:class:`Outcome`).
+
+While its reader is behind, the relay stops reading the upstream's answer (the socket
+fills and TCP holds the upstream back); a request that must let go of its place ends the
+call as ``PREEMPTED`` and is continued later.  Deltas are paced by
+:meth:`~sluicegate.scheduler.request.Pace.after_tokens`, the embedded scheduler's rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from sluicegate.config import Settings
+from sluicegate.engine.output import RequestOutput
+from sluicegate.engine.tokenizer import ChatTemplateError, TextTokenizer
+from sluicegate.engine.upstream.live import ClientError, Live, Outcome
+from sluicegate.engine.upstream.pool import Upstream, UpstreamPool
+from sluicegate.engine.upstream.wire import Delta, error_message, parse_event
+from sluicegate.engine.upstream.wire import request_body as build_body
+from sluicegate.errors import APIError
+from sluicegate.scheduler.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+#: How often a paused request checks whether it should let go of its upstream.
+PAUSE_CHECK_SECONDS = 0.25
+
+
+class Relay:
+    """Makes the calls of every request relayed (the upstream core's, event loop)."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        tokenizer: TextTokenizer,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.settings = settings
+        #: Pacing's clock and sleep (a test's fake clock can stand in for both).
+        self._clock = clock
+        self._sleep = sleep
+        self.num_calls = 0
+        self.preemptions = 0
+        #: A paused request lets go of its upstream after this long (None: only when a
+        #: request needs its place).
+        self.pause_preempt_seconds = settings.pause_preempt_seconds
+        #: Means of the requests answered, for admission's estimate.
+        self.mean_prompt = 128.0
+        self.mean_output = 64.0
+
+    async def call(self, live: Live, upstream: Upstream) -> Outcome:
+        request = live.request
+        call = live.call
+        tokens_left = call.max_tokens - request.num_output_tokens
+        if tokens_left <= 0 and live.text:
+            post(live, FinishReason.LENGTH)
+            return Outcome.FINISHED
+        continuing_chat = call.kind == "chat" and bool(live.text)
+        path, body = build_body(
+            call,
+            upstream.upstream_model(call.model),
+            live.partial_text,
+            tokens_left,
+            upstream.continue_style,
+            self._render,
+        )
+        self.num_calls += 1
+        live.calls += 1
+        settings = self.settings
+        # Until its headers, the first-token timeout (an upstream that hangs before
+        # answering at all); the body's reads are timed as they come.
+        until_headers = httpx.Timeout(
+            settings.upstream_first_token_timeout_seconds,
+            connect=settings.upstream_connect_timeout_seconds,
+        )
+        try:
+            async with upstream.client.stream(
+                "POST", path, json=body, timeout=until_headers
+            ) as response:
+                if response.status_code != 200:
+                    if continuing_chat and self._refuses_continuation(upstream, response):
+                        return Outcome.RETRY  # at once, as a completion, on the same one
+                    return await self._refused(live, upstream, response)
+                return await self._relay(live, upstream, response)
+        except httpx.HTTPError as exc:
+            self.pool.failed(upstream, repr(exc))
+            live.excluded.add(upstream.name)
+            return Outcome.RETRY
+
+    async def _relay(self, live: Live, upstream: Upstream, response: httpx.Response) -> Outcome:
+        """Read the answer's events into the request's stream."""
+        settings = self.settings
+        request = live.request
+        lines = response.aiter_lines()
+        finish: FinishReason | None = None
+        reported: tuple[int, int] | None = None
+        cached = 0
+        started = time.monotonic()
+        first_time: float | None = None
+        last_time = started
+        tokens = 0
+        while True:
+            if live.aborted:
+                raise asyncio.CancelledError
+            if live.paused and await self._stays_paused(live):
+                upstream.aborts_total += 1
+                self.preemptions += 1
+                return Outcome.PREEMPTED
+            timeout = (
+                settings.upstream_first_token_timeout_seconds
+                if first_time is None
+                else settings.upstream_idle_timeout_seconds
+            )
+            try:
+                # Not asyncio.wait_for: on 3.11 it can swallow a cancellation.
+                async with asyncio.timeout(timeout):
+                    line = await anext(lines)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                return self._failed(live, upstream, f"silent for {timeout:g} s")
+            if not line.startswith("data:"):
+                continue
+            delta = parse_event(line[5:].encode())
+            if delta is None:
+                continue
+            if delta.error is not None:
+                return self._failed(live, upstream, f"error event: {delta.error}")
+            if delta.done:
+                break
+            if delta.text:
+                now = time.monotonic()
+                first_time = first_time or now
+                last_time = now
+                num_tokens = self._deliver(live, delta)
+                tokens += num_tokens
+                wait = request.pace.after_tokens(self._clock(), num_tokens)
+                if wait > 0.0:
+                    await self._sleep(wait)
+            if delta.finish_reason is not None:
+                finish = _finish_reason(delta.finish_reason)
+            if delta.prompt_tokens is not None and delta.completion_tokens is not None:
+                reported = (delta.prompt_tokens, delta.completion_tokens)
+                cached = delta.cached_tokens
+        if finish is None:
+            # The stream ended without saying how: the upstream died mid-answer.
+            return self._failed(live, upstream, "its stream ended without a finish reason")
+        self.mean_prompt += 0.05 * (request.num_prompt_tokens - self.mean_prompt)
+        self.mean_output += 0.05 * (max(1, request.num_output_tokens) - self.mean_output)
+        upstream.latency.observe(
+            request.num_prompt_tokens,
+            None if first_time is None or live.preempted else first_time - started,
+            (last_time - first_time) / (tokens - 1) if first_time and tokens > 1 else None,
+        )
+        self.pool.succeeded(upstream)
+        # The upstream's own usage, when the whole answer came from this one call.
+        if live.calls == 1 and not live.taken_over:
+            post(live, finish, reported=reported, cached=cached)
+        else:
+            post(live, finish)
+        return Outcome.FINISHED
+
+    def _failed(self, live: Live, upstream: Upstream, reason: str) -> Outcome:
+        self.pool.failed(upstream, reason)
+        live.excluded.add(upstream.name)
+        return Outcome.RETRY
+
+    def _render(self, messages: list[dict[str, Any]]) -> str | None:
+        """The conversation as the model reads it, ready for the answer (the gateway's
+        chat template: the upstream model's own when ``upstream_tokenizer`` names it)."""
+        try:
+            return self.tokenizer.chat_template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError:
+            return None
+
+    def _refuses_continuation(self, upstream: Upstream, response: httpx.Response) -> bool:
+        """A chat continuation refused as invalid by an upstream that took the request
+        itself: it does not take ``continue_final_message``.  Under ``auto`` it
+        continues chats as completions from now on."""
+        status = response.status_code
+        if upstream.config.continuation != "auto" or upstream.refused_chat_continuation:
+            return False
+        if not 400 <= status < 500 or status in (401, 403, 404, 408, 429):
+            return False
+        upstream.refused_chat_continuation = True
+        logger.info(
+            "upstream %s refused a chat continuation (%d): continuing chats on "
+            "/v1/completions from now on",
+            upstream.name,
+            status,
+        )
+        return True
+
+    async def _refused(self, live: Live, upstream: Upstream, response: httpx.Response) -> Outcome:
+        status = response.status_code
+        content = await response.aread()
+        message, param, code = error_message(status, content)
+        if status in (429, 503):
+            self.pool.pushed_back(upstream, status)
+            live.excluded.add(upstream.name)
+            return Outcome.RETRY
+        if 400 <= status < 500 and status not in (401, 403, 404, 408):
+            # Its own validation (context length, a parameter it does not take): the
+            # client's request is at fault, and another upstream would say the same.
+            error = APIError(
+                status,
+                f"The upstream refused the request: {message}",
+                param=param,
+                code=code or "upstream_invalid_request",
+            )
+            raise ClientError(error)
+        return self._failed(live, upstream, f"answered {status}: {message[:200]}")
+
+    async def _stays_paused(self, live: Live) -> bool:
+        """Wait while paused; True when it should let go of its upstream instead: a
+        request needs its place, or it was paused ``pause_preempt_seconds``."""
+        while live.paused:
+            if live.aborted:
+                raise asyncio.CancelledError
+            limit = self.pause_preempt_seconds
+            if limit is not None and time.monotonic() - live.request.pause.since >= limit:
+                live.preempted = True
+            if live.preempted:
+                return True
+            live.wake.clear()
+            waiters = {
+                asyncio.ensure_future(live.running.wait()),
+                asyncio.ensure_future(live.wake.wait()),
+            }
+            try:
+                await asyncio.wait(
+                    waiters, timeout=PAUSE_CHECK_SECONDS, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+        return False
+
+    def _deliver(self, live: Live, delta: Delta) -> int:
+        request = live.request
+        ids = self.tokenizer.encode(delta.text)
+        request.all_token_ids.extend(ids)
+        # Its prompt is processed (admission counts what is left of prompts still ahead).
+        request.num_computed_tokens = request.num_tokens
+        live.text.append(delta.text)
+        output = RequestOutput(
+            request.request_id,
+            delta.text,
+            len(ids),
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            committed_token_ids=ids,
+        )
+        live.stream.put(output)
+        return len(ids)
+
+
+def post(
+    live: Live,
+    finish: FinishReason,
+    *,
+    error: str | None = None,
+    failure: APIError | None = None,
+    reported: tuple[int, int] | None = None,
+    cached: int = 0,
+) -> None:
+    """The request's final output."""
+    request = live.request
+    output = RequestOutput(
+        request.request_id,
+        "",
+        0,
+        request.num_prompt_tokens,
+        request.num_output_tokens,
+        finish,
+        error=error or (failure.message if failure else None),
+        failure=failure,
+        reported_usage=reported,
+        num_cached_tokens=cached,
+    )
+    live.stream.put(output)
+
+
+def _finish_reason(text: str) -> FinishReason:
+    return FinishReason.LENGTH if text == "length" else FinishReason.STOP

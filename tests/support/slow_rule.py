@@ -1,0 +1,152 @@
+"""The rule that keeps ``make test-fast`` fast: a test that starts a process, or loads
+the model, is ``slow``.
+
+* **Marked by what it calls.**  At collection, each test's function and the fixtures it
+  uses are read (their syntax tree, following calls to functions of the same module): a
+  call to one of :data:`PROCESS_CALLS` starts a process, one to :data:`MODEL_CALLS`
+  loads the model.  Such a test is marked ``slow`` (and ``model``) without anyone
+  remembering to.
+* **Enforced when it runs.**  In a run that deselects slow tests (``-m "not slow"``), a
+  test that starts a process anyway fails at once, naming itself: the rule cannot rot.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from functools import cache
+from types import FunctionType, ModuleType
+from typing import Any
+
+import pytest
+
+#: Calls that start a process (ours: servers, upstreams, Redis; or anyone's).
+PROCESS_CALLS = frozenset(
+    {
+        "start_server",
+        "start_server_with_args",
+        "start_upstream",
+        "start_gateway",
+        "start_redis",
+        "Popen",
+        "check_output",
+        "check_call",
+        "sync_playwright",
+        "async_playwright",
+        "fork",
+        "create_subprocess_exec",
+        "create_subprocess_shell",
+    }
+)
+#: Calls that load SmolLM2 (seconds each, and hundreds of MB).
+MODEL_CALLS = frozenset({"TorchEngine", "load_model", "_smollm2_engine"})
+#: ``subprocess.run``: a call named ``run`` counts only on the ``subprocess`` module.
+_QUALIFIED = {("subprocess", "run"), ("subprocess", "call")}
+
+
+def mark(items: list[pytest.Item]) -> None:
+    """Mark every collected test that starts a process or loads the model."""
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        calls: set[str] = set()
+        for function in _functions_of(item):
+            calls |= _calls(function)
+        if calls & MODEL_CALLS:
+            item.add_marker(pytest.mark.model)
+        if calls & (PROCESS_CALLS | MODEL_CALLS):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("model") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
+def _functions_of(item: pytest.Function) -> Iterator[Callable[..., Any]]:
+    yield item.function
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return
+    for definitions in info.name2fixturedefs.values():
+        for definition in definitions:
+            yield definition.func
+
+
+@cache
+def _calls(function: Callable[..., Any], depth: int = 0) -> frozenset[str]:
+    """The names ``function`` calls, and those its module's functions it calls call."""
+    function = inspect.unwrap(function)
+    if not isinstance(function, FunctionType) or depth > 4:
+        return frozenset()
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    module = sys.modules.get(function.__module__)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        target = node.func
+        if isinstance(target, ast.Attribute):
+            owner = target.value.id if isinstance(target.value, ast.Name) else ""
+            name = target.attr
+            if (owner, name) in _QUALIFIED:
+                names.add("Popen")
+                continue
+        elif isinstance(target, ast.Name):
+            name = target.id
+        else:
+            continue
+        names.add(name)
+        helper = _module_function(module, name)
+        if helper is not None and helper is not function:
+            names |= _calls(helper, depth + 1)
+    return frozenset(names)
+
+
+def _module_function(module: ModuleType | None, name: str) -> Callable[..., Any] | None:
+    value = getattr(module, name, None) if module is not None else None
+    if isinstance(value, FunctionType) and value.__module__.startswith("tests"):
+        return value
+    return None
+
+
+class ProcessGuard:
+    """While a test runs, starting a process fails it (``-m "not slow"`` runs only)."""
+
+    def __init__(self) -> None:
+        self.test: str | None = None
+        self._popen_init = subprocess.Popen.__init__
+        self._fork = os.fork
+
+    def install(self) -> None:
+        guard = self
+        original = self._popen_init
+
+        def popen_init(popen: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+            guard.refuse(args[0] if args else kwargs.get("args"))
+            original(popen, *args, **kwargs)
+
+        def fork() -> int:
+            guard.refuse("os.fork()")
+            return guard._fork()
+
+        subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+        os.fork = fork
+
+    def uninstall(self) -> None:
+        subprocess.Popen.__init__ = self._popen_init  # type: ignore[method-assign]
+        os.fork = self._fork
+
+    def refuse(self, what: object) -> None:
+        if self.test is not None:
+            pytest.fail(
+                f"{self.test} starts a process ({what!r}) but is not marked slow: "
+                "tests/support/slow_rule.py did not see it; mark it @pytest.mark.slow "
+                "or add the call that starts it to PROCESS_CALLS",
+                pytrace=False,
+            )
