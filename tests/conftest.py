@@ -7,6 +7,7 @@ process (:mod:`tests.support.servers`) where only sockets and processes show it.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -25,6 +26,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     # Only where slow tests are deselected: there no test may start a process.
     if config.getoption("markexpr", "").replace(" ", "") in ("notslow", "not(slow)"):
+        # The standard library asks `uname -p` once per process, the first time anyone
+        # wants the processor's name (the openai client's platform headers do): ask now.
+        platform.processor()
         _guard.install()
 
 

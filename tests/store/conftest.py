@@ -45,7 +45,8 @@ def find_redis_server() -> str | None:
 
 
 REDIS_SERVER = find_redis_server()
-BACKENDS = ["memory", "redis"]
+#: Each store kind; Redis's start a server process, so they are slow (tests/support/slow_rule.py).
+BACKENDS = [pytest.param("memory"), pytest.param("redis", marks=pytest.mark.slow)]
 
 #: Defaults for tests: fast failure detection and short tail waits.
 TEST_CONFIG = StoreConfig(

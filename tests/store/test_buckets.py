@@ -99,6 +99,7 @@ async def test_bucket_matches_token_bucket_exactly_on_a_burst_pattern(
             assert got == expected, (i, op, n)
 
 
+@pytest.mark.slow  # Redis: a server process
 async def test_redis_bucket_on_the_server_clock_refills_at_the_rate(
     make_store: MakeStore,
 ) -> None:
@@ -115,6 +116,7 @@ async def test_redis_bucket_on_the_server_clock_refills_at_the_rate(
     assert too_big.exceeds_burst and math.isinf(too_big.retry_after_seconds)
 
 
+@pytest.mark.slow  # Redis: a server process
 async def test_two_replicas_share_one_limit(make_store: MakeStore) -> None:
     """Two stores = two replicas with their own connections: R per second in total."""
     rate, burst = 20.0, 5.0

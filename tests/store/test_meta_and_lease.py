@@ -136,6 +136,7 @@ async def test_lease_ttls_and_owners_are_checked(store: Store) -> None:
         await store.acquire_lease("x", "", 1.0)
 
 
+@pytest.mark.slow  # Redis: a server process
 async def test_a_second_replica_takes_over_and_the_reader_sees_every_event_once(
     make_store: MakeStore,
 ) -> None:

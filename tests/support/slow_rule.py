@@ -57,12 +57,21 @@ def mark(items: list[pytest.Item]) -> None:
         calls: set[str] = set()
         for function in _functions_of(item):
             calls |= _calls(function)
+            if _returns_an_engine(function):
+                calls.add("TorchEngine")
         if calls & MODEL_CALLS:
             item.add_marker(pytest.mark.model)
         if calls & (PROCESS_CALLS | MODEL_CALLS):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("model") is not None:
             item.add_marker(pytest.mark.slow)
+
+
+def _returns_an_engine(function: Callable[..., Any]) -> bool:
+    """A fixture that hands out a loaded torch engine (however it gets it: some pick one
+    of several by name with ``request.getfixturevalue``)."""
+    returns = getattr(inspect.unwrap(function), "__annotations__", {}).get("return", "")
+    return "TorchEngine" in str(returns)
 
 
 def _functions_of(item: pytest.Function) -> Iterator[Callable[..., Any]]:
