@@ -90,6 +90,10 @@ _ERROR = (
 _PAUSE = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+#: Every metric's name starts with it.
+PREFIX = "sluicegate_"
+
+
 class Metrics:
     """The server's metrics.  Updated from the event loop and the engine thread."""
 
@@ -97,10 +101,17 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        r = self.registry
-        p = "sluicegate_"
+        self._latency_metrics(self.registry)
+        self._outcome_metrics(self.registry)
+        self._engine_step_metrics(self.registry)
+        self._flow_metrics(self.registry)
+        self._pipeline_metrics(self.registry)
+        self._state_metrics(self.registry, engine)
+        self._store_metrics(self.registry)
 
-        # --- per request ---
+    def _latency_metrics(self, r: CollectorRegistry) -> None:
+        """Where each request's time went, as its client saw it."""
+        p = PREFIX
         self.time_to_first_token_seconds = Histogram(
             p + "time_to_first_token_seconds",
             "Arrival to first token sent to the client.",
@@ -163,6 +174,10 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+
+    def _outcome_metrics(self, r: CollectorRegistry) -> None:
+        """How requests ended, what they cost in tokens, and how fast a cancel took effect."""
+        p = PREFIX
         self.requests_total = Counter(
             p + "requests", "Finished requests by outcome.", ["status"], registry=r
         )
@@ -190,7 +205,9 @@ class Metrics:
             registry=r,
         )
 
-        # --- per engine step ---
+    def _engine_step_metrics(self, r: CollectorRegistry) -> None:
+        """What each engine step computed, and what it preempted."""
+        p = PREFIX
         self.engine_step_seconds = Histogram(
             p + "engine_step_seconds", "Wall time of one engine step.", buckets=_FAST, registry=r
         )
@@ -207,7 +224,9 @@ class Metrics:
             registry=r,
         )
 
-        # --- flow control ---
+    def _flow_metrics(self, r: CollectorRegistry) -> None:
+        """Flow control: pauses, evictions and backlogs."""
+        p = PREFIX
         self.streams_paused = Gauge(
             p + "streams_paused",
             "Streams whose sequence is paused, by where the backlog is held: client (a slow "
@@ -238,7 +257,9 @@ class Metrics:
             registry=r,
         )
 
-        # --- pipelines (docs/pipelines.md) ---
+    def _pipeline_metrics(self, r: CollectorRegistry) -> None:
+        """Pipelines (docs/pipelines.md), and writes to client sockets."""
+        p = PREFIX
         self.retrieval_seconds = Histogram(
             p + "retrieval_seconds",
             "Retrieval before generation, per request.",
@@ -266,7 +287,9 @@ class Metrics:
             registry=r,
         )
 
-        # --- state ---
+    def _state_metrics(self, r: CollectorRegistry, engine: str) -> None:
+        """The engine core's state, copied in at each scrape."""
+        p = PREFIX
         self.concurrency_limit = Gauge(
             p + "concurrency_limit",
             "Sequences that may decode at once: the TPOT objective's limit (the static "
@@ -326,7 +349,9 @@ class Metrics:
         self.engine_up.labels(engine).set(0)
         self.engine = engine
 
-        # --- resumable streams and the shared store ---
+    def _store_metrics(self, r: CollectorRegistry) -> None:
+        """Resumable streams and the shared store."""
+        p = PREFIX
         self.store_available = Gauge(
             p + "store_available",
             "1 when the store (replay logs, leases, shared buckets) answered its last call.",
