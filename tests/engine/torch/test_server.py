@@ -23,7 +23,19 @@ def torch_server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
     cache = torch_cache_dir
     # The default engine: no --engine flag.
     server = start_server(
-        ["--max-num-seqs", "4", "--max-model-len", "512", "--cache-dir", str(cache)], "torch"
+        # These tests are about the model's answers, not admission: an objective sized
+        # from a calibration on a busy machine must not refuse them.
+        [
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "512",
+            "--cache-dir",
+            str(cache),
+            "--admission",
+            "static",
+        ],
+        "torch",
     )
     yield server
     server.stop()
