@@ -39,11 +39,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# Two workers (pytest-xdist): most slow tests wait on servers and sockets, so two share
+# the machine's two cores well; the tests that load the model run on one worker (they
+# share its converted weights), the rest are handed out one at a time.
+PYTEST_WORKERS ?= 2
 
-# Every test not marked slow: none that starts a server process, drives a browser or
-# loads the model.
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# Every test not marked slow: none starts a process or loads the model (docs/testing.md).
 pytest-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 

@@ -19,6 +19,7 @@ from tests.support.servers import ServerProcess, start_server
 _guard = slow_rule.ProcessGuard()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups it adds
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_rule.mark(items)
 

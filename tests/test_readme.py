@@ -1,4 +1,4 @@
-"""The README's commands work as written, on the sim engine too."""
+"""The README's commands work as written, on the sim engine too (in process)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import re
 import shlex
 from pathlib import Path
 
-import httpx
 import orjson
-import pytest
 
-from tests.support.servers import start_server
+from sluicegate.config import Settings
+from tests.support.inprocess import serve_in_process
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -26,26 +25,19 @@ def quick_start_curl() -> list[str]:
     return words
 
 
-@pytest.mark.slow
-def test_the_quick_start_curl_streams_from_the_sim_engine() -> None:
+async def test_the_quick_start_curl_streams_from_the_sim_engine() -> None:
     words = quick_start_curl()
     url = next(w for w in words if w.startswith("http://"))
     body = orjson.loads(words[words.index("-d") + 1])
     headers = dict(words[i + 1].split(": ", 1) for i, w in enumerate(words) if w == "-H")
-    server = start_server(["--engine", "sim"], "readme")
-    try:
+    # It talks to where `sluicegate serve` listens by default.
+    host, port = (Settings.model_fields[name].default for name in ("host", "port"))
+    assert url.startswith(f"http://{host}:{port}/")
+    async with serve_in_process(engine="sim") as app:
         path = "/" + url.split("/", 3)[3]
-        with httpx.stream(
-            "POST",
-            server.base_url + path,
-            content=orjson.dumps(body),
-            headers=headers,
-            timeout=30,
-        ) as response:
-            assert response.status_code == 200, response.read()
-            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]"
-        chunk = orjson.loads(lines[0].removeprefix("data: "))
-        assert chunk["object"] == "chat.completion.chunk" and chunk["model"] == "sluicegate-sim"
-    finally:
-        server.stop()
+        response = await app.client.post(path, content=orjson.dumps(body), headers=headers)
+    assert response.status_code == 200, response.text
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunk = orjson.loads(lines[0].removeprefix("data: "))
+    assert chunk["object"] == "chat.completion.chunk" and chunk["model"] == "sluicegate-sim"

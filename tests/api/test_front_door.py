@@ -1,52 +1,33 @@
-"""The front door through the real server: auth, rate limits, queue policies, fairness."""
+"""The front door, in process: auth, rate limits, queue policies, fairness.
+
+Queue states are made with the engine held at a gate
+(:func:`tests.support.inprocess.gate_engine`): while it is closed nothing finishes, so
+what holds the seats and the queue is exactly what the test put there, however slow the
+machine.  Rate limits are configured so that they cannot refill during a test; their
+refill is tested with the fake clock (tests/admission/test_controller.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import math
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import yaml
 
 from tests.simtext import expected_completion
-from tests.support.servers import ServerProcess, start_server
-
-pytestmark = pytest.mark.slow
+from tests.support.inprocess import InProcessApp, gate_engine, serve_in_process, wait_until
 
 MODEL = "sluicegate-sim"
+#: Two seats and room for two in the queue; static admission: these tests are about the
+#: queue's own limits and policies (the objectives' refusals are in test_slo_admission.py).
+SMALL = {"admission": "static", "max_num_seqs": 2, "max_queued_requests": 2}
 
 
-def config_file(tmp_path: Path, name: str, **settings: Any) -> str:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(settings))
-    return str(path)
-
-
-@contextlib.contextmanager
-def server(tmp_path: Path, name: str, **settings: Any) -> Iterator[ServerProcess]:
-    # Static admission: these tests are about the queue's own limits and policies (the
-    # objectives' refusals are tested in test_slo_admission.py).
-    base = {
-        "engine": "sim",
-        "sim_step_base_ms": 5,
-        "sim_step_per_token_ms": 0.0,
-        "admission": "static",
-    }
-    proc = start_server(["--config", config_file(tmp_path, name, **{**base, **settings})], name)
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-def completion(key: str | None = None, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+def completion(max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
 
@@ -54,221 +35,269 @@ def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
+async def live(app: InProcessApp) -> int:
+    """Requests the server holds: running, queued, or waiting for room in the queue."""
+    return int((await app.stats())["live_requests"])
+
+
+async def queued(app: InProcessApp) -> int:
+    return int((await app.stats())["queue"]["queued"])
+
+
+async def fill(
+    app: InProcessApp, n: int, max_tokens: int = 40
+) -> list[asyncio.Task[httpx.Response]]:
+    """``n`` requests, each in the server before the next is sent: the first take the
+    seats, the rest queue in order."""
+    tasks = []
+    for _ in range(n):
+        before = await live(app)
+        body = completion(max_tokens=max_tokens)
+        tasks.append(asyncio.create_task(app.client.post("/v1/completions", json=body)))
+        await wait_until(functools.partial(_more_than, app, before), "the request to arrive")
+    return tasks
+
+
+async def _more_than(app: InProcessApp, count: int) -> bool:
+    return await live(app) > count
+
+
+async def rejections(app: InProcessApp, reason: str) -> float:
+    return (await app.metrics()).total(f'sluicegate_rejections_total{{reason="{reason}"}}')
+
+
 TENANTS = [
-    {"name": "alpha", "api_key": "key-alpha", "requests_per_second": 2},
+    # A burst of 2, then one request every 100 s: nothing refills while the test runs.
+    {"name": "alpha", "api_key": "key-alpha", "requests_per_second": 0.01, "request_burst": 2},
+    # 600 tokens a minute (10 a second): after the first 500-token request, the second
+    # needs 40 s of refill.
     {"name": "beta", "api_key": "key-beta", "tokens_per_minute": 600},
 ]
 
 
-def test_auth_and_rate_limits(tmp_path: Path) -> None:
-    with server(tmp_path, "auth", tenants=TENANTS) as srv:
-        url = srv.v1 + "/completions"
-        missing = httpx.post(url, json=completion(), timeout=10)
+async def test_auth_and_rate_limits() -> None:
+    async with serve_in_process(admission="static", tenants=TENANTS) as app:
+        url = "/v1/completions"
+        missing = await app.client.post(url, json=completion())
         assert missing.status_code == 401
         assert "Authorization" in missing.json()["error"]["message"]
-        wrong = httpx.post(url, json=completion(), headers=auth("nope"), timeout=10)
+        wrong = await app.client.post(url, json=completion(), headers=auth("nope"))
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
 
-        # alpha: 2 requests/s with a burst of 2: a burst of 5 admits exactly 2.
+        # alpha: a burst of 2: five in a row admit exactly 2.
         statuses = [
-            httpx.post(url, json=completion(), headers=auth("key-alpha"), timeout=10)
+            await app.client.post(url, json=completion(), headers=auth("key-alpha"))
             for _ in range(5)
         ]
         assert [r.status_code for r in statuses] == [200, 200, 429, 429, 429]
         limited = statuses[2]
         assert limited.json()["error"]["type"] == "rate_limited_requests"
-        assert 1 <= int(limited.headers["retry-after"]) <= 2
+        # The next request fits in 100 s: Retry-After is capped at max_retry_after_seconds.
+        assert limited.headers["retry-after"] == "60"
         assert limited.headers["x-ratelimit-limit-requests"] == "2"
         assert limited.headers["x-ratelimit-remaining-requests"] == "0"
         assert "x-ratelimit-reset-requests" in limited.headers
         assert "x-ratelimit-limit-requests" in statuses[0].headers
-        time.sleep(0.6)  # refill at 2/s: one more request fits
-        ok = httpx.post(url, json=completion(), headers=auth("key-alpha"), timeout=10)
-        assert ok.status_code == 200
 
         # beta: 600 tokens/min; prompt + max_tokens is reserved at admission.
-        big = httpx.post(url, json=completion(max_tokens=500), headers=auth("key-beta"), timeout=10)
+        beta = auth("key-beta")
+        big = await app.client.post(url, json=completion(max_tokens=500), headers=beta)
         assert big.status_code == 200
-        again = httpx.post(
-            url, json=completion(max_tokens=500), headers=auth("key-beta"), timeout=10
-        )
+        again = await app.client.post(url, json=completion(max_tokens=500), headers=beta)
         assert again.status_code == 429
         assert again.json()["error"]["type"] == "rate_limited_tokens"
         assert "x-ratelimit-remaining-tokens" in again.headers
-        never = httpx.post(
-            url, json=completion(max_tokens=900), headers=auth("key-beta"), timeout=10
-        )
+        never = await app.client.post(url, json=completion(max_tokens=900), headers=beta)
         assert never.status_code == 400  # can never fit in a 600-token bucket
-        metrics = httpx.get(srv.base_url + "/metrics", timeout=5).text
-        assert 'sluicegate_rejections_total{reason="auth"} 2.0' in metrics
-        assert 'sluicegate_rejections_total{reason="rate_limited_requests"} 3.0' in metrics
+        metrics = await app.metrics()
+        assert metrics.total('sluicegate_rejections_total{reason="auth"}') == 2
+        assert metrics.total('sluicegate_rejections_total{reason="rate_limited_requests"}') == 3
 
 
-def test_openai_client_retries_on_retry_after_and_succeeds(tmp_path: Path) -> None:
-    # One request every 2 s (burst 1): the second call in a row is rate limited.
-    tenants = [{"name": "t", "api_key": "k", "requests_per_second": 0.5}]
-    with server(tmp_path, "retry", tenants=tenants) as srv:
-        no_retry = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=0)
-        no_retry.completions.create(model=MODEL, prompt="a", max_tokens=2)
+async def test_openai_client_retries_on_retry_after_and_succeeds() -> None:
+    # One request a second (burst 1): the second call in a row is rate limited.  Between
+    # the first request and the retrying client's first try pass milliseconds (two calls
+    # in process), not the second that would let the bucket refill.
+    tenants = [{"name": "t", "api_key": "k", "requests_per_second": 1}]
+    async with serve_in_process(admission="static", tenants=tenants) as app:
+        no_retry = app.openai(api_key="k", max_retries=0)
+        await no_retry.completions.create(model=MODEL, prompt="a", max_tokens=2)
         with pytest.raises(openai.RateLimitError) as info:
-            no_retry.completions.create(model=MODEL, prompt="a", max_tokens=2)
-        assert int(info.value.response.headers["retry-after"]) in (1, 2)
-        client = openai.OpenAI(base_url=srv.v1, api_key="k", max_retries=3)
-        started = time.monotonic()
+            await no_retry.completions.create(model=MODEL, prompt="a", max_tokens=2)
+        assert info.value.response.headers["retry-after"] == "1"
+        refused_before = await rejections(app, "rate_limited_requests")
+        client = app.openai(api_key="k", max_retries=3)
         # Still limited: the client waits our Retry-After and then succeeds.  The sim's
         # text is a function of (seed, prompt) whose characters can span several tokens:
         # a fixed seed and enough tokens make it whole, known and non-empty.
-        result = client.completions.create(model=MODEL, prompt="a", max_tokens=8, seed=3)
+        result = await client.completions.create(model=MODEL, prompt="a", max_tokens=8, seed=3)
         assert result.choices[0].text == expected_completion("a", 3, 8) != ""
         assert result.choices[0].finish_reason == "length"
         assert result.usage is not None and result.usage.completion_tokens == 8
-        assert time.monotonic() - started >= 0.8
-        client.close()
-        no_retry.close()
+        # It was refused, and retried on its own: the server saw it come back.
+        assert 1 <= await rejections(app, "rate_limited_requests") - refused_before <= 3
 
 
-async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:
-    return await client.post(url, json=body)
+async def test_policy_reject() -> None:
+    async with serve_in_process(queue_policy="reject", **SMALL) as app:
+        with gate_engine(app) as gate:
+            tasks = await fill(app, 4)  # 2 running + 2 queued
+            assert await queued(app) == 2
+            extra = await app.client.post("/v1/completions", json=completion())
+            assert extra.status_code == 429
+            assert extra.json()["error"]["code"] == "queue_full"
+            assert int(extra.headers["retry-after"]) >= 1
+            gate.open()
+            assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
 
 
-SLOW = {"max_num_seqs": 2, "max_queued_requests": 2, "sim_step_base_ms": 20}
-
-
-async def _fill(
-    srv: ServerProcess, n: int
-) -> tuple[httpx.AsyncClient, list[asyncio.Task[httpx.Response]]]:
-    client = httpx.AsyncClient(timeout=30)
-    tasks = []
-    for _ in range(n):
-        tasks.append(
-            asyncio.create_task(_post(client, srv.v1 + "/completions", completion(max_tokens=40)))
-        )
-        await asyncio.sleep(0.05)  # in order
-    return client, tasks
-
-
-async def test_policy_reject(tmp_path: Path) -> None:
-    with server(tmp_path, "reject", queue_policy="reject", **SLOW) as srv:
-        client, tasks = await _fill(srv, 4)  # 2 running + 2 queued
-        extra = await client.post(srv.v1 + "/completions", json=completion())
-        assert extra.status_code == 429
-        assert extra.json()["error"]["code"] == "queue_full"
-        assert int(extra.headers["retry-after"]) >= 1
-        assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
-        await client.aclose()
-
-
-async def test_policy_block_with_deadline(tmp_path: Path) -> None:
-    with server(tmp_path, "block", queue_policy="block", max_queue_wait_seconds=0.5, **SLOW) as srv:
-        client, tasks = await _fill(srv, 4)
-        started = time.monotonic()
-        extra = await client.post(srv.v1 + "/completions", json=completion())
-        waited = time.monotonic() - started
-        assert extra.status_code == 503, extra.text
-        assert extra.json()["error"]["code"] == "queue_timeout"
-        assert "retry-after" in extra.headers
-        assert 0.4 <= waited < 2.0
-        # The deadline covers the wait in the queue too: the two queued behind 0.8 s
-        # requests did not reach the engine within 0.5 s either.
-        first = await asyncio.gather(*tasks)
+async def test_policy_block_with_deadline() -> None:
+    async with serve_in_process(queue_policy="block", max_queue_wait_seconds=0.5, **SMALL) as app:
+        with gate_engine(app) as gate:
+            tasks = await fill(app, 4)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            extra = await app.client.post("/v1/completions", json=completion())
+            waited = loop.time() - started
+            assert extra.status_code == 503, extra.text
+            assert extra.json()["error"]["code"] == "queue_timeout"
+            assert "retry-after" in extra.headers
+            assert waited >= 0.5  # it waited for room until its deadline
+            # The deadline covers the wait in the queue too: the two queued behind the
+            # held engine did not reach it within 0.5 s either.
+            await wait_until(lambda: all(t.done() for t in tasks[2:]), "the queued to expire")
+            gate.open()
+            first = await asyncio.gather(*tasks)
         assert [r.status_code for r in first] == [200, 200, 503, 503]
-        # With room freeing before the deadline, a blocked request waits and gets in.
-        srv_tasks = [
-            asyncio.create_task(client.post(srv.v1 + "/completions", json=completion(max_tokens=5)))
-            for _ in range(5)
-        ]
-        results = await asyncio.gather(*srv_tasks)
+
+
+async def test_policy_block_waits_for_room_and_gets_in() -> None:
+    async with serve_in_process(queue_policy="block", max_queue_wait_seconds=30, **SMALL) as app:
+        with gate_engine(app) as gate:
+            tasks = await fill(app, 5, max_tokens=5)
+            # Two seats, two queued, and the fifth waits for room in the queue.
+            assert await queued(app) == 2 and await live(app) == 5
+            gate.open()
+            results = await asyncio.gather(*tasks)
         assert all(r.status_code == 200 for r in results), [r.text for r in results]
-        await client.aclose()
 
 
-async def test_policy_drop_oldest(tmp_path: Path) -> None:
-    with server(tmp_path, "drop", queue_policy="drop-oldest", **SLOW) as srv:
-        client, tasks = await _fill(srv, 4)
-        newest = await client.post(srv.v1 + "/completions", json=completion())
-        assert newest.status_code == 200
-        results = await asyncio.gather(*tasks)
+async def test_policy_drop_oldest() -> None:
+    async with serve_in_process(queue_policy="drop-oldest", **SMALL) as app:
+        with gate_engine(app) as gate:
+            tasks = await fill(app, 4)
+            newest = asyncio.create_task(app.client.post("/v1/completions", json=completion()))
+            # The oldest queued one makes room, at once.
+            dropped = await tasks[2]
+            assert dropped.status_code == 503
+            assert "drop-oldest" in dropped.json()["error"]["message"]
+            assert await queued(app) == 2
+            gate.open()
+            results = await asyncio.gather(*tasks)
+            assert (await newest).status_code == 200
         statuses = [r.status_code for r in results]
-        assert statuses[:2] == [200, 200]
-        dropped = results[2]  # the oldest queued one made room
-        assert dropped.status_code == 503
-        assert "drop-oldest" in dropped.json()["error"]["message"]
-        assert statuses[3] == 200
-        await client.aclose()
+        assert statuses == [200, 200, 503, 200]
 
 
-async def test_queued_stream_is_told_its_position(tmp_path: Path) -> None:
-    with server(tmp_path, "position", **SLOW) as srv:
-        client, tasks = await _fill(srv, 3)  # 2 running, 1 queued
-        body = completion(max_tokens=5, stream=True)
-        comments: list[str] = []
-        async with client.stream("POST", srv.v1 + "/completions", json=body) as resp:
-            async for line in resp.aiter_lines():
-                if line.startswith(": queued"):
-                    comments.append(line)
-        assert comments and "position=" in comments[0] and "eta_ms=" in comments[0]
-        await asyncio.gather(*tasks)
-        await client.aclose()
+async def test_queued_stream_is_told_its_position() -> None:
+    async with serve_in_process(**SMALL) as app:
+        with gate_engine(app) as gate:
+            tasks = await fill(app, 3)  # 2 running, 1 queued
+            body = completion(max_tokens=5, stream=True)
+            stream = asyncio.create_task(app.client.post("/v1/completions", json=body))
+            await wait_until(functools.partial(_more_than, app, 3), "the stream to queue")
+            gate.open()
+            response = await stream
+            await asyncio.gather(*tasks)
+    comments = [line for line in response.text.splitlines() if line.startswith(": queued")]
+    # One request is queued ahead of it (0-based position 1); the estimate is in ms.
+    assert comments, response.text
+    position, eta = comments[0].removeprefix(": queued ").split(" ")
+    assert position == "position=1" and eta.startswith("eta_ms=") and eta[7:].isdigit()
 
 
-async def test_retry_after_matches_the_wait_actually_experienced(tmp_path: Path) -> None:
-    # One slot, 30 tokens at 10 ms a step: 0.3 s per request, 3.3 requests/s.
-    settings = {"max_num_seqs": 1, "max_queued_requests": 8, "sim_step_base_ms": 10}
-    with server(tmp_path, "retryafter", **settings) as srv:
-        client = httpx.AsyncClient(timeout=60)
-        url = srv.v1 + "/completions"
-        for _ in range(6):  # let the server measure its service rate
-            assert (await client.post(url, json=completion(max_tokens=30))).status_code == 200
-        tasks = []
-        for _ in range(9):  # 1 running + 8 queued
-            tasks.append(asyncio.create_task(client.post(url, json=completion(max_tokens=30))))
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
-        refused = await client.post(url, json=completion(max_tokens=30))
-        assert refused.status_code == 429
-        # Retry-After is whole seconds (rounded up); retry-after-ms is the estimate itself.
-        advertised = int(refused.headers["retry-after-ms"]) / 1000
-        assert int(refused.headers["retry-after"]) == math.ceil(advertised)
-        started = time.monotonic()
-        # The wait actually experienced: until the queue has drained and a retry gets in.
-        while (await client.get(srv.base_url + "/v1/stats")).json()["queue"]["queued"] > 0:  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
-        experienced = time.monotonic() - started
-        assert abs(advertised - experienced) <= 0.3 * experienced, (advertised, experienced)
-        await asyncio.sleep(max(0.0, advertised - experienced))
-        back = await client.post(url, json=completion(max_tokens=30))
-        assert back.status_code == 200
-        await asyncio.gather(*tasks)
-        await client.aclose()
+async def test_retry_after_is_the_queue_ahead_at_the_measured_service_rate() -> None:
+    # One seat, 20 tokens at 8 ms a step: at least 0.16 s per request, at most 6.25 a
+    # second; 8 queued make more than the 1 s that Retry-After is never below.
+    settings = {"max_num_seqs": 1, "max_queued_requests": 8, "sim_step_base_ms": 8}
+    async with serve_in_process(admission="static", **settings) as app:
+        url = "/v1/completions"
+        loop = asyncio.get_running_loop()
+        done_at = []
+        for _ in range(6):  # the server measures its service rate from these
+            assert (await app.client.post(url, json=completion(max_tokens=20))).status_code == 200
+            done_at.append(loop.time())
+        # The rate the server measured is the one this client saw (the same completions).
+        seen_rate = 5 / (done_at[-1] - done_at[0])
+        measured = (await app.stats())["queue"]["service_rate_requests_per_second"]
+        assert measured == pytest.approx(seen_rate, rel=0.3)
+        with gate_engine(app) as gate:
+            tasks = await fill(app, 9, max_tokens=20)  # 1 running + 8 queued
+            refused = await app.client.post(url, json=completion(max_tokens=20))
+            assert refused.status_code == 429
+            # Retry-After is whole seconds (rounded up); retry-after-ms is the estimate.
+            advertised = int(refused.headers["retry-after-ms"]) / 1000
+            assert int(refused.headers["retry-after"]) == math.ceil(advertised)
+            # The estimate is the 8 queued ahead at the rate the server measures now
+            # (nothing has moved since: the engine is held).
+            rate = (await app.stats())["queue"]["service_rate_requests_per_second"]
+            assert advertised == pytest.approx(8 / rate, rel=0.05)
+            # A fact, however fast the machine: 8 requests of at least 0.16 s on one seat.
+            assert advertised >= 8 * 0.16 * 0.99
+            gate.open()
+            # Back once the queue has drained: admitted.
+            await wait_until(functools.partial(_queue_empty, app), "the queue to drain")
+            back = await app.client.post(url, json=completion(max_tokens=20))
+            assert back.status_code == 200
+            assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
 
 
-async def test_fair_share_between_tenants_by_weight(tmp_path: Path) -> None:
+async def _queue_empty(app: InProcessApp) -> bool:
+    return await queued(app) == 0
+
+
+async def test_fair_share_between_tenants_by_weight() -> None:
     tenants = [
         {"name": "heavy", "api_key": "kh", "weight": 1},
         {"name": "light", "api_key": "kl", "weight": 2},
     ]
-    settings = {"max_num_seqs": 2, "max_queued_requests": 200, "sim_step_base_ms": 5}
-    with server(tmp_path, "fair", tenants=tenants, **settings) as srv:
-        # More connections than requests, or the client's own pool would queue them.
-        client = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200))
-        url = srv.v1 + "/completions"
-        done: list[tuple[float, str]] = []
+    settings = {"admission": "static", "max_num_seqs": 2, "max_queued_requests": 200}
+    async with serve_in_process(tenants=tenants, **settings) as app:
+        with gate_engine(app) as gate:
+            # Both tenants backlogged before anything runs: heavy queues 4x as many requests
+            # as light (still queued when light's 10 are done).
+            heavy = await send_all(app, "kh", 40)
+            light = await send_all(app, "kl", 10)
+            assert await queued(app) == 48  # the first two heavy ones hold the seats
+            gate.open()
+            responses = {
+                name: await asyncio.gather(*tasks)
+                for name, tasks in (("heavy", heavy), ("light", light))
+            }
+        tenant_of = {r.headers["x-request-id"]: name for name, rs in responses.items() for r in rs}
+        assert all(r.status_code == 200 for rs in responses.values() for r in rs)
+        # The order in which the engine first ran them, as the fair queue dispatched them:
+        # the first two started before light arrived; then, while both had work queued,
+        # light (weight 2) gets two of every three seats until its 10 are done.
+        order = [tenant_of[rid] for rid in gate.first_run]
+        assert len(order) == 50 and order[:2] == ["heavy", "heavy"]
+        window = order[2:17]
+        thirds = [window[i : i + 3] for i in range(0, len(window), 3)]
+        assert all(third.count("light") == 2 for third in thirds), order
+        assert order[17:] == ["heavy"] * 33  # then heavy has the seats to itself
+        # The weights the queue serves by are the configured ones.
+        queue = app.service.dispatcher.queue
+        assert (queue.weight("heavy"), queue.weight("light")) == (1, 2)
 
-        async def one(key: str, name: str) -> None:
-            r = await client.post(url, json=completion(max_tokens=20), headers=auth(key))
-            assert r.status_code == 200
-            done.append((time.monotonic(), name))
 
-        # Both tenants backlogged: heavy floods 4x as many requests as light (still
-        # queued when light's 10 are done).
-        tasks = [asyncio.create_task(one("kh", "heavy")) for _ in range(40)]
-        tasks += [asyncio.create_task(one("kl", "light")) for _ in range(10)]
-        await asyncio.gather(*tasks)
-        # The first two started before light arrived; then, while both had work queued,
-        # light (weight 2) should get two of every three slots until its 10 are done.
-        first = sorted(done)[2:17]
-        light = sum(1 for _, n in first if n == "light")
-        heavy = len(first) - light
-        # Tokens served split by weights (2:1) within 10% of the total.
-        assert abs(light / len(first) - 2 / 3) <= 0.1, (light, heavy)
-        await client.aclose()
+async def send_all(app: InProcessApp, key: str, n: int) -> list[asyncio.Task[httpx.Response]]:
+    """``n`` requests of one tenant, all in the server (queued or seated) on return."""
+    before = await live(app)
+    tasks = [
+        asyncio.create_task(
+            app.client.post("/v1/completions", json=completion(max_tokens=20), headers=auth(key))
+        )
+        for _ in range(n)
+    ]
+    await wait_until(functools.partial(_more_than, app, before + n - 1), f"{n} of {key}")
+    return tasks

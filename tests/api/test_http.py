@@ -1,18 +1,28 @@
-"""Raw HTTP: SSE framing and every error status in OpenAI's shape."""
+"""Raw HTTP, in process: SSE framing and every error status in OpenAI's shape."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from tests.support.servers import ServerProcess
-
-pytestmark = pytest.mark.slow
+from tests.support.inprocess import InProcessApp, serve_in_process
 
 MODEL = "sluicegate-sim"
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[InProcessApp]:
+    async with serve_in_process(max_num_seqs=64, max_model_len=1024) as served:
+        yield served
+
+
+@pytest.fixture
+def client(app: InProcessApp) -> httpx.AsyncClient:
+    return app.client
 
 
 def chat_body(**overrides: Any) -> dict[str, Any]:
@@ -37,16 +47,13 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
     return message
 
 
-def test_sse_framing(sim_server: ServerProcess) -> None:
-    with httpx.stream(
-        "POST", sim_server.v1 + "/chat/completions", json=chat_body(stream=True), timeout=10
-    ) as resp:
-        assert resp.status_code == 200
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        assert resp.headers["cache-control"] == "no-cache"
-        assert resp.headers["x-accel-buffering"] == "no"
-        raw = b"".join(resp.iter_bytes())
-    events = raw.split(b"\n\n")
+async def test_sse_framing(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["cache-control"] == "no-cache"
+    assert resp.headers["x-accel-buffering"] == "no"
+    events = resp.content.split(b"\n\n")
     assert events[-1] == b"" and events[-2] == b"data: [DONE]"
     for event in events[:-2]:
         if event.startswith(b": "):
@@ -80,52 +87,52 @@ def test_sse_framing(sim_server: ServerProcess) -> None:
         ({"max_tokens": "many"}, "max_tokens", "got 'many'"),
     ],
 )
-def test_invalid_parameters_are_400(
-    sim_server: ServerProcess, overrides: dict[str, Any], param: str, needle: str
+async def test_invalid_parameters_are_400(
+    client: httpx.AsyncClient, overrides: dict[str, Any], param: str, needle: str
 ) -> None:
-    resp = httpx.post(sim_server.v1 + "/chat/completions", json=chat_body(**overrides), timeout=10)
+    resp = await client.post("/v1/chat/completions", json=chat_body(**overrides))
     message = assert_openai_error(resp, 400, param)
     assert needle in message
 
 
-def test_missing_field_is_400_not_422(sim_server: ServerProcess) -> None:
-    resp = httpx.post(sim_server.v1 + "/chat/completions", json={"model": MODEL}, timeout=10)
+async def test_missing_field_is_400_not_422(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/chat/completions", json={"model": MODEL})
     assert "'messages'" in assert_openai_error(resp, 400, "messages")
 
 
-def test_bad_json_and_empty_body(sim_server: ServerProcess) -> None:
-    url = sim_server.v1 + "/completions"
-    assert_openai_error(httpx.post(url, content=b"{nope", timeout=10), 400)
-    assert_openai_error(httpx.post(url, content=b"", timeout=10), 400)
-    assert_openai_error(httpx.post(url, content=b"[1, 2]", timeout=10), 400)
+async def test_bad_json_and_empty_body(client: httpx.AsyncClient) -> None:
+    url = "/v1/completions"
+    assert_openai_error(await client.post(url, content=b"{nope"), 400)
+    assert_openai_error(await client.post(url, content=b""), 400)
+    assert_openai_error(await client.post(url, content=b"[1, 2]"), 400)
 
 
-def test_unknown_model_404(sim_server: ServerProcess) -> None:
-    resp = httpx.post(sim_server.v1 + "/chat/completions", json=chat_body(model="x"), timeout=10)
+async def test_unknown_model_404(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat_body(model="x"))
     assert MODEL in assert_openai_error(resp, 404, "model")
 
 
-def test_unknown_route_404_and_wrong_method_405(sim_server: ServerProcess) -> None:
-    assert_openai_error(httpx.get(sim_server.v1 + "/nothing", timeout=10), 404)
-    assert_openai_error(httpx.get(sim_server.v1 + "/chat/completions", timeout=10), 405)
+async def test_unknown_route_404_and_wrong_method_405(client: httpx.AsyncClient) -> None:
+    assert_openai_error(await client.get("/v1/nothing"), 404)
+    assert_openai_error(await client.get("/v1/chat/completions"), 405)
 
 
-def test_body_too_large_413(sim_server: ServerProcess) -> None:
+async def test_body_too_large_413(client: httpx.AsyncClient) -> None:
     big = chat_body(messages=[{"role": "user", "content": "x" * 2_000_000}])
-    assert_openai_error(httpx.post(sim_server.v1 + "/chat/completions", json=big, timeout=10), 413)
+    assert_openai_error(await client.post("/v1/chat/completions", json=big), 413)
 
 
-def test_prompt_longer_than_context_400(sim_server: ServerProcess) -> None:
-    resp = httpx.post(
-        sim_server.v1 + "/completions",
-        json={"model": MODEL, "prompt": "y" * 1500, "max_tokens": 4},
-        timeout=10,
+async def test_prompt_longer_than_context_400(client: httpx.AsyncClient) -> None:
+    resp = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "y" * 1500, "max_tokens": 4}
     )
     message = assert_openai_error(resp, 400)
     assert "1500 tokens" in message and "1024" in message
 
 
-def test_unknown_fields_ignored_and_vllm_extensions_accepted(sim_server: ServerProcess) -> None:
+async def test_unknown_fields_ignored_and_vllm_extensions_accepted(
+    client: httpx.AsyncClient,
+) -> None:
     body = chat_body(
         some_future_field={"x": 1},
         ignore_eos=True,
@@ -133,31 +140,27 @@ def test_unknown_fields_ignored_and_vllm_extensions_accepted(sim_server: ServerP
         stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
     )
-    with httpx.stream("POST", sim_server.v1 + "/chat/completions", json=body, timeout=10) as resp:
-        assert resp.status_code == 200
-        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: {")]
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200
+    lines = [ln for ln in resp.text.splitlines() if ln.startswith("data: {")]
     chunks = [orjson.loads(ln[6:]) for ln in lines]
     # continuous_usage_stats: usage on every chunk, growing.
     assert all(c["usage"] is not None for c in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
-def test_completion_with_token_ids(sim_server: ServerProcess) -> None:
-    resp = httpx.post(
-        sim_server.v1 + "/completions",
-        json={"model": MODEL, "prompt": [104, 105], "max_tokens": 3, "seed": 1},
-        timeout=10,
+async def test_completion_with_token_ids(client: httpx.AsyncClient) -> None:
+    resp = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [104, 105], "max_tokens": 3, "seed": 1}
     )
     assert resp.status_code == 200
     assert resp.json()["usage"]["prompt_tokens"] == 2
-    bad = httpx.post(
-        sim_server.v1 + "/completions",
-        json={"model": MODEL, "prompt": [10**9], "max_tokens": 3},
-        timeout=10,
+    bad = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [10**9], "max_tokens": 3}
     )
     assert_openai_error(bad, 400, "prompt")
 
 
-def test_health_ready(sim_server: ServerProcess) -> None:
-    assert httpx.get(sim_server.base_url + "/health", timeout=5).json() == {"status": "ok"}
-    assert httpx.get(sim_server.base_url + "/ready", timeout=5).status_code == 200
+async def test_health_ready(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/health")).json() == {"status": "ok"}
+    assert (await client.get("/ready")).status_code == 200

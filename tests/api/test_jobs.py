@@ -1,4 +1,5 @@
-"""Background jobs: 202 at once, journaled, exactly once across a SIGKILL."""
+"""Background jobs: 202 at once, journaled (in process), exactly once across a SIGKILL (a
+real server process, killed)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from tests.simtext import expected_completion
+from tests.support.inprocess import serve_in_process
 from tests.support.servers import start_server
-
-pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 
@@ -25,7 +24,10 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
         yaml.safe_dump(
             {
                 "engine": "sim",
-                "sim_step_base_ms": 10,
+                # 12 jobs of 30 tokens on 2 seats at 25 ms a step take this server 4.5 s;
+                # it is killed after two (about 0.75 s).  The second one, at 1 ms a step,
+                # finishes the rest at once.
+                "sim_step_base_ms": 25,
                 "max_num_seqs": 2,
                 "queue_policy": "spill-to-disk",
                 "max_background_jobs_in_memory": 2,
@@ -57,7 +59,7 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
         )
         assert bad.status_code == 400  # validated before it is journaled
         # Let a few finish, then kill the server hard while the rest wait on disk.
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             done = [
                 j
@@ -72,7 +74,7 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
         srv.process.kill()
         srv.process.wait(10)
 
-    srv2 = start_server(["--config", str(config)], "jobs-b")
+    srv2 = start_server(["--config", str(config), "--sim-step-base-ms", "1"], "jobs-b")
     try:
         deadline = time.monotonic() + 30
         views: dict[str, dict[str, object]] = {}
@@ -93,58 +95,43 @@ def test_background_jobs_survive_sigkill_exactly_once(tmp_path: Path) -> None:
         srv2.stop()
 
 
-def test_jobs_are_under_the_tenants_limits_and_journal_only_their_fields(
+async def test_jobs_are_under_the_tenants_limits_and_journal_only_their_fields(
     tmp_path: Path,
 ) -> None:
     journal = tmp_path / "jobs.sqlite3"
-    config = tmp_path / "limited.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "engine": "sim",
-                "journal_path": str(journal),
-                "tenants": [
-                    {
-                        "name": "five",
-                        "api_key": "sk-five",
-                        "requests_per_second": 5,
-                        "tokens_per_minute": 100_000,
-                    },
-                ],
-            }
-        )
-    )
-    srv = start_server(["--config", str(config)], "jobs-limits")
+    tenant = {
+        "name": "five",
+        "api_key": "sk-five",
+        # A burst of 5, then one request every 100 s: nothing refills while the test runs.
+        "requests_per_second": 0.01,
+        "request_burst": 5,
+        "tokens_per_minute": 100_000,
+    }
     headers = {"authorization": "Bearer sk-five"}
-    try:
-        junk = "j" * 300_000  # three of them: just under max_request_body_bytes
-        body = {
-            "model": MODEL,
-            "prompt": "a job",
-            "max_tokens": 8,
-            "background": True,
-            "junk": junk,
-            "user": junk,
-            "metadata": {"junk": junk},
-        }
-        statuses = []
-        with httpx.Client(timeout=10) as client:
-            for _ in range(40):
-                response = client.post(srv.v1 + "/completions", json=body, headers=headers)
-                statuses.append(response.status_code)
-                if response.status_code == 429:
-                    error = response.json()["error"]
-                    assert error["type"] == "rate_limited_requests", error
-                    assert "retry-after" in response.headers
-        accepted = statuses.count(202)
-        # A burst of 5, plus what 5/s refills while 40 requests are sent.
-        assert 5 <= accepted <= 10, statuses
-        assert statuses.count(429) == 40 - accepted, statuses
-    finally:
-        srv.stop()
+    junk = "j" * 300_000  # three of them: just under max_request_body_bytes
+    body = {
+        "model": MODEL,
+        "prompt": "a job",
+        "max_tokens": 8,
+        "background": True,
+        "junk": junk,
+        "user": junk,
+        "metadata": {"junk": junk},
+    }
+    statuses = []
+    async with serve_in_process(journal_path=str(journal), tenants=[tenant]) as app:
+        for _ in range(40):
+            response = await app.client.post("/v1/completions", json=body, headers=headers)
+            statuses.append(response.status_code)
+            if response.status_code == 429:
+                error = response.json()["error"]
+                assert error["type"] == "rate_limited_requests", error
+                assert "retry-after" in response.headers
+    # The burst of 5, and nothing more.
+    assert statuses == [202] * 5 + [429] * 35, statuses
     with sqlite3.connect(journal) as db:
         rows = [json.loads(body) for (body,) in db.execute("SELECT body_json FROM jobs")]
-    assert len(rows) == accepted
+    assert len(rows) == 5
     for row in rows:
         assert row == {
             "kind": "completion",

@@ -25,13 +25,13 @@ transport_write_buffer_bytes: 4096
 
 SCENARIO = """
 name: tiny-compare
-description: a few seconds of mixed readers
+description: a second of mixed readers
 endpoint: chat
 seed: 5
 arrival: {process: poisson}
 stages:
-  - {duration_seconds: 1, rate_rps: 6}
-  - {duration_seconds: 1, rate_rps: 12}
+  - {duration_seconds: 0.5, rate_rps: 12}
+  - {duration_seconds: 0.5, rate_rps: 24}
 prompt_tokens: {kind: uniform, min: 16, max: 48}
 output_tokens: 48
 slow_readers: {fraction: 0.2, tokens_per_second: 60}

@@ -10,9 +10,11 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
+from sluicegate.bench import peer_engine
 from sluicegate.bench.peer_engine import PeerRun, Point, _own_decode_rate, table
 
 
@@ -43,11 +45,21 @@ class _Peer(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def peer() -> Iterator[str]:
+def peer(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    # After a dropped answer the bench waits a second before asking again (a real peer
+    # may be busy); this one answers at once, so the wait is left out.
+    real_sleep = asyncio.sleep
+
+    async def no_wait(seconds: float) -> None:
+        await real_sleep(0)
+
+    shim = SimpleNamespace(**{**vars(asyncio), "sleep": no_wait})
+    monkeypatch.setattr(peer_engine, "asyncio", shim)
     _Peer.requests = 0
     _Peer.timings = True
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Peer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # Polled every 50 ms (not the default 0.5 s), so that shutting it down is quick.
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()

@@ -18,7 +18,8 @@ async def echo(record: JobRecord) -> str:
     return '{"ok": true}'
 
 
-async def wait_for(condition: object, seconds: float = 5.0) -> None:
+async def wait_for(condition: object, seconds: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; only a broken runner misses the deadline."""
     assert callable(condition)
     deadline = asyncio.get_running_loop().time() + seconds
     while not condition():

@@ -1,35 +1,27 @@
-"""The job journal through real servers: starts leave one file in the cache, not one each."""
+"""The job journal through the served app: starts leave one file in the cache, not one
+each.  In process: the journal is claimed when the app starts and released when it stops
+(its lifespan), which is what a server process does around it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-import pytest
-
-from tests.support.servers import start_server
-
-pytestmark = pytest.mark.slow
+from tests.support.inprocess import serve_in_process
 
 
-def test_server_starts_leave_one_journal_in_the_cache(tmp_path: Path) -> None:
+async def test_server_starts_leave_one_journal_in_the_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    args = ["--engine", "sim", "--cache-dir", str(cache)]
-    for run in range(2):  # two starts, each on its own free port
-        server = start_server(args, f"journal-{run}")
-        try:
-            job = httpx.post(
-                server.v1 + "/completions",
+    for _ in range(2):  # two starts, one after the other
+        async with serve_in_process(cache_dir=str(cache)) as app:
+            job = await app.client.post(
+                "/v1/completions",
                 json={
                     "model": "sluicegate-sim",
                     "prompt": "x",
                     "max_tokens": 2,
                     "background": True,
                 },
-                timeout=5,
             )
             assert job.status_code == 202
-        finally:
-            assert server.stop() == 0
     journals = sorted(p.name for p in cache.iterdir() if ".sqlite3" in p.name)
     assert journals == ["jobs.sqlite3", "jobs.sqlite3.lock"], journals

@@ -14,12 +14,19 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.reliability.conftest import MODEL, assert_healthy
+from tests.reliability.conftest import MODEL, OPEN_SERVER_GROUP, assert_healthy
 from tests.support.servers import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(OPEN_SERVER_GROUP)]
 
-LONG = {"model": MODEL, "max_tokens": 240, "ignore_eos": True}
+#: Paced at 50 tokens/s, an answer of 240 tokens takes at least 4.8 s, however fast the
+#: machine: every client below leaves long before it could end, however slow the machine.
+LONG = {"model": MODEL, "max_tokens": 240, "ignore_eos": True, "max_tokens_per_second": 50}
+#: Time enough for a client to connect and send its request on a loaded machine (it
+#: never needs more than milliseconds); the clients that give up do so while reading.
+SEND_TIMEOUT_SECONDS = 30.0
+#: Only a server that never settles takes this long to be back at its baseline.
+SETTLE_TIMEOUT_SECONDS = 30.0
 
 
 async def dropped_stream(client: httpx.AsyncClient, server: ServerProcess, i: int) -> None:
@@ -39,7 +46,9 @@ async def dropped_stream(client: httpx.AsyncClient, server: ServerProcess, i: in
 
 async def abandoned_request(server: ServerProcess, i: int) -> None:
     body = {**LONG, "prompt": f"abandoned {i}"}
-    async with httpx.AsyncClient(timeout=0.05 + 0.01 * (i % 5)) as client:
+    # Gives up while waiting for the answer, once the whole request has been sent.
+    timeout = httpx.Timeout(SEND_TIMEOUT_SECONDS, read=0.05 + 0.01 * (i % 5))
+    async with httpx.AsyncClient(timeout=timeout) as client:
         with contextlib.suppress(httpx.TimeoutException):
             await client.post(server.v1 + "/completions", json=body)
 
@@ -52,13 +61,13 @@ async def dropped_websocket(server: ServerProcess, i: int) -> None:
     request = {"type": "request", "credits": 8 + i % 3, "body": body}
     async with connect(url) as ws:
         await ws.send(orjson.dumps(request).decode())
-        first = orjson.loads(await asyncio.wait_for(ws.recv(), 10))  # then the client goes
+        first = orjson.loads(await asyncio.wait_for(ws.recv(), SEND_TIMEOUT_SECONDS))  # then go
         # A chunk, or a refusal by objective; never a bad request.
         assert first.get("type") != "error" or first["error"]["code"] == "slo_unreachable", first
 
 
 async def storm(server: ServerProcess) -> None:
-    async with httpx.AsyncClient(timeout=20) as client:
+    async with httpx.AsyncClient(timeout=SEND_TIMEOUT_SECONDS) as client:
         await asyncio.gather(
             *(dropped_stream(client, server, i) for i in range(60)),
             *(abandoned_request(server, i) for i in range(30)),
@@ -94,15 +103,16 @@ def test_counters_return_to_baseline_after_a_disconnect_storm(open_server: Serve
     refused_before = refused_by_objective(open_server)
     asyncio.run(storm(open_server))
     # Dropped streams are kept for --detached-grace-seconds (1 s), then cancelled.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + SETTLE_TIMEOUT_SECONDS
     while (now := live_work(open_server)) != idle:
         assert time.monotonic() < deadline, now
         time.sleep(0.2)
     cancelled = open_server.metrics().total("sluicegate_cancellations_total") - cancelled_before
     refused = refused_by_objective(open_server) - refused_before
     # Each of the 110 was either admitted and then cancelled (its client left long before
-    # its answer could end), or refused at once by objective (the storm is far beyond what
-    # 16 sequences serve within the TTFT objective): none lost, none finished.
+    # its paced answer could end), or refused at once by objective (the storm is far
+    # beyond what 16 sequences serve within the TTFT objective): none lost, none finished.
     assert cancelled + refused == 110, (cancelled, refused)
+    # The first arrivals found the 16 seats free: at least those were admitted.
     assert cancelled >= 10, (cancelled, refused)
     assert_healthy(open_server)

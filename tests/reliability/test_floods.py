@@ -1,26 +1,32 @@
 """Connection floods against a server limited to 1,024 open files: 1,100 sockets that send
-nothing, then 1,100 that drip their headers.  ``/health`` keeps answering fast throughout,
-and the server never runs out of file descriptors."""
+nothing, then 1,100 that drip their headers.  ``/health`` keeps answering throughout, and
+the server never runs out of file descriptors."""
 
 from __future__ import annotations
 
 import resource
 import selectors
 import socket
-import statistics
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.reliability.conftest import FAST_SIM, assert_healthy
+from sluicegate.connections import default_max_connections
+from tests.reliability.conftest import FAST_SIM, HEALTH_TIMEOUT_SECONDS, assert_healthy
 from tests.support.servers import ServerProcess, start_server
 
-pytestmark = pytest.mark.slow
+# Its tests share a server: under pytest-xdist (make test) they run on one worker, which
+# starts it once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("floods")]
 
 FILE_LIMIT = 1024
 FLOOD = 1100
+#: Health checks made while a flood is on.
+HEALTH_CHECKS = 10
+#: Only a server that never gets through the flood takes this long.
+SETTLE_TIMEOUT_SECONDS = 60.0
 
 
 def lower_file_limit() -> None:
@@ -55,16 +61,36 @@ def connect_many(server: ServerProcess, count: int) -> list[socket.socket]:
     return sockets
 
 
-def health_latencies(server: ServerProcess, seconds: float) -> list[float]:
-    latencies = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        started = time.monotonic()
-        response = httpx.get(server.base_url + "/health", timeout=5)
-        assert response.status_code == 200
-        latencies.append(time.monotonic() - started)
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` (without waiting: it is non-blocking)."""
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False  # open, nothing to read
+    except OSError:
+        return True  # reset, or refused
+
+
+def flood_accepted(server: ServerProcess, flood: list[socket.socket]) -> None:
+    """Wait until the server has taken the whole flood in: past its connection cap it
+    closes the oldest idle connection for each newcomer, so at least ``len(flood) - cap``
+    of the flood are closed once it has accepted them all (without a cap, file
+    descriptors would run out first)."""
+    cap = default_max_connections(FILE_LIMIT)
+    deadline = time.monotonic() + SETTLE_TIMEOUT_SECONDS
+    closed: set[socket.socket] = set()
+    while len(closed) < len(flood) - cap:
+        assert time.monotonic() < deadline, f"only {len(closed)} of the flood were closed"
+        closed |= {sock for sock in flood if sock not in closed and closed_by_server(sock)}
         time.sleep(0.05)
-    return latencies
+
+
+def health_is_answered(server: ServerProcess) -> None:
+    """``/health`` answers 200 while the flood is on.  Its speed is not asserted (the
+    machine's, not the server's); a server out of file descriptors does not answer at
+    all, and the open-file count below shows it never came close."""
+    response = httpx.get(server.base_url + "/health", timeout=HEALTH_TIMEOUT_SECONDS)
+    assert response.status_code == 200
 
 
 def open_files(server: ServerProcess) -> float:
@@ -74,9 +100,9 @@ def open_files(server: ServerProcess) -> float:
 def test_silent_connections_cannot_take_health_down(limited_server: ServerProcess) -> None:
     flood = connect_many(limited_server, FLOOD)
     try:
-        time.sleep(1.0)  # accepted (and the oldest closed to make room)
-        latencies = health_latencies(limited_server, 2.0)
-        assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0, latencies
+        flood_accepted(limited_server, flood)
+        for _ in range(HEALTH_CHECKS):
+            health_is_answered(limited_server)
         assert open_files(limited_server) < FILE_LIMIT
     finally:
         for sock in flood:
@@ -88,14 +114,17 @@ def test_dripped_headers_cannot_take_health_down(limited_server: ServerProcess) 
     flood = connect_many(limited_server, FLOOD)
     selector = selectors.DefaultSelector()
     try:
-        time.sleep(0.5)
         for sock in flood:
             selector.register(sock, selectors.EVENT_WRITE)
-        # Each socket sends its request line, then one header byte at a time.
+        # Each socket sends its request line, then one header byte at a time; between
+        # two rounds of drips, /health is asked.  Until the server has taken the whole
+        # flood in (and closed the oldest for room), and for some rounds at least.
         sent = dict.fromkeys(flood, 0)
-        started = time.monotonic()
-        latencies: list[float] = []
-        while time.monotonic() - started < 3.0:
+        num_closed = 0
+        rounds = 0
+        deadline = time.monotonic() + SETTLE_TIMEOUT_SECONDS
+        while rounds < HEALTH_CHECKS or num_closed < FLOOD - default_max_connections(FILE_LIMIT):
+            assert time.monotonic() < deadline, (rounds, num_closed)
             for key, _ in selector.select(timeout=0.1):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
@@ -105,8 +134,9 @@ def test_dripped_headers_cannot_take_health_down(limited_server: ServerProcess) 
                     sent[sock] += 1
                 except OSError:
                     selector.unregister(sock)  # closed by the server: fine
-            latencies += health_latencies(limited_server, 0.2)
-        assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0, latencies
+                    num_closed += 1
+            health_is_answered(limited_server)
+            rounds += 1
         assert open_files(limited_server) < FILE_LIMIT
     finally:
         selector.close()

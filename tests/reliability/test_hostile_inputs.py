@@ -1,20 +1,42 @@
 """A table of hostile inputs: each gets a 4xx in OpenAI's error shape, and the server is
-healthy after all of them (no 5xx, no traceback in its log)."""
+healthy after all of them (no 5xx, no traceback in its log).
+
+Bodies and routes are the app's to refuse: they are sent in process, to one app shared
+by the module.  Malformed HTTP is uvicorn's parser's and the connection guard's: it is
+written to a real server's socket.
+"""
 
 from __future__ import annotations
 
 import json
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import orjson
 import pytest
+import pytest_asyncio
 
-from tests.reliability.conftest import MODEL, assert_healthy, assert_openai_error
+from tests.reliability.conftest import (
+    FAST_SIM,
+    MODEL,
+    OPEN_SERVER_GROUP,
+    assert_healthy,
+    assert_healthy_in_process,
+    assert_openai_error,
+)
+from tests.support.inprocess import InProcessApp, serve_in_process
 from tests.support.servers import ServerProcess
 
-pytestmark = pytest.mark.slow
+#: The in-process tests share one app, so they share its event loop (the module's).
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def app() -> AsyncIterator[InProcessApp]:
+    async with serve_in_process(*FAST_SIM) as served:
+        yield served
+
 
 CHAT = "/chat/completions"
 COMPLETIONS = "/completions"
@@ -100,15 +122,13 @@ JSON_CASES: list[tuple[str, str, Any, dict[str, str], int]] = [
     [case[1:] for case in JSON_CASES],
     ids=[case[0] for case in JSON_CASES],
 )
-def test_hostile_body_is_a_4xx_in_openai_shape(
-    open_server: ServerProcess, path: str, body: Any, headers: dict[str, str], status: int
+@in_module_loop
+async def test_hostile_body_is_a_4xx_in_openai_shape(
+    app: InProcessApp, path: str, body: Any, headers: dict[str, str], status: int
 ) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(
-        open_server.v1 + path,
-        content=content,
-        headers={"content-type": "application/json", **headers},
-        timeout=10,
+    response = await app.client.post(
+        "/v1" + path, content=content, headers={"content-type": "application/json", **headers}
     )
     assert_openai_error(response, status)
 
@@ -129,11 +149,16 @@ ROUTE_CASES = [
     [case[1:] for case in ROUTE_CASES],
     ids=[case[0] for case in ROUTE_CASES],
 )
-def test_hostile_route_is_a_4xx_in_openai_shape(
-    open_server: ServerProcess, method: str, path: str, status: int
+@in_module_loop
+async def test_hostile_route_is_a_4xx_in_openai_shape(
+    app: InProcessApp, method: str, path: str, status: int
 ) -> None:
-    response = httpx.request(method, open_server.base_url + path, timeout=10)
-    assert_openai_error(response, status)
+    assert_openai_error(await app.client.request(method, path), status)
+
+
+@in_module_loop
+async def test_the_app_is_healthy_after_the_tables(app: InProcessApp) -> None:
+    await assert_healthy_in_process(app)
 
 
 RAW_CASES = [
@@ -152,6 +177,8 @@ RAW_CASES = [
 @pytest.mark.parametrize(
     ("raw", "status"), [case[1:] for case in RAW_CASES], ids=[case[0] for case in RAW_CASES]
 )
+@pytest.mark.slow
+@pytest.mark.xdist_group(OPEN_SERVER_GROUP)
 def test_malformed_http_is_a_4xx_in_openai_shape(
     open_server: ServerProcess, raw: bytes, status: int
 ) -> None:
@@ -168,5 +195,7 @@ def test_malformed_http_is_a_4xx_in_openai_shape(
     assert error["message"] and error["type"], error
 
 
-def test_server_is_healthy_after_the_table(open_server: ServerProcess) -> None:
+@pytest.mark.slow
+@pytest.mark.xdist_group(OPEN_SERVER_GROUP)
+def test_server_is_healthy_after_malformed_http(open_server: ServerProcess) -> None:
     assert_healthy(open_server)
