@@ -40,12 +40,12 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Two workers (pytest-xdist): most slow tests wait on servers and sockets, so two share
-# the machine's two cores well; the tests that load the model run on one worker (they
-# share its converted weights), the rest are handed out one at a time.
+# the machine's two cores well.  A file's tests run on one worker (--dist loadfile), so a
+# module's server or compiled package is made once; files are handed out one at a time.
 PYTEST_WORKERS ?= 2
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
 pytest-fast: $(STAMP)

@@ -7,6 +7,7 @@ process (:mod:`tests.support.servers`) where only sockets and processes show it.
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -18,8 +19,13 @@ from tests.support.servers import ServerProcess, start_server
 
 _guard = slow_rule.ProcessGuard()
 
+# Under pytest-xdist (make test: two workers on two cores), each worker's torch, and that
+# of the servers it starts, computes on one thread: two workers' threads spinning for the
+# same cores slowed the model's tests several times over.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("SLUICEGATE_TORCH_THREADS", "1")
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups it adds
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_rule.mark(items)
 

@@ -21,8 +21,6 @@ from tests.support.servers import ServerProcess, start_server
 
 # The tests that share a server run on one pytest-xdist worker (make test), which starts it
 # once.
-STRICT = pytest.mark.xdist_group("connections-strict")
-CAPPED = pytest.mark.xdist_group("connections-capped")
 
 
 def test_the_default_cap_keeps_file_descriptors_in_reserve() -> None:
@@ -122,7 +120,6 @@ def error_of(answer: bytes, status: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
-@STRICT
 def test_a_silent_connection_is_closed_after_the_header_timeout(
     strict_server: ServerProcess,
 ) -> None:
@@ -133,7 +130,6 @@ def test_a_silent_connection_is_closed_after_the_header_timeout(
 
 
 @pytest.mark.slow
-@STRICT
 def test_dripped_headers_get_408_at_the_header_timeout(strict_server: ServerProcess) -> None:
     with open_socket(strict_server) as sock:
         started = time.monotonic()
@@ -157,7 +153,6 @@ def test_dripped_headers_get_408_at_the_header_timeout(strict_server: ServerProc
 
 
 @pytest.mark.slow
-@STRICT
 def test_a_short_body_gets_408_at_the_body_timeout(strict_server: ServerProcess) -> None:
     with open_socket(strict_server) as sock:
         sock.sendall(
@@ -171,7 +166,6 @@ def test_a_short_body_gets_408_at_the_body_timeout(strict_server: ServerProcess)
 
 
 @pytest.mark.slow
-@STRICT
 def test_an_idle_keep_alive_connection_is_closed(strict_server: ServerProcess) -> None:
     with open_socket(strict_server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -180,7 +174,6 @@ def test_an_idle_keep_alive_connection_is_closed(strict_server: ServerProcess) -
 
 
 @pytest.mark.slow
-@CAPPED
 def test_at_the_cap_the_oldest_idle_connection_makes_room(capped_server: ServerProcess) -> None:
     silent = [open_socket(capped_server) for _ in range(20)]
     try:
@@ -201,7 +194,6 @@ def test_at_the_cap_the_oldest_idle_connection_makes_room(capped_server: ServerP
 
 
 @pytest.mark.slow
-@CAPPED
 def test_when_every_connection_is_busy_a_newcomer_gets_503(capped_server: ServerProcess) -> None:
     busy = []
     try:

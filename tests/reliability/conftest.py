@@ -85,11 +85,6 @@ def assert_clean_log(server: ServerProcess) -> None:
     assert "Exception in ASGI application" not in log
 
 
-#: The tests that use :func:`open_server` run on one pytest-xdist worker (make test),
-#: which starts it once.
-OPEN_SERVER_GROUP = "reliability-open-server"
-
-
 @pytest.fixture(scope="package")
 def open_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One open-mode (no API keys) server for the fuzzing, hostile-input and storm tests."""

@@ -14,10 +14,10 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.reliability.conftest import MODEL, OPEN_SERVER_GROUP, assert_healthy
+from tests.reliability.conftest import MODEL, assert_healthy
 from tests.support.servers import ServerProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(OPEN_SERVER_GROUP)]
+pytestmark = pytest.mark.slow
 
 #: Paced at 50 tokens/s, an answer of 240 tokens takes at least 4.8 s, however fast the
 #: machine: every client below leaves long before it could end, however slow the machine.

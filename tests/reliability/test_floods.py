@@ -19,7 +19,7 @@ from tests.support.servers import ServerProcess, start_server
 
 # Its tests share a server: under pytest-xdist (make test) they run on one worker, which
 # starts it once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("floods")]
+pytestmark = pytest.mark.slow
 
 FILE_LIMIT = 1024
 FLOOD = 1100

@@ -20,7 +20,6 @@ import pytest_asyncio
 from tests.reliability.conftest import (
     FAST_SIM,
     MODEL,
-    OPEN_SERVER_GROUP,
     assert_healthy,
     assert_healthy_in_process,
     assert_openai_error,
@@ -178,7 +177,6 @@ RAW_CASES = [
     ("raw", "status"), [case[1:] for case in RAW_CASES], ids=[case[0] for case in RAW_CASES]
 )
 @pytest.mark.slow
-@pytest.mark.xdist_group(OPEN_SERVER_GROUP)
 def test_malformed_http_is_a_4xx_in_openai_shape(
     open_server: ServerProcess, raw: bytes, status: int
 ) -> None:
@@ -196,6 +194,5 @@ def test_malformed_http_is_a_4xx_in_openai_shape(
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group(OPEN_SERVER_GROUP)
 def test_server_is_healthy_after_malformed_http(open_server: ServerProcess) -> None:
     assert_healthy(open_server)

@@ -17,7 +17,7 @@ from tests.support.servers import ServerProcess, cancellations, start_server
 
 # Its tests share a server: under pytest-xdist (make test) they run on one worker, which
 # starts it once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flow-e2e")]
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 HIGH_WATER_TOKENS = 32

@@ -16,7 +16,7 @@ from tests.support.servers import ServerProcess, start_server
 
 # Its tests share a server: under pytest-xdist (make test) they run on one worker, which
 # starts it once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pacing-e2e")]
+pytestmark = pytest.mark.slow
 
 MODEL = "sluicegate-sim"
 #: Only a broken server takes this long to measure a pace or end a stream.

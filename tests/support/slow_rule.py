@@ -65,8 +65,6 @@ def mark(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("model") is not None:
             item.add_marker(pytest.mark.slow)
-            # Under pytest-xdist (make test): one worker loads and converts the model.
-            item.add_marker(pytest.mark.xdist_group("model"))
 
 
 def _returns_an_engine(function: Callable[..., Any]) -> bool:

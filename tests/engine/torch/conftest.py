@@ -6,6 +6,7 @@ exercises the cold GGUF path (a few seconds) and never touches ``~/.cache``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,12 +41,23 @@ def smollm2_path() -> str:
         pytest.skip(str(exc))
 
 
+#: Torch threads of the engines these tests build in process: as many as servers get
+#: (``SLUICEGATE_TORCH_THREADS``, one per pytest-xdist worker under ``make test``), else
+#: the engine's default.
+TEST_THREADS = int(os.environ.get("SLUICEGATE_TORCH_THREADS", "0")) or None
+
+
 def _smollm2_engine(path: str, cache_dir: Path, dtype: str) -> Iterator[TorchEngine]:
     """SmolLM2 in ``dtype``, 8 slots of 512 positions."""
     from sluicegate.engine.torch import TorchEngine
 
     engine = TorchEngine(
-        path, dtype=dtype, max_num_seqs=8, max_model_len=512, cache_dir=str(cache_dir)
+        path,
+        dtype=dtype,
+        max_num_seqs=8,
+        max_model_len=512,
+        cache_dir=str(cache_dir),
+        num_threads=TEST_THREADS,
     )
     yield engine
     engine.close()

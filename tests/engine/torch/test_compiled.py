@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
 from sluicegate.engine.torch.compiled import CompiledDecode, main
 from sluicegate.engine.torch.model import Transformer
+from tests.engine.torch.conftest import TEST_THREADS
 from tests.support.servers import ServerProcess, start_server
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ def cut_engine(
         max_model_len=LENGTH,
         cache_dir=str(cache),
         compile="decode",
+        num_threads=options.pop("num_threads", TEST_THREADS),
         **options,
     )
 

@@ -10,6 +10,7 @@ import pytest
 
 from sluicegate.engine.kv_budget import KVBudgetError
 from sluicegate.engine.torch import TorchEngine
+from tests.engine.torch.conftest import TEST_THREADS
 from tests.engine.torch.drive import generate
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -33,6 +34,7 @@ def load(path: str, cache_dir: Path, kv_cache_memory_bytes: int) -> TorchEngine:
         max_model_len=MAX_MODEL_LEN,
         cache_dir=str(cache_dir),
         kv_cache_memory_bytes=kv_cache_memory_bytes,
+        num_threads=TEST_THREADS,
     )
 
 

@@ -21,6 +21,7 @@ from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
 from sluicegate.engine.torch.loader import load_checkpoint
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
+from tests.engine.torch.conftest import TEST_THREADS
 from tests.engine.torch.drive import HOLDER_ID_PREFIX, generate, greedy, run_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -304,6 +305,7 @@ def test_paris_bfloat16(smollm2_path: str, torch_cache_dir: Path) -> None:
         max_num_seqs=2,
         max_model_len=256,
         cache_dir=str(torch_cache_dir),
+        num_threads=TEST_THREADS,
     )
     try:
         assert engine.model.dtype == torch.bfloat16
@@ -341,7 +343,9 @@ def test_hugging_face_directory_gives_the_same_model(
     export_hf_directory(smollm2_path, tmp_path, cache_dir=torch_cache_dir)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and 2 in config["eos_token_id"]
-    engine = TorchEngine(str(tmp_path), dtype="float32", max_num_seqs=2, max_model_len=128)
+    engine = TorchEngine(
+        str(tmp_path), dtype="float32", max_num_seqs=2, max_model_len=128, num_threads=TEST_THREADS
+    )
     try:
         assert engine.model_name == tmp_path.name
         assert set(engine.eos_token_ids) >= {2}
