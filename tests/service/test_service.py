@@ -65,7 +65,7 @@ async def test_a_request_completes_once_and_lets_go_of_everything(
 ) -> None:
     service = await make_service()
     generation = await submit(service, "a", 20)
-    output = await collect(service, generation, None)
+    output, _ = await collect(service, generation, None)
     assert output.finish_reason == FinishReason.LENGTH and output.num_output_tokens == 20
     assert generation.life is Life.COMPLETED
     assert generation.ticket is not None and generation.ticket.state is TicketState.CLOSED

@@ -58,8 +58,8 @@ def batch_aware_executor(service: Service) -> JobExecutor:
                 prepared.req.max_tokens_per_second,
                 upstream_call=prepared.upstream_call,
             )
-            output = await collect(service, generation, None)
-            body = response_body(service, prepared, generation, output)
+            output, answer = await collect(service, generation, None)
+            body = response_body(service, prepared, generation, output, answer)
             return orjson.dumps({"status_code": 200, "body": body}).decode()
         except APIError as exc:
             if exc.status_code in (429, 503) and "retry-after" in exc.headers:

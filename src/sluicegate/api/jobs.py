@@ -75,8 +75,8 @@ def job_executor(service: Service) -> JobExecutor:
             rate_limits_charged=True,
             upstream_call=prepared.upstream_call,
         )
-        output = await collect(service, generation, None)
-        return orjson.dumps(response_body(service, prepared, generation, output)).decode()
+        output, answer = await collect(service, generation, None)
+        return orjson.dumps(response_body(service, prepared, generation, output, answer)).decode()
 
     return execute
 

@@ -97,9 +97,9 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
             generation, tenant, stream_format(service, prepared, generation)
         )
         return session.response(0, generation.headers)
-    output = await collect(service, generation, _disconnected(request))
+    output, answer = await collect(service, generation, _disconnected(request))
     return json_response(
-        response_body(service, prepared, generation, output), headers=generation.headers
+        response_body(service, prepared, generation, output, answer), headers=generation.headers
     )
 
 

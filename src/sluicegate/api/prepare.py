@@ -19,7 +19,7 @@ from sluicegate.api.schemas import (
     stop_sequences,
 )
 from sluicegate.engine.grammar import GrammarError, grammar_for_response_format
-from sluicegate.engine.output import RequestOutput
+from sluicegate.engine.output import Answer, RequestOutput
 from sluicegate.engine.tokenizer import ChatTemplateError
 from sluicegate.engine.upstream.wire import UpstreamCall, forwarded_body
 from sluicegate.errors import APIError, invalid_param
@@ -28,7 +28,7 @@ from sluicegate.pipeline.retrieve import Retrieved
 from sluicegate.scheduler.request import SamplingParams
 from sluicegate.service.generation import Generation, finish_reason_text, new_request_id
 from sluicegate.service.service import Service
-from sluicegate.stream.events import StreamFormat, usage
+from sluicegate.stream.events import StreamFormat, completion_logprobs, usage
 
 Kind = Literal["chat", "completion"]
 
@@ -264,27 +264,52 @@ def build_sampling(
 
 
 def response_body(
-    service: Service, prepared: Prepared, generation: Generation, output: RequestOutput
+    service: Service,
+    prepared: Prepared,
+    generation: Generation,
+    output: RequestOutput,
+    answer: Answer,
 ) -> dict[str, Any]:
     """The whole (non-streamed) answer in OpenAI's shape."""
-    finish = finish_reason_text(output.finish_reason)
-    if prepared.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": output.text, "refusal": None},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
+    stream_finish = finish_reason_text(output.finish_reason)
+    choices: list[dict[str, Any]] = []
+    for choice in answer.choices():
+        finish = choice.finish or stream_finish
+        text = "".join(choice.text)
+        if prepared.kind == "chat":
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text if text or not choice.tool_calls else None,
+                "refusal": "".join(choice.refusal) or None,
+            }
+            if choice.tool_calls:
+                message["tool_calls"] = [
+                    {k: v for k, v in call.items() if k != "index"} for call in choice.tool_calls
+                ]
+            logprobs = {"content": choice.logprobs, "refusal": None} if choice.logprobs else None
+            choices.append(
+                {
+                    "index": choice.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+            )
+        else:
+            choices.append(
+                {
+                    "index": choice.index,
+                    "text": text,
+                    "logprobs": completion_logprobs(choice.logprobs) if choice.logprobs else None,
+                    "finish_reason": finish,
+                }
+            )
     return {
         "id": prepared.request_id,
-        "object": obj,
+        "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
         "created": generation.created,
         "model": prepared.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(output),
     }
 

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
@@ -43,10 +44,29 @@ class RequestOutput:
     reported_usage: tuple[int, int] | None = None
     #: Prompt tokens reused from the prefix cache (OpenAI's ``cached_tokens``).
     num_cached_tokens: int = 0
+    #: The choice it belongs to (``n`` > 1); every other field is that choice's.
+    index: int = 0
+    #: Tool-call fragments in OpenAI's streamed shape (``delta.tool_calls`` entries: index,
+    #: and on a call's first fragment id, type and ``function.name``; then
+    #: ``function.arguments`` pieces).
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    #: Log probabilities of its tokens in OpenAI's chat shape (``logprobs.content``
+    #: entries: token, logprob, bytes, top_logprobs).
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    #: A refusal's text (an upstream's ``delta.refusal``).
+    refusal: str = ""
+    #: This choice ended, as OpenAI names it (``n`` > 1 or an upstream's own reason); the
+    #: stream itself ends with ``finish_reason``.
+    choice_finish: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def has_content(self) -> bool:
+        """Whether it carries anything a client is sent (text or another part)."""
+        return bool(self.text or self.tool_calls or self.logprobs or self.refusal)
 
 
 @dataclass(slots=True)
@@ -149,7 +169,11 @@ class RequestStream:
         """
         taken: list[RequestOutput] = []
         budget = max_tokens
-        while self._pending and self._pending[0].num_new_tokens <= budget:
+        while (
+            self._pending
+            and self._pending[0].num_new_tokens <= budget
+            and (not taken or self._pending[0].index == taken[0].index)
+        ):
             out = self._take_one()
             budget -= out.num_new_tokens
             taken.append(out)
@@ -182,17 +206,25 @@ class RequestStream:
         return output
 
     def _take(self) -> RequestOutput:
-        merged = _merge(list(self._pending))
-        self._pending.clear()
-        self.pending_tokens = 0
-        self.pending_bytes = 0
-        self._taken.set()
-        return merged
+        """Everything pending of the first pending output's choice, up to another
+        choice's output (one choice per delta), merged."""
+        index = self._pending[0].index
+        run = [self._take_one()]
+        while self._pending and self._pending[0].index == index:
+            run.append(self._take_one())
+        if self._pending:
+            self._ready.set()
+        return _merge(run)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive deltas of one request as one new delta (the last one's totals and finish)."""
+    """Consecutive deltas of one request's choice as one new delta (the last one's totals
+    and finish)."""
     last = outputs[-1]
+    tool_calls: list[dict[str, Any]] = []
+    for output in outputs:
+        for fragment in output.tool_calls:
+            merge_tool_call(tool_calls, fragment)
     return RequestOutput(
         request_id=last.request_id,
         text="".join(o.text for o in outputs),
@@ -205,7 +237,78 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         reported_usage=last.reported_usage,
         committed_token_ids=[t for o in outputs for t in o.committed_token_ids],
         num_cached_tokens=last.num_cached_tokens,
+        index=last.index,
+        tool_calls=tool_calls,
+        logprobs=[entry for o in outputs for entry in o.logprobs],
+        refusal="".join(o.refusal for o in outputs),
+        choice_finish=next((o.choice_finish for o in reversed(outputs) if o.choice_finish), None),
     )
+
+
+def merge_tool_call(calls: list[dict[str, Any]], fragment: dict[str, Any]) -> None:
+    """Add a streamed tool-call fragment to ``calls`` (fragments as OpenAI streams them,
+    or whole calls): a fragment of the call last seen at its index extends that call's
+    arguments; one with a new index (or a new id) starts a call."""
+    index = fragment.get("index", len(calls))
+    function = fragment.get("function") or {}
+    last = calls[-1] if calls else None
+    if (
+        last is not None
+        and last.get("index") == index
+        and (not fragment.get("id") or fragment.get("id") == last.get("id"))
+    ):
+        into = last.setdefault("function", {})
+        if function.get("name") and not into.get("name"):
+            into["name"] = function["name"]
+        into["arguments"] = into.get("arguments", "") + (function.get("arguments") or "")
+        return
+    call: dict[str, Any] = {"index": index}
+    if fragment.get("id"):
+        call["id"] = fragment["id"]
+    call["type"] = fragment.get("type", "function")
+    call["function"] = {
+        "name": function.get("name") or "",
+        "arguments": function.get("arguments") or "",
+    }
+    calls.append(call)
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice of a whole (non-streamed) answer, assembled from its deltas."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    refusal: list[str] = field(default_factory=list)
+    finish: str | None = None
+
+
+class Answer:
+    """A whole answer's choices, from every delta of its stream (any order of choices)."""
+
+    def __init__(self) -> None:
+        self._choices: dict[int, Choice] = {}
+
+    def add(self, output: RequestOutput) -> None:
+        choice = self._choices.get(output.index)
+        if choice is None:
+            choice = self._choices[output.index] = Choice(output.index)
+        choice.text.append(output.text)
+        for fragment in output.tool_calls:
+            merge_tool_call(choice.tool_calls, fragment)
+        choice.logprobs.extend(output.logprobs)
+        if output.refusal:
+            choice.refusal.append(output.refusal)
+        if output.choice_finish:
+            choice.finish = output.choice_finish
+
+    def choices(self) -> list[Choice]:
+        """Every choice, by index (choice 0 always, even when nothing came)."""
+        if 0 not in self._choices:
+            self._choices[0] = Choice(0)
+        return [self._choices[i] for i in sorted(self._choices)]
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

@@ -34,6 +34,8 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
     #: A pipeline's guard stopped the answer (OpenAI's name).
     CONTENT_FILTER = "content_filter"
+    #: The answer ended with tool calls (``message.tool_calls``).
+    TOOL_CALLS = "tool_calls"
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,10 +58,38 @@ class SamplingParams:
     ignore_eos: bool = False
     #: Structured output: an llguidance grammar the output must follow (None: free text).
     grammar: str | None = None
+    #: Log probabilities: None (off), or how many alternatives per token (0-20) besides
+    #: the sampled one.
+    logprobs: int | None = None
+    #: OpenAI's penalties on tokens already in the output (0: off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: vLLM's multiplicative penalty on tokens in the prompt or the output (1: off).
+    repetition_penalty: float = 1.0
+    #: Drop tokens less likely than ``min_p`` times the most likely one (0: off).
+    min_p: float = 0.0
+    #: Added to a token's logit before sampling: (token id, bias), sorted by id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Tool calling: the tool-call format its text is parsed with (None: plain text; see
+    #: :mod:`sluicegate.tools`).
+    tool_format: str | None = None
+    #: The sim engine's answer (a tool call valid for its schema, in ``tool_format``)
+    #: instead of its words; engines with a model ignore it.
+    sim_answer: str | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on its output so far (penalties or a bias)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
 
 @dataclass(slots=True)

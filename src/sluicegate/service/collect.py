@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
-from sluicegate.engine.output import RequestOutput
+from sluicegate.engine.output import Answer, RequestOutput
 from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
 from sluicegate.service.generation import Generation, Life, finish_reason_text
@@ -16,10 +16,11 @@ from sluicegate.service.service import Service
 
 async def collect(
     service: Service, generation: Generation, disconnected: Coroutine[Any, Any, None] | None
-) -> RequestOutput:
-    """Wait for the whole answer; abort at once if ``disconnected`` completes first."""
+) -> tuple[RequestOutput, Answer]:
+    """Wait for the whole answer: its last output (the totals and the finish) and its
+    choices; abort at once if ``disconnected`` completes first."""
     watcher = asyncio.ensure_future(disconnected) if disconnected is not None else None
-    text: list[str] = []
+    answer = Answer()
     try:
         while True:
             getter = asyncio.ensure_future(generation.stream.get())
@@ -32,7 +33,8 @@ async def collect(
                 service.cancel(generation)
                 raise APIError(499, "Client closed the request.")
             output = getter.result()
-            text.append(output.text)
+            if output.finish_reason != FinishReason.CONTENT_FILTER:
+                answer.add(output)  # else: the guard's replacement is the answer
             if not output.finished:
                 continue
             if generation.life is Life.STOPPED:
@@ -47,9 +49,10 @@ async def collect(
                 raise service.failure(generation, output)
             service.delivered(generation, output.num_output_tokens)
             service.complete(generation, finish_reason_text(output.finish_reason) or "")
-            if output.finish_reason != FinishReason.CONTENT_FILTER:
-                output.text = "".join(text)  # else: the guard's replacement is the answer
-            return output
+            if output.finish_reason == FinishReason.CONTENT_FILTER:
+                answer = Answer()
+                answer.add(output)
+            return output, answer
     finally:
         if watcher is not None:
             watcher.cancel()

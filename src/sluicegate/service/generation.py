@@ -165,7 +165,12 @@ def finish_reason_text(reason: FinishReason | None) -> str | None:
     """A finish reason as OpenAI names it."""
     if reason is None:
         return None
-    if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CONTENT_FILTER):
+    if reason in (
+        FinishReason.STOP,
+        FinishReason.LENGTH,
+        FinishReason.CONTENT_FILTER,
+        FinishReason.TOOL_CALLS,
+    ):
         return reason.value
     return "stop" if reason == FinishReason.ABORT else "error"
 

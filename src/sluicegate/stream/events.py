@@ -4,10 +4,13 @@ parameters as stored, and the final error events of a stream or a replay."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import orjson
 
 from sluicegate.engine.output import FlushPolicy, RequestOutput
 from sluicegate.scheduler.request import SamplingParams
@@ -40,20 +43,41 @@ class StreamFormat:
     sources: list[str] | None = None
 
     def chunk(
-        self, stream_id: str, text: str, finish: str | None, use: dict[str, Any] | None
+        self,
+        stream_id: str,
+        text: str,
+        finish: str | None,
+        use: dict[str, Any] | None,
+        parts: RequestOutput | None = None,
     ) -> dict[str, Any]:
-        """One ``chat.completion.chunk`` or ``text_completion`` object."""
+        """One ``chat.completion.chunk`` or ``text_completion`` object; ``parts``: the
+        output whose choice index, tool calls, log probabilities and refusal it carries."""
+        index = 0 if parts is None else parts.index
+        tool_calls = [] if parts is None else parts.tool_calls
+        refusal = "" if parts is None else parts.refusal
+        logprobs = [] if parts is None else parts.logprobs
         if self.kind == "chat":
-            delta: dict[str, Any] = {} if finish is not None and not text else {"content": text}
+            delta: dict[str, Any] = {}
+            if text or not (finish is not None or tool_calls or refusal):
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            if refusal:
+                delta["refusal"] = refusal
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": {"content": logprobs, "refusal": None} if logprobs else None,
                 "finish_reason": finish,
             }
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": completion_logprobs(logprobs) if logprobs else None,
+                "finish_reason": finish,
+            }
             obj = "text_completion"
         return {
             "id": stream_id,
@@ -133,30 +157,42 @@ class StreamFormat:
 
 def sampling_to_json(sampling: SamplingParams) -> dict[str, JSONValue]:
     """Everything but the seed (``StreamMeta.seed``), for :func:`sampling_from_json`."""
-    return {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "stop": list(sampling.stop),
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "ignore_eos": sampling.ignore_eos,
-        "grammar": sampling.grammar,
-    }
+    out: dict[str, JSONValue] = {}
+    for spec in dataclasses.fields(SamplingParams):
+        if spec.name == "seed":
+            continue
+        value = getattr(sampling, spec.name)
+        out[spec.name] = orjson.loads(orjson.dumps(value)) if isinstance(value, tuple) else value
+    return out
 
 
 def sampling_from_json(seed: int, data: Mapping[str, Any]) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=int(data["max_tokens"]),
-        seed=seed,
-        temperature=float(data.get("temperature", 1.0)),
-        top_p=float(data.get("top_p", 1.0)),
-        top_k=int(data.get("top_k", 0)),
-        stop=tuple(str(s) for s in data.get("stop", ())),
-        stop_token_ids=tuple(int(t) for t in data.get("stop_token_ids", ())),
-        ignore_eos=bool(data.get("ignore_eos", False)),
-        grammar=None if data.get("grammar") is None else str(data["grammar"]),
-    )
+    """The inverse of :func:`sampling_to_json` (fields it lacks keep their defaults: a
+    stream logged by an older replica)."""
+    known = {spec.name for spec in dataclasses.fields(SamplingParams)}
+    values: dict[str, Any] = {k: v for k, v in data.items() if k in known and k != "seed"}
+    values["stop"] = tuple(str(s) for s in values.get("stop", ()))
+    values["stop_token_ids"] = tuple(int(t) for t in values.get("stop_token_ids", ()))
+    values["logit_bias"] = tuple((int(t), float(b)) for t, b in values.get("logit_bias", ()))
+    return SamplingParams(seed=seed, **values)
+
+
+def completion_logprobs(entries: list[dict[str, Any]], text_offset: int = 0) -> dict[str, Any]:
+    """Chat-shaped log probabilities (``logprobs.content``) in the legacy completions
+    shape: tokens, their log probabilities, the alternatives, and text offsets."""
+    offsets = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry["token"])
+    return {
+        "tokens": [entry["token"] for entry in entries],
+        "token_logprobs": [entry["logprob"] for entry in entries],
+        "top_logprobs": [
+            {top["token"]: top["logprob"] for top in entry.get("top_logprobs", ())}
+            for entry in entries
+        ],
+        "text_offset": offsets,
+    }
 
 
 def usage(output: RequestOutput) -> dict[str, object]:

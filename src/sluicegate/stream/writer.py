@@ -45,6 +45,8 @@ class ChunkWriter:
         #: the next chunk, so delivery accounting counts every token exactly once.
         self._carried = 0
         self._carried_ids: list[int] = []
+        #: Choices that ended on their own (``choice_finish``): their finish was sent.
+        self._finished: set[int] = set()
 
     def write(self, output: RequestOutput) -> Frame:
         """The chunk of an output's text (the last output's too: its end is
@@ -54,12 +56,20 @@ class ChunkWriter:
         use = usage(output) if fmt.continuous_usage else None
         num_tokens = output.num_new_tokens + self._carried
         committed = self._carried_ids + output.committed_token_ids
-        wanted = bool(output.text) or (fmt.continuous_usage and not output.finished)
+        finish = output.choice_finish
+        wanted = (
+            output.has_content
+            or finish is not None
+            or (fmt.continuous_usage and not output.finished)
+        )
         if not wanted and not output.finished:
             self._carried, self._carried_ids = num_tokens, committed
             return Frame(None)
         self._carried, self._carried_ids = 0, []
-        chunk = fmt.chunk(self.generation.request_id, output.text, None, use) if wanted else None
+        if finish is not None:
+            self._finished.add(output.index)
+        sid = self.generation.request_id
+        chunk = fmt.chunk(sid, output.text, finish, use, output) if wanted else None
         return Frame(chunk, num_tokens, committed)
 
     def finish(self, output: RequestOutput) -> Ending:
@@ -75,7 +85,9 @@ class ChunkWriter:
         fmt = self.format
         sid = generation.request_id
         use = usage(output) if fmt.continuous_usage else None
-        chunks = [fmt.chunk(sid, "", finish, use)]
+        # Choices that ended on their own sent their finish; otherwise the stream's is
+        # choice 0's.
+        chunks = [] if self._finished else [fmt.chunk(sid, "", finish, use)]
         if fmt.include_usage:
             final = fmt.chunk(sid, "", None, {**usage(output), "sluicegate": generation.timing()})
             final["choices"] = []
