@@ -57,9 +57,10 @@ class Prepared:
 def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
     """Validate and tokenise; every problem is a 400 that names the parameter."""
     tokenizer = service.tokenizer
+    relays = service.core.features.relays
     if kind == "chat":
         chat: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
-        check_chat(chat)
+        check_chat(chat, relays)
         model = check_model(service, chat.model)
         pipeline = service.pipelines.get(model)
         engine_model = model if pipeline is None else pipeline.settings.model or service.model_name
@@ -74,9 +75,12 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         try:
             prompt_ids = tokenizer.encode_chat(messages)
         except ChatTemplateError as exc:
-            raise APIError(
-                400, f"The messages cannot be formatted: {exc}", param="messages"
-            ) from None
+            if not relays:
+                raise APIError(
+                    400, f"The messages cannot be formatted: {exc}", param="messages"
+                ) from None
+            # The upstream renders them with its own template: counted as plain text.
+            prompt_ids = tokenizer.encode("\n".join(m["content"] for m in messages))
         requested = chat.max_completion_tokens
         if requested is None:
             requested = chat.max_tokens
@@ -96,7 +100,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
             guarded,
         )
     comp: CompletionRequest = parse_body(CompletionRequest, body)
-    check_completion(comp)
+    check_completion(comp, relays)
     model = check_model(service, comp.model)
     if service.pipelines.get(model) is not None:
         raise APIError(
@@ -106,7 +110,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
             code="model_not_supported",
         )
     check_top_k(service, comp)
-    prompt = completion_prompt(comp)
+    prompt = completion_prompt(comp, relays)
     if isinstance(prompt, str):
         prompt_ids = tokenizer.encode(prompt)
     else:
@@ -260,7 +264,36 @@ def build_sampling(
         stop=stop_sequences(req.stop),
         ignore_eos=req.ignore_eos,
         grammar=grammar,
+        logprobs=requested_logprobs(req),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        logit_bias=logit_bias(service, req.logit_bias),
     )
+
+
+def requested_logprobs(req: CommonParams) -> int | None:
+    """None (no log probabilities), or how many alternatives per token."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return None
+
+
+def logit_bias(service: Service, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs by id; an id outside the vocabulary is a
+    400 (upstreams check their own)."""
+    if not bias:
+        return ()
+    vocab_size = service.tokenizer.vocab_size
+    pairs = sorted((int(key), float(value)) for key, value in bias.items())
+    if not service.core.features.relays:
+        bad = next((t for t, _ in pairs if t >= vocab_size), None)
+        if bad is not None:
+            raise invalid_param("logit_bias", f"token ids must be in [0, {vocab_size}); got {bad}")
+    return tuple(pairs)
 
 
 def response_body(

@@ -1,9 +1,11 @@
 """OpenAI request bodies, and their translation into what the scheduler needs.
 
-Unknown fields are ignored (clients send many); known fields we do not support are
-rejected with a 400 that names them, rather than silently ignored.  Types are strict, as
-in OpenAI's API: ``true`` is not an integer, ``"0.5"`` is not a number, and no number may
-be NaN or infinite (every model here is ``strict`` and refuses ``inf``/``nan``).
+Unknown fields are ignored (clients send many); known fields the embedded engine does
+not support are rejected with a 400 that names them, rather than silently ignored.  In
+front of upstream engines (``relays``) only what the gateway itself acts on is checked:
+the rest reaches the upstream unchanged, which serves it or refuses it in its own words.
+Types are strict, as in OpenAI's API: ``true`` is not an integer, ``"0.5"`` is not a
+number, and no number may be NaN or infinite (every model here is ``strict``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class CommonParams(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    #: vLLM's extensions, served by the embedded engine too.
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     priority: Literal["interactive", "batch"] | None = None
     #: Sluicegate extension: cap this request's generation pace.
     max_tokens_per_second: float | None = None
@@ -68,9 +73,15 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = REQUEST_MODEL_CONFIG
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: An assistant turn's calls (OpenAI's shape; checked where they are rendered).
+    tool_calls: list[Any] | None = None
+    #: A tool turn: the call it answers.
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
 
 
 class ChatCompletionRequest(CommonParams):
@@ -80,6 +91,7 @@ class ChatCompletionRequest(CommonParams):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -131,9 +143,19 @@ def _unsupported(param: str, what: str) -> APIError:
     )
 
 
-def check_common(req: CommonParams) -> None:
-    if req.n is not None and req.n != 1:
-        raise _unsupported("n", f"only n=1 is supported; got {req.n}")
+#: The most choices one request may ask for (``n``) from the embedded engine.
+MAX_CHOICES = 8
+#: The most alternatives per token (``top_logprobs``), as in OpenAI's API.
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+
+
+def check_common(req: CommonParams, relays: bool = False) -> None:
+    """What every request must be, whoever serves it (``relays``: an upstream does)."""
+    if req.n is not None and not 1 <= req.n <= (128 if relays else 1):
+        if req.n < 1 or relays:
+            raise invalid_param("n", f"n must be at least 1; got {req.n}")
+        raise _unsupported("n", f"the embedded engine answers one choice (n=1); got {req.n}")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise invalid_param(
             "temperature", f"temperature must be between 0 and 2; got {req.temperature}"
@@ -146,10 +168,17 @@ def check_common(req: CommonParams) -> None:
         raise invalid_param("seed", f"seed must be a 64-bit signed integer; got {req.seed}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
-        if value is not None and value != 0:
-            raise _unsupported(name, f"only 0 is supported; got {value}")
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise invalid_param(name, f"{name} must be between -2 and 2; got {value}")
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 10.0:
+        raise invalid_param(
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 10] (1: off); got {req.repetition_penalty}",
+        )
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise invalid_param("min_p", f"min_p must be between 0 and 1; got {req.min_p}")
     if req.logit_bias:
-        raise _unsupported("logit_bias", "logit bias is not implemented")
+        check_logit_bias(req.logit_bias)
     if req.max_tokens_per_second is not None and req.max_tokens_per_second <= 0:
         raise invalid_param(
             "max_tokens_per_second",
@@ -182,24 +211,45 @@ def check_common(req: CommonParams) -> None:
             )
 
 
-def check_chat(req: ChatCompletionRequest) -> None:
-    check_common(req)
+def check_logit_bias(bias: dict[str, float]) -> None:
+    """Token ids as keys (decimal strings), biases in [-100, 100], at most 300."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid_param(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens may be biased; got {len(bias)}"
+        )
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise invalid_param(
+                "logit_bias", f"logit_bias keys must be token ids (digits); got {key!r}"
+            )
+        if not -100.0 <= value <= 100.0:
+            raise invalid_param(
+                "logit_bias", f"logit_bias values must be between -100 and 100; got {value}"
+            )
+
+
+def check_chat(req: ChatCompletionRequest, relays: bool = False) -> None:
+    check_common(req, relays)
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid_param(
+                "top_logprobs",
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}; got {req.top_logprobs}",
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise invalid_param("top_logprobs", "top_logprobs needs logprobs: true")
+    if not req.messages:
+        raise invalid_param("messages", "messages must hold at least one message")
+    if relays:
+        return  # the upstream serves (or refuses) the rest
     if req.tools or req.functions:
         raise _unsupported("tools" if req.tools else "functions", "tool calling is not implemented")
-    for name in ("tool_choice", "function_call"):
-        value = getattr(req, name)
-        if value is not None and value != "none":
-            raise _unsupported(name, "tool calling is not implemented")
     if req.logprobs:
         raise _unsupported("logprobs", "log probabilities are not returned")
-    if req.top_logprobs:
-        raise _unsupported("top_logprobs", "log probabilities are not returned")
     if req.modalities and any(m != "text" for m in req.modalities):
         raise _unsupported("modalities", "only text output")
     if req.audio is not None:
         raise _unsupported("audio", "only text output")
-    if not req.messages:
-        raise invalid_param("messages", "messages must hold at least one message")
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
@@ -214,8 +264,14 @@ def check_chat(req: ChatCompletionRequest) -> None:
                     )
 
 
-def check_completion(req: CompletionRequest) -> None:
-    check_common(req)
+def check_completion(req: CompletionRequest, relays: bool = False) -> None:
+    check_common(req, relays)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid_param(
+            "logprobs", f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}; got {req.logprobs}"
+        )
+    if relays:
+        return
     if req.logprobs is not None:
         raise _unsupported("logprobs", "log probabilities are not returned")
     if req.echo:
@@ -247,8 +303,9 @@ def stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """One prompt, as text or token ids; several prompts are rejected (n=1 only)."""
+def completion_prompt(req: CompletionRequest, relays: bool = False) -> str | list[int]:
+    """One prompt, as text or token ids; several prompts are rejected (n=1 only), except
+    in front of upstreams, where they are counted as one for admission."""
     prompt = req.prompt
     if isinstance(prompt, str):
         return prompt
@@ -256,8 +313,12 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         raise invalid_param("prompt", "prompt must not be empty")
     if all(isinstance(p, int) for p in prompt):
         return [int(p) for p in prompt]  # type: ignore[arg-type]
-    if len(prompt) != 1:
+    if len(prompt) != 1 and not relays:
         raise _unsupported("prompt", f"one prompt per request; got {len(prompt)}")
+    if relays and all(isinstance(p, str) for p in prompt):
+        return "".join(prompt)  # type: ignore[arg-type]
+    if relays and all(isinstance(p, list) for p in prompt):
+        return [int(t) for p in prompt for t in p]  # type: ignore[union-attr]
     only = prompt[0]
     if isinstance(only, str):
         return only

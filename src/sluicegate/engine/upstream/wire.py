@@ -29,7 +29,6 @@ _OWN_FIELDS = frozenset(
         "max_completion_tokens",
         "max_tokens_per_second",
         "priority",
-        "n",
     }
 )
 
