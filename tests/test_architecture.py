@@ -29,6 +29,7 @@ LAYERS = [
     ("pipeline",),
     ("queue",),
     ("engine",),
+    ("tools",),
     ("config",),
     ("upstream_settings", "flow_settings", "pipeline_settings"),
     ("admission",),

@@ -72,7 +72,7 @@ async def test_sse_framing(client: httpx.AsyncClient) -> None:
         ({"top_p": 0}, "top_p", "(0, 1]"),
         ({"max_tokens": 0}, "max_tokens", "at least 1; got 0"),
         ({"max_tokens": 5000}, "max_tokens", "maximum context length is 1024"),
-        ({"n": 9}, "n", "one choice (n=1)"),
+        ({"n": 9}, "n", "between 1 and 8; got 9"),
         ({"n": 0}, "n", "at least 1; got 0"),
         ({"presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
         ({"min_p": 1.5}, "min_p", "between 0 and 1"),
@@ -80,8 +80,12 @@ async def test_sse_framing(client: httpx.AsyncClient) -> None:
         ({"logit_bias": {"1": 101}}, "logit_bias", "between -100 and 100"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias", "token ids must be in"),
         ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
-        ({"logprobs": True}, "logprobs", "not supported"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20; got 21"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f f"}}]},
+            "tools[0].function.name",
+            "^[a-zA-Z0-9_-]{1,64}$",
+        ),
         ({"messages": []}, "messages", "at least one message"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.role", "role"),
         (

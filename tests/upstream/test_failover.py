@@ -296,3 +296,157 @@ def test_an_upstream_that_pushes_back_gets_less(
     finally:
         gateway.stop()
         busy.stop()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "country": {"type": "string"},
+                    "days": {"type": "integer"},
+                },
+                "required": ["city", "country", "days"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}, "format": {"type": "string"}},
+                "required": ["zone", "format"],
+            },
+        },
+    },
+]
+
+
+def choices_of(events: Iterator[Any]) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """Each choice's text, tool-call deltas and finishes as the client got them, and any
+    error events, reading ``events`` to the end of the stream."""
+    got: dict[int, dict[str, Any]] = {}
+    errors: list[dict[str, Any]] = []
+    for event in events:
+        if event.data == b"data: [DONE]":
+            break
+        if not event.data.startswith(b"data: {"):
+            continue
+        payload = orjson.loads(event.data[6:])
+        if "error" in payload:
+            errors.append(payload["error"])
+        for choice in payload.get("choices") or []:
+            into = got.setdefault(choice["index"], {"text": "", "calls": [], "finish": []})
+            into["text"] += choice["delta"].get("content") or ""
+            into["calls"] += choice["delta"].get("tool_calls") or []
+            if choice["finish_reason"]:
+                into["finish"].append(choice["finish_reason"])
+    return got, errors
+
+
+def kill_holder(gateway: ServerProcess, upstreams: list[ServerProcess]) -> ServerProcess:
+    """Kill the upstream holding the gateway's one request, without a goodbye; the other."""
+    by_name = {u.base_url.split("://")[1]: u for u in upstreams}
+    name = wait_for(lambda: holder(gateway), 5, "the request to be held")
+    by_name[name].process.kill()
+    by_name[name].process.wait()
+    return next(u for n, u in by_name.items() if n != name)
+
+
+def test_a_tool_call_answer_cut_mid_call_restarts_and_skips() -> None:
+    """Two calls; the upstream is killed once the client has the first (the second is
+    under way, held at the gateway).  The request is asked again from the start on the
+    other upstream (the sim answers a seed the same everywhere): the client gets the
+    first call once and the second whole, as from an upstream that never failed."""
+    # 30 ms steps, a byte a step: the second call takes over a second to generate.
+    slow = ["--sim-step-base-ms", "30"]
+    first, second = start_upstream("tools-1", *slow), start_upstream("tools-2", *slow)
+    gateway = start_gateway([first, second], "tools", *BYTES)
+    try:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "weather and time in Paris?"}],
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": 300,
+            "seed": 12,
+        }
+        stream = open_stream(
+            "127.0.0.1", port_of(gateway), "/v1/chat/completions", {**body, "stream": True}
+        )
+        events = stream.events()
+        for event in events:
+            if b'"tool_calls"' in event.data:
+                break  # the first call, whole
+        survivor = kill_holder(gateway, [first, second])
+        rest, errors = choices_of(events)
+        stream.close()
+        assert not errors, errors
+        direct = httpx.post(survivor.v1 + "/chat/completions", json=body, timeout=60).json()
+        expected = direct["choices"][0]["message"]["tool_calls"]
+        assert len(expected) == 2
+        # The second call, whole and once; the first was not sent again.
+        calls = rest.get(0, {"calls": []})["calls"]
+        assert [c["function"] for c in calls] == [expected[1]["function"]]
+        assert calls[0]["index"] == 1
+        assert rest[0]["finish"] == ["tool_calls"]
+        assert failovers(gateway) == 1
+    finally:
+        gateway.stop()
+        first.stop()
+        second.stop()
+
+
+def test_several_choices_cut_short_restart_and_skip() -> None:
+    first, second = start_upstream("n-1"), start_upstream("n-2")
+    gateway = start_gateway([first, second], "n", *BYTES)
+    try:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "two stories"}],
+            "n": 2,
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "seed": 4,
+        }
+        stream = open_stream(
+            "127.0.0.1", port_of(gateway), "/v1/chat/completions", {**body, "stream": True}
+        )
+        events = stream.events()
+        before, _ = choices_of(events_until(events, 10))
+        survivor = kill_holder(gateway, [first, second])
+        after, errors = choices_of(events)
+        stream.close()
+        assert not errors, errors
+        direct = httpx.post(survivor.v1 + "/chat/completions", json=body, timeout=60).json()
+        for choice in direct["choices"]:
+            i = choice["index"]
+            text = before.get(i, {"text": ""})["text"] + after[i]["text"]
+            assert text == choice["message"]["content"]  # nothing twice, nothing missing
+            assert after[i]["finish"] == ["length"]
+        assert failovers(gateway) == 1
+    finally:
+        gateway.stop()
+        first.stop()
+        second.stop()
+
+
+def events_until(events: Iterator[Any], num_chunks: int) -> Iterator[Any]:
+    """The first ``num_chunks`` content events of a stream (then stop reading)."""
+    seen = 0
+    for event in events:
+        yield event
+        if event.data.startswith(b"data: {") and b'"content"' in event.data:
+            seen += 1
+            if seen >= num_chunks:
+                return
+
+
+def failovers(gateway: ServerProcess) -> int:
+    return sum(u["failovers_total"] for u in gateway.stats()["upstreams"].values())

@@ -52,8 +52,9 @@ def test_answers_pass_through_unchanged(gateway: ServerProcess, upstream_a: Serv
 
 
 def test_models_come_from_the_upstreams(gateway: ServerProcess) -> None:
-    models = [m.id for m in client(gateway).models.list()]
-    assert models == [MODEL]
+    models = httpx.get(gateway.v1 + "/models").json()["data"]
+    # With the upstream's own context (its --max-model-len), not a guess of the gateway's.
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 2048)]
     response = httpx.post(
         gateway.v1 + "/chat/completions", json={"model": "gpt-17", "messages": MESSAGES}
     )
@@ -61,12 +62,20 @@ def test_models_come_from_the_upstreams(gateway: ServerProcess) -> None:
 
 
 def test_the_upstreams_own_validation_reaches_the_client(gateway: ServerProcess) -> None:
-    # The upstream's context is 2,048 tokens; the gateway sets no limit of its own.
-    body = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 8}
+    # The upstream's context is 2,048 tokens (its own: bytes).  The gateway counts about
+    # 1,000 tokens with its tokenizer and lets it through; the upstream refuses it.
+    body = {"model": MODEL, "prompt": "word " * 1000, "max_tokens": 8}
     response = httpx.post(gateway.v1 + "/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and "upstream" in error["message"]
+    # Past the upstream's context by the gateway's own count: refused here, in its words.
+    body = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 8}
+    response = httpx.post(gateway.v1 + "/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "maximum context length is 2048 tokens" in error["message"]
 
 
 def test_a_disconnect_aborts_the_upstream_request(
@@ -222,3 +231,63 @@ async def drain(response: httpx.Response) -> None:
 
 def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city", "days"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
+
+
+def test_tool_calls_and_choices_pass_through(
+    gateway: ServerProcess, upstream_a: ServerProcess
+) -> None:
+    """A Sluicegate upstream's tool calls, several choices and log probabilities reach
+    the client as direct access gives them, ids included (a seeded answer's call ids are
+    a function of its seed and prompt)."""
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "seed": 9,
+    }
+    direct = httpx.post(upstream_a.v1 + "/chat/completions", json=body, timeout=30).json()
+    through = httpx.post(gateway.v1 + "/chat/completions", json=body, timeout=30).json()
+    assert direct["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["finish_reason"] for c in through["choices"]] == ["tool_calls"]
+    assert through["choices"][0]["message"] == direct["choices"][0]["message"]
+    # Streamed through the gateway, each call comes whole, in one delta.
+    deltas = []
+    for chunk in client(gateway).chat.completions.create(stream=True, **body):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            deltas += [c.model_dump() for c in choice.delta.tool_calls or []]
+    direct_calls = direct["choices"][0]["message"]["tool_calls"]
+    assert deltas == [{"index": i, **c} for i, c in enumerate(direct_calls)]
+    choices = {"model": MODEL, "messages": MESSAGES, "n": 2, "logprobs": True, "top_logprobs": 2}
+    choices |= {"max_tokens": 12, "seed": 4}
+    direct = httpx.post(upstream_a.v1 + "/chat/completions", json=choices, timeout=30).json()
+    through = httpx.post(gateway.v1 + "/chat/completions", json=choices, timeout=30).json()
+    assert len(through["choices"]) == 2
+    assert through["choices"] == direct["choices"]

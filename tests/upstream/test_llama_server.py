@@ -5,6 +5,7 @@ the PATH; docs/upstream.md says how to build one from the llama.cpp source insid
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -136,5 +137,116 @@ def test_a_paused_reader_on_llama_server_continues_token_identically(
             text += event_text(event) or ""
         slow.close()
         assert text == direct
+    finally:
+        gateway.stop()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def llama_jinja() -> Iterator[Peer]:
+    """llama-server with ``--jinja``: it serves ``tools`` (SmolLM2's template has none,
+    so it describes them in its generic format and constrains the call by grammar).  Two
+    slots of 2,048 tokens each."""
+    from sluicegate.engine.torch import default_model_path
+
+    gguf = default_model_path()
+    args = [str(BINARY), "-m", gguf, "-t", "2", "-np", "2", "-c", "4096", "--jinja"]
+    peer = Peer("llama-server-jinja", args, {}, model=Path(gguf).name)
+    yield peer
+    peer.stop()
+
+
+def call_parts(calls: list[dict[str, object]]) -> list[tuple[object, object]]:
+    """(name, arguments) of each call: ids are the engine's own random ones."""
+    parts = []
+    for call in calls:
+        function = call["function"]
+        assert isinstance(function, dict)
+        parts.append((function["name"], function["arguments"]))
+    return parts
+
+
+def test_tools_pass_through_to_llama_server(llama_jinja: Peer, tmp_path: Path) -> None:
+    body: dict[str, object] = {
+        "model": llama_jinja.model,
+        "messages": WEATHER_QUESTION,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "temperature": 0.0,
+        "max_tokens": 100,
+    }
+    direct = httpx.post(llama_jinja.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert direct.status_code == 200, direct.text
+    direct_choice = direct.json()["choices"][0]
+    assert direct_choice["finish_reason"] == "tool_calls"
+    expected = call_parts(direct_choice["message"]["tool_calls"])
+    assert expected and all(name == "get_weather" for name, _ in expected)
+    assert all("city" in json.loads(str(arguments)) for _, arguments in expected)
+    gateway = gateway_for([(llama_jinja.base_url, llama_jinja.model)], "llama-tools", tmp_path)
+    try:
+        # Its context is a slot's (its /props), not the model's training context.
+        models = httpx.get(gateway.v1 + "/models", timeout=10).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 2048)]
+        through = httpx.post(
+            gateway.v1 + "/chat/completions", json={**body, "model": MODEL}, timeout=120
+        )
+        assert through.status_code == 200, through.text
+        choice = through.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert call_parts(choice["message"]["tool_calls"]) == expected
+        # Streamed: each call reaches the client whole, in one delta.
+        port = int(gateway.base_url.rsplit(":", 1)[1])
+        stream = open_stream(
+            "127.0.0.1", port, "/v1/chat/completions", {**body, "model": MODEL, "stream": True}
+        )
+        deltas: list[dict[str, object]] = []
+        finish = None
+        for event in stream.events():
+            if event.data == b"data: [DONE]":
+                break
+            assert b'"error"' not in event.data, event.data
+            if event.data.startswith(b"data: {"):
+                for streamed in json.loads(event.data[6:]).get("choices") or []:
+                    deltas += streamed["delta"].get("tool_calls") or []
+                    finish = streamed["finish_reason"] or finish
+        stream.close()
+        assert call_parts(deltas) == expected and finish == "tool_calls"
+        assert all(json.loads(str(arguments)) for _, arguments in call_parts(deltas))
+        # The second turn: the call and its result go back, an answer in text comes.
+        call = choice["message"]["tool_calls"][0]
+        turn = {
+            **body,
+            "model": MODEL,
+            "tool_choice": "auto",
+            "messages": [
+                *WEATHER_QUESTION,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "sunny"}'},
+            ],
+        }
+        second = httpx.post(gateway.v1 + "/chat/completions", json=turn, timeout=120)
+        assert second.status_code == 200, second.text
+        # The history reached it as sent: the same answer as direct access gives.
+        alone = httpx.post(
+            llama_jinja.base_url + "/v1/chat/completions",
+            json={**turn, "model": llama_jinja.model},
+            timeout=120,
+        )
+        message, direct_message = (r.json()["choices"][0]["message"] for r in (second, alone))
+        assert message["content"] == direct_message["content"]
     finally:
         gateway.stop()

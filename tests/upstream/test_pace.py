@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
+import orjson
 import pytest
 
 from sluicegate.config import Settings
@@ -34,9 +35,16 @@ def _event(text: str, finish: str | None = None) -> bytes:
     )
 
 
-async def _relay(deltas: list[str], tokens_per_second: float) -> tuple[float, FinishReason]:
-    """Relay an answer of ``deltas`` paced at ``tokens_per_second``; returns the seconds
-    the relay slept (on the fake clock) and how the answer finished."""
+def _call_event(fragment: dict[str, object], finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"tool_calls": [fragment]}, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n"
+
+
+async def _relay(
+    deltas: list[str], tokens_per_second: float, events: list[bytes] | None = None
+) -> tuple[float, FinishReason]:
+    """Relay an answer of ``deltas`` (or of ``events``) paced at ``tokens_per_second``;
+    returns the seconds the relay slept (on the fake clock) and how the answer finished."""
     clock = FakeClock()
     slept = 0.0
 
@@ -49,7 +57,8 @@ async def _relay(deltas: list[str], tokens_per_second: float) -> tuple[float, Fi
     async def body() -> AsyncIterator[bytes]:
         for text in deltas:
             yield _event(text)
-        yield _event("", "length")
+        for event in events or [_event("", "length")]:
+            yield event
         yield b"data: [DONE]\n\n"
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -92,6 +101,21 @@ def test_a_delta_of_several_tokens_waits_for_all_of_them() -> None:
     # 5 deltas of 4 tokens at 20 tokens/s: 20 tokens, the first free, so 19 intervals.
     slept, _ = asyncio.run(_relay(["abcd"] * 5, tokens_per_second=20.0))
     assert slept == pytest.approx(19 * 0.05)
+
+
+def test_tool_call_tokens_are_paced_too() -> None:
+    # One call, "f" and 9 bytes of arguments in three fragments: 10 tokens (bytes here),
+    # delivered whole at its end, so 9 intervals at 10 tokens/s.
+    start = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f"}}
+    events = [
+        _call_event(start),
+        _call_event({"index": 0, "function": {"arguments": '{"a": '}}),
+        _call_event({"index": 0, "function": {"arguments": "12}"}}),
+        _call_event({"index": 0, "function": {}}, "tool_calls"),
+    ]
+    slept, finish = asyncio.run(_relay([], tokens_per_second=10.0, events=events))
+    assert finish is FinishReason.TOOL_CALLS
+    assert slept == pytest.approx(0.9)
 
 
 def test_the_rule_gives_one_interval_of_credit_not_a_burst() -> None:

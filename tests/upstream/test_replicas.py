@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.resume.conftest import (
+    Event,
     assert_continues,
     completion_body,
     kill,
@@ -16,7 +17,7 @@ from tests.resume.conftest import (
 )
 from tests.resume.conftest import redis_url as redis_url  # the session's Redis fixture
 from tests.support.servers import ServerProcess, start_server
-from tests.upstream.conftest import GATEWAY
+from tests.upstream.conftest import GATEWAY, start_upstream
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +66,96 @@ def test_a_killed_gateway_s_stream_continues_on_another(
     finally:
         doomed.stop()
         other.stop()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+                "required": ["city", "country"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
+TOOL_BODY = {
+    "model": "sluicegate-sim",
+    "messages": [{"role": "user", "content": "weather and time?"}],
+    "tools": TOOLS,
+    "tool_choice": "required",
+    "max_tokens": 300,
+    "seed": 3,
+    "stream": True,
+}
+
+
+def calls(events: list[Event]) -> list[dict[str, object]]:
+    return [
+        call
+        for e in events
+        if e.json is not None
+        for choice in e.json.get("choices") or []
+        for call in choice["delta"].get("tool_calls") or []
+    ]
+
+
+def test_a_tool_call_stream_replays_identically_on_another_gateway(
+    redis_url: str, upstream_a: ServerProcess
+) -> None:
+    one, two = gateway(upstream_a, redis_url, "tools-1"), gateway(upstream_a, redis_url, "tools-2")
+    try:
+        whole = read_stream("POST", one.v1 + "/chat/completions", json=TOOL_BODY)
+        assert whole.status == 200 and whole.done, whole.events[-3:]
+        assert len(calls(whole.events)) == 2
+        sid = whole.headers["x-sluicegate-stream-id"]
+        first_id = whole.events[0].event_id
+        again = resume(two, sid, first_id, headers=owner(whole))
+        assert again.status == 200 and again.done
+        # Every event after the first, as the first gateway sent it (the log's bytes).
+        assert [(e.data, e.event_id) for e in again.events] == [
+            (e.data, e.event_id) for e in whole.events[1:]
+        ]
+    finally:
+        one.stop()
+        two.stop()
+
+
+def test_a_tool_call_stream_taken_over_mid_answer_ends_clearly(redis_url: str) -> None:
+    """A replica that takes over an answer that may hold tool calls cannot know which
+    calls its client has: it ends the stream with a clear error, never a call twice."""
+    # 25 ms steps, a byte a step: the second call takes most of a second, so the gateway
+    # dies mid-answer.
+    upstream = start_upstream("slow-tools", "--sim-step-base-ms", "25")
+    doomed, other = gateway(upstream, redis_url, "tdoomed"), gateway(upstream, redis_url, "tb")
+    try:
+        # The role chunk and the first call, whole; then the gateway dies.
+        first = read_stream(
+            "POST", doomed.v1 + "/chat/completions", json=TOOL_BODY, stop_after_events=2
+        )
+        assert first.status == 200 and len(calls(first.events)) == 1, first.events
+        kill(doomed)
+        sid = first.headers["x-sluicegate-stream-id"]
+        rest = resume(other, sid, first.last_event_id, headers=owner(first))
+        assert rest.status == 200 and rest.done, rest.events[-3:]
+        assert_continues(first, rest)
+        errors = [e.error for e in rest.events if e.error is not None]
+        assert [e["code"] for e in errors] == ["upstream_answer_not_resumable"], rest.events
+        assert calls(rest.events) == []
+    finally:
+        doomed.stop()
+        other.stop()
+        upstream.stop()

@@ -137,9 +137,9 @@ def test_a_chat_continues_as_a_completion_of_its_rendered_conversation() -> None
 
 def test_stream_events_of_every_shape() -> None:
     chunk = b'{"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}'
-    assert parse_event(chunk).text == "Hi"  # type: ignore[union-attr]
+    assert parse_event(chunk).choices[0].text == "Hi"  # type: ignore[union-attr]
     done = parse_event(b'{"choices":[{"text":"","finish_reason":"length"}]}')
-    assert done is not None and done.finish_reason == "length"
+    assert done is not None and done.choices[0].finish_reason == "length"
     usage = parse_event(b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":9}}')
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (3, 9)
     assert parse_event(b"[DONE]").done  # type: ignore[union-attr]

@@ -38,6 +38,7 @@ _COMMON_FIELDS = {
     "seed",
     "ignore_eos",
     "max_tokens_per_second",
+    "n",
 }
 JOB_FIELDS: dict[Kind, dict[str, Any]] = {
     "chat": {

@@ -39,7 +39,7 @@ async def list_models(request: HTTPRequest) -> Response:
             "object": "model",
             "created": created,
             "owned_by": "sluicegate",
-            "max_model_len": service.max_model_len,
+            "max_model_len": service.model_max_len(name),
         }
         for name in service.model_names
     ]
@@ -84,7 +84,9 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
             tenant.name,
             job_payload(prepared),
             charge=lambda: service.charge_tokens(
-                tenant, len(prepared.prompt_ids), prepared.sampling.max_tokens
+                tenant,
+                len(prepared.prompt_ids),
+                prepared.sampling.max_tokens * prepared.sampling.n,
             ),
         )
         return json_response(job_view(record), status_code=202)

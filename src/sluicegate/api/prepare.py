@@ -18,6 +18,7 @@ from sluicegate.api.schemas import (
     parse_body,
     stop_sequences,
 )
+from sluicegate.api.tool_calls import prepare_tools
 from sluicegate.engine.grammar import GrammarError, grammar_for_response_format
 from sluicegate.engine.output import Answer, RequestOutput
 from sluicegate.engine.tokenizer import ChatTemplateError
@@ -63,6 +64,10 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         check_chat(chat, relays)
         model = check_model(service, chat.model)
         pipeline = service.pipelines.get(model)
+        if pipeline is not None and chat.n is not None and chat.n > 1:
+            raise invalid_param(
+                "n", f"'{model}' is a pipeline: its stages read one answer (n=1); got n={chat.n}"
+            )
         engine_model = model if pipeline is None else pipeline.settings.model or service.model_name
         check_top_k(service, chat)
         messages = chat_messages(chat)
@@ -72,8 +77,9 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
             messages, retrieved = pipeline.messages(messages)
             if service.core.features.relays:
                 body = {**body, "messages": messages}
+        tools = prepare_tools(service, chat, messages)
         try:
-            prompt_ids = tokenizer.encode_chat(messages)
+            prompt_ids = tokenizer.encode_chat(tools.messages, tools.template_tools)
         except ChatTemplateError as exc:
             if not relays:
                 raise APIError(
@@ -84,9 +90,11 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         requested = chat.max_completion_tokens
         if requested is None:
             requested = chat.max_tokens
-        max_tokens = resolve_max_tokens(service, requested, len(prompt_ids))
+        max_tokens = resolve_max_tokens(service, requested, len(prompt_ids), engine_model)
         check_pace(service, chat.max_tokens_per_second)
-        sampling = build_sampling(service, chat, max_tokens, response_grammar(service, chat))
+        grammar = tools.grammar if tools.decides_grammar else response_grammar(service, chat)
+        sampling = build_sampling(service, chat, max_tokens, grammar)
+        sampling = tools.sampling(sampling, sim=not service.core.features.constrains_output)
         return Prepared(
             kind,
             chat,
@@ -124,7 +132,7 @@ def prepare(service: Service, kind: Kind, body: Any) -> Prepared:
         prompt_ids = prompt
     if not prompt_ids:
         raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
-    max_tokens = resolve_max_tokens(service, comp.max_tokens, len(prompt_ids))
+    max_tokens = resolve_max_tokens(service, comp.max_tokens, len(prompt_ids), model)
     check_pace(service, comp.max_tokens_per_second)
     sampling = build_sampling(service, comp, max_tokens)
     return Prepared(
@@ -191,9 +199,12 @@ def check_top_k(service: Service, req: CommonParams) -> None:
         )
 
 
-def resolve_max_tokens(service: Service, requested: int | None, num_prompt_tokens: int) -> int:
-    """Check the context limits; say which one is exceeded and by how much."""
-    limit = service.max_model_len
+def resolve_max_tokens(
+    service: Service, requested: int | None, num_prompt_tokens: int, model: str
+) -> int:
+    """Check the context limits (``model``'s: an upstream's own); say which one is
+    exceeded and by how much."""
+    limit = service.model_max_len(model)
     if num_prompt_tokens >= limit:
         raise APIError(
             400,
@@ -270,6 +281,7 @@ def build_sampling(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0,
         logit_bias=logit_bias(service, req.logit_bias),
+        n=req.n or 1,
     )
 
 
@@ -317,7 +329,12 @@ def response_body(
             }
             if choice.tool_calls:
                 message["tool_calls"] = [
-                    {k: v for k, v in call.items() if k != "index"} for call in choice.tool_calls
+                    {
+                        "id": call.get("id", ""),
+                        "type": call.get("type", "function"),
+                        "function": {"name": "", "arguments": "", **call["function"]},
+                    }
+                    for call in choice.tool_calls
                 ]
             logprobs = {"content": choice.logprobs, "refusal": None} if choice.logprobs else None
             choices.append(

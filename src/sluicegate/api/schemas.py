@@ -152,10 +152,10 @@ MAX_LOGIT_BIAS = 300
 
 def check_common(req: CommonParams, relays: bool = False) -> None:
     """What every request must be, whoever serves it (``relays``: an upstream does)."""
-    if req.n is not None and not 1 <= req.n <= (128 if relays else 1):
+    if req.n is not None and not 1 <= req.n <= (128 if relays else MAX_CHOICES):
         if req.n < 1 or relays:
             raise invalid_param("n", f"n must be at least 1; got {req.n}")
-        raise _unsupported("n", f"the embedded engine answers one choice (n=1); got {req.n}")
+        raise invalid_param("n", f"n must be between 1 and {MAX_CHOICES}; got {req.n}")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise invalid_param(
             "temperature", f"temperature must be between 0 and 2; got {req.temperature}"
@@ -242,10 +242,6 @@ def check_chat(req: ChatCompletionRequest, relays: bool = False) -> None:
         raise invalid_param("messages", "messages must hold at least one message")
     if relays:
         return  # the upstream serves (or refuses) the rest
-    if req.tools or req.functions:
-        raise _unsupported("tools" if req.tools else "functions", "tool calling is not implemented")
-    if req.logprobs:
-        raise _unsupported("logprobs", "log probabilities are not returned")
     if req.modalities and any(m != "text" for m in req.modalities):
         raise _unsupported("modalities", "only text output")
     if req.audio is not None:
@@ -272,8 +268,6 @@ def check_completion(req: CompletionRequest, relays: bool = False) -> None:
         )
     if relays:
         return
-    if req.logprobs is not None:
-        raise _unsupported("logprobs", "log probabilities are not returned")
     if req.echo:
         raise _unsupported("echo", "echoing the prompt is not implemented")
     if req.best_of is not None and req.best_of != 1:
@@ -282,8 +276,10 @@ def check_completion(req: CompletionRequest, relays: bool = False) -> None:
         raise _unsupported("suffix", "insertion is not implemented")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages flattened to ``{"role", "content"}`` strings for the chat template."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages flattened to ``{"role", "content"}`` strings for the chat template, with
+    their tool fields (``tool_calls``, ``tool_call_id``, ``name``, ``function_call``)
+    where set: history is never dropped (:mod:`sluicegate.tools.prompt` renders it)."""
     out = []
     for message in req.messages:
         if isinstance(message.content, list):
@@ -291,7 +287,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         else:
             text = message.content or ""
         role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": text})
+        flat: dict[str, Any] = {"role": role, "content": text}
+        for key in ("tool_calls", "tool_call_id", "name", "function_call"):
+            if getattr(message, key) is not None:
+                flat[key] = getattr(message, key)
+        out.append(flat)
     return out
 
 

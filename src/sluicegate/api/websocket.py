@@ -136,7 +136,9 @@ async def _start(
         size, lambda: prepare(service, "chat", body)
     )
     generation = await submit_prepared(service, tenant, prepared, arrival)
-    flow = StreamFlow(generation.stream, generation.request, credit_tokens=credits)
+    flow = StreamFlow(
+        generation.stream, generation.request, credit_tokens=credits, siblings=generation.siblings
+    )
     if (chain := generation.chain) is not None:
         flow.source, flow.holdup = chain.head, chain.holdup
     return generation, flow, stream_format(service, prepared, generation)
@@ -225,7 +227,9 @@ async def _write(
     generation = chunks.generation
     stream = generation.stream
     request = generation.request
-    first = chunks.format.role_chunk(generation.request_id, request.num_prompt_tokens)
+    first = chunks.format.role_chunk(
+        generation.request_id, request.num_prompt_tokens, request.sampling.n
+    )
     if first is not None:
         await websocket.send_text(orjson.dumps(first).decode())
     while True:

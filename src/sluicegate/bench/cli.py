@@ -16,13 +16,7 @@ import typer
 
 from sluicegate.bench.cli_common import OutOption, fail
 from sluicegate.bench.cli_common import console as _console
-from sluicegate.bench.cli_more import (
-    batch_command,
-    engine_peer_command,
-    guard_command,
-    speculative_command,
-    structured_command,
-)
+from sluicegate.bench.cli_more import register_more
 
 if TYPE_CHECKING:
     from sluicegate.bench.client import Target
@@ -378,11 +372,7 @@ def prefix_command(
         typer.echo(line)
 
 
-bench_app.command("speculative")(speculative_command)
-bench_app.command("batch")(batch_command)
-bench_app.command("structured")(structured_command)
-bench_app.command("guard")(guard_command)
-bench_app.command("engine-peer")(engine_peer_command)
+register_more(bench_app)
 
 
 @bench_app.command("soak")

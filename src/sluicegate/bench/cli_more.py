@@ -66,6 +66,26 @@ def structured_command(
         typer.echo(line)
 
 
+def tools_command(
+    requests: Annotated[
+        int, typer.Option("--requests", min=8, help="Tool-calling answers (and as many free).")
+    ] = 100,
+    streams: Annotated[int, typer.Option("--streams", min=1, help="Concurrent streams.")] = 8,
+    out: OutOption = Path("bench-tools"),
+) -> None:
+    """Tool calling on the embedded engine: calls under tool_choice "required", checked
+    against their tools' schemas, and the time per output token against free answers of
+    the same lengths at the same concurrency (one server)."""
+    from sluicegate.bench.tools import tool_calling
+
+    try:
+        result = tool_calling(out, num_requests=requests, streams=streams)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in result.lines():
+        typer.echo(line)
+
+
 def guard_command(
     out: OutOption = Path("bench-guard"),
 ) -> None:
@@ -101,3 +121,13 @@ def engine_peer_command(
         fail(str(exc))
     for line in table(runs):
         typer.echo(line)
+
+
+def register_more(app: typer.Typer) -> None:
+    """Add this module's commands to ``sluicegate bench``."""
+    app.command("speculative")(speculative_command)
+    app.command("batch")(batch_command)
+    app.command("structured")(structured_command)
+    app.command("tools")(tools_command)
+    app.command("guard")(guard_command)
+    app.command("engine-peer")(engine_peer_command)

@@ -149,6 +149,11 @@ class EngineCore(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    def model_max_len(self, model: str) -> int:
+        """The context one served model takes (a relaying core's: what its upstreams
+        say of it)."""
+        ...
+
     @property
     def model_names(self) -> list[str]:
         """Every model served (a relaying core's change as its upstreams do)."""

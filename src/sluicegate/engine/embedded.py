@@ -118,6 +118,9 @@ class EmbeddedCore:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    def model_max_len(self, model: str) -> int:
+        return self.scheduler.config.max_model_len
+
     @property
     def model_names(self) -> list[str]:
         return [self._model_name]

@@ -27,11 +27,10 @@ SmolLM2's 49,152 tokens takes about 0.1 ms (docs/structured-output.md).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-import llguidance
+from sluicegate.tools.schema import SchemaError, bounded_schema, schema_grammar
 
 #: What ``{"type": "json_object"}`` allows: any JSON object.
 JSON_OBJECT_SCHEMA: Mapping[str, Any] = {"type": "object"}
@@ -43,6 +42,19 @@ class GrammarError(ValueError):
 
 def grammar_for_response_format(response_format: Mapping[str, Any] | None) -> str | None:
     """The grammar that enforces ``response_format`` (None: plain text).  Raises
+    :class:`GrammarError` naming what is wrong with it.  Numbers the schema leaves
+    unbounded stay within 64-bit range (:mod:`sluicegate.tools.schema`)."""
+    schema = response_schema(response_format)
+    if schema is None:
+        return None
+    try:
+        return schema_grammar(bounded_schema(schema))
+    except SchemaError as exc:
+        raise GrammarError(str(exc)) from None
+
+
+def response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The JSON schema ``response_format`` asks for (None: plain text).  Raises
     :class:`GrammarError` naming what is wrong with it."""
     if response_format is None:
         return None
@@ -50,26 +62,15 @@ def grammar_for_response_format(response_format: Mapping[str, Any] | None) -> st
     if kind == "text":
         return None
     if kind == "json_object":
-        schema: Any = JSON_OBJECT_SCHEMA
-    elif kind == "json_schema":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, Mapping):
             raise GrammarError("response_format.json_schema must be an object with a 'schema'")
         schema = spec.get("schema", {"type": "object"})
         if not isinstance(schema, Mapping):
             raise GrammarError("response_format.json_schema.schema must be a JSON object")
-    else:
-        raise GrammarError(
-            f"response_format.type must be 'text', 'json_object' or 'json_schema'; got {kind!r}"
-        )
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema),
-            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
-        )
-    except ValueError as exc:
-        raise GrammarError(f"invalid JSON schema: {exc}") from None
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise GrammarError(f"invalid JSON schema: {problem}")
-    return grammar
+        return schema
+    raise GrammarError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema'; got {kind!r}"
+    )

@@ -262,14 +262,18 @@ def merge_tool_call(calls: list[dict[str, Any]], fragment: dict[str, Any]) -> No
             into["name"] = function["name"]
         into["arguments"] = into.get("arguments", "") + (function.get("arguments") or "")
         return
+    # Only what the fragment carries: a call's later fragments stream as OpenAI's do,
+    # with its index and a piece of its arguments (whole answers fill in the rest).
     call: dict[str, Any] = {"index": index}
     if fragment.get("id"):
         call["id"] = fragment["id"]
-    call["type"] = fragment.get("type", "function")
-    call["function"] = {
-        "name": function.get("name") or "",
-        "arguments": function.get("arguments") or "",
-    }
+    if fragment.get("type"):
+        call["type"] = fragment["type"]
+    parts: dict[str, Any] = {}
+    if function.get("name"):
+        parts["name"] = function["name"]
+    parts["arguments"] = function.get("arguments") or ""
+    call["function"] = parts
     calls.append(call)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
@@ -46,6 +47,9 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         self._template = env.from_string(source)
         self.source = source
+        #: Whether it renders tools itself (it reads a ``tools`` variable; see
+        #: :mod:`sluicegate.tools.prompt`).
+        self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self._bos_token = bos_token
         self._eos_token = eos_token
 
@@ -58,12 +62,16 @@ class ChatTemplate:
         return self._eos_token
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         try:
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
+                tools=None if tools is None else list(tools),
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
             )
@@ -103,8 +111,14 @@ class TextTokenizer:
             ids.insert(0, self.add_bos_token_id)
         return ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return self.encode(self.chat_template.render(messages, add_generation_prompt=True))
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        return self.encode(
+            self.chat_template.render(messages, add_generation_prompt=True, tools=tools)
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

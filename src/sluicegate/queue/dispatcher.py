@@ -105,7 +105,7 @@ class Dispatcher:
             id=request.request_id,
             tenant=ticket.tenant.name,
             priority_class=ticket.priority_class,
-            num_tokens=request.max_total_tokens,
+            num_tokens=ticket.max_total_tokens,
             enqueued_at=ticket.enqueued_at,
             payload=ticket,
         )
@@ -235,16 +235,17 @@ class Dispatcher:
         capacity is released by the scheduler when it lets go of the sequence.)
         """
         request = ticket.request
-        completed = ticket.was_dispatched and request.num_output_tokens > 0
+        num_output_tokens = ticket.num_output_tokens
+        completed = ticket.was_dispatched and num_output_tokens > 0
         if keep_reservation:
             self._close(ticket, ticket.admitted.reserved_tokens, 0)
         else:
-            self._close(ticket, request.num_prompt_tokens, request.num_output_tokens)
+            self._close(ticket, request.num_prompt_tokens, num_output_tokens)
         if completed:
-            self.estimator.record_completion(request.num_tokens)
+            self.estimator.record_completion(request.num_prompt_tokens + num_output_tokens)
         if ticket.was_dispatched:
             # Dispatch charged the worst case; give back what was not generated.
-            unused = request.sampling.max_tokens - request.num_output_tokens
+            unused = ticket.max_output_tokens - num_output_tokens
             if unused > 0:
                 self.queue.record_served(ticket.tenant.name, -unused)
 
@@ -317,12 +318,11 @@ class Dispatcher:
         while (item := self.queue.peek_next()) is not None:
             ticket = item.payload
             assert isinstance(ticket, Ticket)
-            request = ticket.request
             if ticket.priority_class is PriorityClass.BATCH and (
                 self.capacity.num_free_seats <= batch_headroom(self.capacity.seat_limit)
             ):
                 break  # the last seats wait for interactive work that may come
-            if not self.capacity.try_reserve(request.request_id, request.max_total_tokens, request):
+            if not self.capacity.try_reserve_all(ticket.requests):
                 break  # the engine is full: the queue waits, in order
             self.queue.pop_next()
             self._dispatch(ticket, now)
@@ -336,7 +336,7 @@ class Dispatcher:
             self.breaker.record_queue_wait(now - ticket.enqueued_at)
         # Charged at dispatch (prompt + max_tokens), refunded at the end: a tenant's share
         # counts from the moment its work takes engine capacity, not when it finishes.
-        self.queue.record_served(ticket.tenant.name, ticket.request.max_total_tokens)
+        self.queue.record_served(ticket.tenant.name, ticket.max_total_tokens)
         self._submit(ticket)
 
 

@@ -42,10 +42,31 @@ class Ticket:
     predicted_ttft_seconds: float | None = None
     #: The learned margin included in ``predicted_ttft_seconds``.
     ttft_margin_seconds: float = 0.0
+    #: The other choices' sequences of a request for ``n`` > 1 on the embedded core
+    #: (``request`` is the first): dispatched together, each with a seat of its own.
+    siblings: tuple[Request, ...] = ()
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """Every sequence it runs: one per choice."""
+        return (self.request, *self.siblings)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Worst-case KV tokens of all its sequences (what dispatch reserves)."""
+        return sum(r.max_total_tokens for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.num_output_tokens for r in self.requests)
+
+    @property
+    def max_output_tokens(self) -> int:
+        return sum(r.sampling.max_tokens for r in self.requests)
 
     @property
     def queued(self) -> bool:

@@ -19,7 +19,7 @@ room may have appeared (it is called on the engine thread, without the lock held
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sluicegate.scheduler.request import Request
@@ -70,6 +70,27 @@ class DispatchCapacity:
             self._holding[request_id] = _Holding(kv, request)
             self._num_seats += 1
             self._kv_tokens += kv
+            return True
+
+    def try_reserve_all(self, requests: Sequence[Request]) -> bool:
+        """Reserve a seat and the worst-case KV of each request, all or none: the choices
+        of one answer (``n`` > 1) start together.  Choices that need more seats than are
+        open now still start on an engine that holds nothing else (they can never fit
+        otherwise), as long as ``max_num_seqs`` has room for them."""
+        kv = [self.kv_tokens_for(r.max_total_tokens) for r in requests]
+        with self._lock:
+            if any(r.request_id in self._holding for r in requests):
+                return False
+            num_seats = self._num_seats + len(requests)
+            seats = num_seats <= self.seat_limit or (
+                self._num_seats == 0 and num_seats <= self.max_num_seqs
+            )
+            if not seats or self._kv_tokens + sum(kv) > self.kv_capacity_tokens:
+                return False
+            for request, kv_tokens in zip(requests, kv, strict=True):
+                self._holding[request.request_id] = _Holding(kv_tokens, request)
+            self._num_seats = num_seats
+            self._kv_tokens += sum(kv)
             return True
 
     @property

@@ -76,6 +76,9 @@ class SamplingParams:
     #: The sim engine's answer (a tool call valid for its schema, in ``tool_format``)
     #: instead of its words; engines with a model ignore it.
     sim_answer: str | None = None
+    #: Choices asked for (``n``).  The embedded core runs one sequence per choice, each
+    #: with a seed of its own (``sluicegate.service.choices``); an upstream is sent ``n``.
+    n: int = 1
 
     @property
     def greedy(self) -> bool:

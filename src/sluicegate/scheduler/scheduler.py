@@ -396,12 +396,16 @@ class Scheduler:
                 tokens = self.speculator.verify(request, seq.draft_token_ids, tokens)
                 # The accepted drafts' positions are computed (each equals its token).
                 request.num_computed_tokens += len(tokens) - 1
-            for token_id in tokens:
+            logprobs = result.logprobs.get(seq.request_id)
+            for k, token_id in enumerate(tokens):
                 request.all_token_ids.append(token_id)
                 stop = self._is_stop_token(request, token_id)
                 reason = self._after_token(request, stop)
                 end = reason is not None
-                events.append(TokenEvent(request, token_id, end, stop, request.num_output_tokens))
+                event = TokenEvent(request, token_id, end, stop, request.num_output_tokens)
+                if logprobs is not None:
+                    event.logprobs = logprobs[k]
+                events.append(event)
                 if end:
                     break
         return events

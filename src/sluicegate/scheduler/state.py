@@ -9,6 +9,7 @@ from sluicegate.scheduler.kv_cache import KVCacheStats
 from sluicegate.scheduler.pacing import PacingConfig
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request
+from sluicegate.scheduler.step import TokenLogprobs
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,6 +50,8 @@ class TokenEvent:
     is_stop_token: bool = False
     #: The request's output tokens once this one is counted (a step may add several).
     num_output_tokens: int = 0
+    #: Its log probabilities, when its sampling asks for them.
+    logprobs: TokenLogprobs | None = None
 
 
 class PreemptReason(enum.StrEnum):

@@ -88,6 +88,16 @@ class StepPlan:
         return not self.sequences
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """A sampled token's log probability under the model, and the most likely tokens at
+    its position with theirs (most likely first; as many as its ``sampling.logprobs``)."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass(slots=True)
 class StepResult:
     """Sampled token per request id (only for sequences planned with ``sample``)."""
@@ -96,3 +106,6 @@ class StepResult:
     #: For sequences planned with drafts: the token sampled after each draft token, in
     #: order (valid only as far as the drafts before it match what was sampled).
     draft_sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    #: For sequences whose sampling asks for log probabilities: one per sampled token,
+    #: the first token's then one per draft's, as ``draft_sampled_token_ids`` orders them.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.upstream.wire import UpstreamCall
+from sluicegate.errors import APIError
 from sluicegate.pipeline.chain import StageChain
 from sluicegate.queue.ticket import Ticket
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
+from sluicegate.service.choices import Choices
 from sluicegate.service.ownership import RESUME_TOKEN_HEADER, Owner
 
 
@@ -71,6 +73,8 @@ class Generation:
     retrieval_seconds: float | None = None
     #: What a relaying core sends upstream for it (None: the engine here generates it).
     upstream_call: UpstreamCall | None = None
+    #: ``n`` > 1 on the embedded core: its choices' sequences (``request`` is choice 0's).
+    choices: Choices | None = None
 
     @property
     def produced(self) -> RequestStream:
@@ -80,6 +84,16 @@ class Generation:
     @property
     def ended(self) -> bool:
         return self.life.ended
+
+    @property
+    def siblings(self) -> tuple[Request, ...]:
+        """The sequences of its other choices (``n`` > 1 on the embedded core)."""
+        return () if self.choices is None else self.choices.requests[1:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens of all its choices."""
+        return sum(r.num_output_tokens for r in (self.request, *self.siblings))
 
     @property
     def queued(self) -> bool:
@@ -190,3 +204,33 @@ def completed_generation(
         RequestOutput(request_id, "", 0, len(prompt_ids), len(output_ids), FinishReason.LENGTH)
     )
     return Generation(request_id, request, stream, None, owner, num_resumed_tokens=len(output_ids))
+
+
+def unresumable_choices(
+    request_id: str, prompt_ids: list[int], sampling: SamplingParams, owner: Owner
+) -> Generation:
+    """A stream of ``n`` > 1 choices that its replica stopped before the end: its choices'
+    tokens are logged interleaved, so it is not continued; it ends at once (without the
+    engine) with an error event saying to send the request again, logged like any end."""
+    request = Request(request_id, prompt_ids, sampling)
+    stream = RequestStream(request_id)
+    message = (
+        f"This stream of n={sampling.n} choices stopped before its end (its replica drained, "
+        "gave it up or died), and a stream of several choices is not continued: the events "
+        "before this one are all it has. Send the request again."
+    )
+    stream.put(
+        RequestOutput(
+            request_id,
+            "",
+            0,
+            len(prompt_ids),
+            0,
+            FinishReason.ERROR,
+            error=message,
+            failure=APIError(
+                409, message, code="choices_not_resumable", error_type="choices_not_resumable"
+            ),
+        )
+    )
+    return Generation(request_id, request, stream, None, owner)

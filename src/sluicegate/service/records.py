@@ -22,6 +22,7 @@ REQUEST_STATUSES = (
     "stop",
     "length",
     "content_filter",
+    "tool_calls",
     "error",
     "refused",
     "cancelled",
@@ -119,7 +120,8 @@ def record_end(
     timing = generation.timing()
     priority = generation.priority_label
     metrics.requests_total.labels(status).inc()
-    metrics.generation_tokens_total.inc(request.num_output_tokens - generation.num_resumed_tokens)
+    num_output_tokens = generation.num_output_tokens
+    metrics.generation_tokens_total.inc(num_output_tokens - generation.num_resumed_tokens)
     metrics.e2e_request_latency_seconds.labels(priority).observe(timing["e2e_seconds"] or 0.0)
     if (queue_wait := timing["queue_wait_seconds"]) is not None:
         metrics.queue_wait_seconds.labels(priority).observe(queue_wait)
@@ -147,7 +149,7 @@ def record_end(
         status=status,
         finish_reason=request.finish_reason.value if request.finish_reason else None,
         prompt_tokens=request.num_prompt_tokens,
-        output_tokens=request.num_output_tokens,
+        output_tokens=num_output_tokens,
         **timing,
         preemptions=request.num_preemptions,
     )
@@ -161,6 +163,6 @@ def record_end(
             first_token=generation.stream.timings.first_token_time,
             finished=time.monotonic(),
             prompt_tokens=request.num_prompt_tokens,
-            output_tokens=request.num_output_tokens,
+            output_tokens=num_output_tokens,
         )
     )

@@ -42,6 +42,7 @@ from sluicegate.service.build import (
     resolve_auto_objective,
     store_refusal,
 )
+from sluicegate.service.choices import Choices, check_choices_fit, sibling_requests
 from sluicegate.service.generation import Generation, Life
 from sluicegate.service.ownership import Owner, new_resume_token, resume_token_digest
 from sluicegate.service.records import LatencyWindows, record_delivery, record_end
@@ -143,6 +144,10 @@ class Service:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    def model_max_len(self, model: str) -> int:
+        """The context ``model`` takes (in front of upstreams: what they say of it)."""
+        return self.core.model_max_len(model)
+
     @property
     def model_name(self) -> str:
         """The model of a request that names none (the first an upstream serves)."""
@@ -202,6 +207,10 @@ class Service:
         apply_pace(self.settings, tenant, request, max_tokens_per_second)
         priority_class = PriorityClass(priority) if priority else tenant.priority_class
         request.priority = priority_class.rank
+        # n > 1 on the embedded core: a sequence per choice (an upstream is sent n).
+        siblings = () if self.core.features.relays else sibling_requests(request)
+        if siblings:
+            check_choices_fit(self.core.capacity, (request, *siblings))
         admitted = await self._admit(
             tenant,
             priority_class,
@@ -209,13 +218,20 @@ class Service:
             rate_limited=not (resumed or rate_limits_charged),
             request_charged=request_charged,
         )
-        ticket = Ticket(request, tenant, priority_class, admitted, time.monotonic())
+        ticket = Ticket(
+            request, tenant, priority_class, admitted, time.monotonic(), siblings=siblings
+        )
         token = new_resume_token() if resume_token_sha256 is None else None
         digest = resume_token_digest(token) if token is not None else resume_token_sha256 or ""
+        stream = RequestStream(request_id) if chain is None else chain.tail
+        choices = None
+        if siblings:
+            produced = stream if chain is None else chain.head
+            choices = Choices(self.core, produced, (request, *siblings))
         generation = Generation(
             request_id,
             request,
-            RequestStream(request_id) if chain is None else chain.tail,
+            stream,
             ticket,
             Owner(tenant.name, digest),
             priority_class.value,
@@ -223,6 +239,7 @@ class Service:
             num_resumed_tokens=len(output_token_ids),
             chain=chain,
             upstream_call=upstream_call,
+            choices=choices,
         )
         self.generations[request_id] = generation
         try:
@@ -274,7 +291,8 @@ class Service:
                 tenant,
                 priority_class,
                 request.num_prompt_tokens,
-                request.sampling.max_tokens,
+                # Every choice may generate max_tokens (the prompt is shared).
+                request.sampling.max_tokens * request.sampling.n,
                 rate_limited=rate_limited,
                 request_charged=request_charged,
             )
@@ -343,7 +361,10 @@ class Service:
         ticket = generation.ticket
         if ticket is not None and self.dispatcher.cancel(ticket):
             return False
-        self.core.abort_request(generation.request_id)
+        if generation.choices is not None:
+            generation.choices.abort()
+        else:
+            self.core.abort_request(generation.request_id)
         return True
 
     def _end(self, generation: Generation, life: Life, status: str) -> None:
@@ -390,24 +411,41 @@ class Service:
 
     # ------------------------------------------------------------ flow control
     def pause(self, request_id: str) -> None:
-        """A slow reader: ask the scheduler to pause its sequence."""
-        self.core.pause_request(request_id)
+        """A slow reader: ask the scheduler to pause its sequence (every choice's)."""
+        for sequence_id in self._sequence_ids(request_id):
+            self.core.pause_request(sequence_id)
 
     def resume(self, request_id: str) -> None:
-        self.core.resume_request(request_id)
+        for sequence_id in self._sequence_ids(request_id):
+            self.core.resume_request(sequence_id)
 
     def evict(self, request_id: str) -> None:
-        """A stalled reader: abort its sequence."""
-        self.core.abort_request(request_id)
+        """A stalled reader: abort its sequence (every choice's)."""
+        generation = self.generations.get(request_id)
+        if generation is not None and generation.choices is not None:
+            generation.choices.abort()
+        else:
+            self.core.abort_request(request_id)
         self.metrics.streams_evicted_total.inc()
+
+    def _sequence_ids(self, request_id: str) -> list[str]:
+        """The engine's sequences of a request: one, or a running one per choice."""
+        generation = self.generations.get(request_id)
+        if generation is None or generation.choices is None:
+            return [request_id]
+        return generation.choices.running_ids
 
     # ------------------------------------------------------------ engine side
     def _submit(self, ticket: Ticket) -> None:
         generation = self.generations.get(ticket.request_id)
         if generation is None:  # cannot happen: an ending request leaves the queue first
-            self.core.capacity.release(ticket.request_id)
+            for request in ticket.requests:
+                self.core.capacity.release(request.request_id)
             return
-        self.core.add_request(ticket.request, generation.produced, generation.upstream_call)
+        if generation.choices is not None:
+            generation.choices.start()
+        else:
+            self.core.add_request(ticket.request, generation.produced, generation.upstream_call)
 
     def _refused(self, ticket: Ticket) -> None:
         generation = self.generations.get(ticket.request_id)

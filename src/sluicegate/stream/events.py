@@ -88,18 +88,26 @@ class StreamFormat:
             "usage": use,
         }
 
-    def first_chunk(self, stream_id: str, num_prompt_tokens: int) -> bytes | None:
+    def first_chunk(
+        self, stream_id: str, num_prompt_tokens: int, num_choices: int = 1
+    ) -> bytes | None:
         """The opening chat chunk (the assistant role) as an SSE event; completions have
         none."""
-        first = self.role_chunk(stream_id, num_prompt_tokens)
+        first = self.role_chunk(stream_id, num_prompt_tokens, num_choices)
         return None if first is None else sse_data(first)
 
-    def role_chunk(self, stream_id: str, num_prompt_tokens: int) -> dict[str, Any] | None:
-        """The opening chat chunk (the assistant role); completions have none."""
+    def role_chunk(
+        self, stream_id: str, num_prompt_tokens: int, num_choices: int = 1
+    ) -> dict[str, Any] | None:
+        """The opening chat chunk: the assistant role of each of ``num_choices`` choices
+        (clients build each choice's message from its first delta); completions have
+        none."""
         if self.kind != "chat":
             return None
         first = self.chunk(stream_id, "", None, None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        opening = first["choices"][0]
+        opening["delta"] = {"role": "assistant", "content": ""}
+        first["choices"] = [{**opening, "index": index} for index in range(num_choices)]
         if self.continuous_usage:
             first["usage"] = {
                 "prompt_tokens": num_prompt_tokens,

@@ -118,6 +118,8 @@ class StreamFlow:
     holdup: Callable[[], str] | None = None
     #: Flow control asked for a pause and not yet for a resume (the core pauses later).
     pause_asked: bool = False
+    #: The other choices' sequences of an answer of ``n`` choices (read like ``request``).
+    siblings: tuple[Request, ...] = ()
 
     @property
     def produced(self) -> RequestStream:
@@ -157,8 +159,9 @@ class StreamFlow:
 
     @property
     def paused(self) -> bool:
-        """The core has paused this stream's sequence."""
-        return self.request.pause.paused
+        """The core has paused this stream's sequence (one of them, for ``n`` choices:
+        a choice that ended is never paused, and the others may run on)."""
+        return self.request.pause.paused or any(r.pause.paused for r in self.siblings)
 
     @property
     def credit_available(self) -> int:

@@ -102,7 +102,7 @@ class StreamSession:
         self.stream_id = generation.request_id
         self.tenant_name = tenant_name
         self.format = fmt
-        self.flow = StreamFlow(generation.stream, generation.request)
+        self.flow = StreamFlow(generation.stream, generation.request, siblings=generation.siblings)
         if (chain := generation.chain) is not None:
             self.flow.source, self.flow.holdup = chain.head, chain.holdup
         context.flow.register(self.flow)

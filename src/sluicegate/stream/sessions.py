@@ -14,7 +14,7 @@ from sluicegate.admission.tenants import Tenant
 from sluicegate.engine.output import FlushPolicy
 from sluicegate.engine.upstream.wire import UpstreamCall
 from sluicegate.errors import APIError
-from sluicegate.service.generation import Generation, completed_generation
+from sluicegate.service.generation import Generation, completed_generation, unresumable_choices
 from sluicegate.service.ownership import Owner
 from sluicegate.service.service import Service
 from sluicegate.store.base import Store
@@ -140,7 +140,9 @@ class SessionRegistry:
                 code="store_unavailable",
                 headers={"retry-after": "1"},
             ) from None
-        first = fmt.first_chunk(generation.request_id, request.num_prompt_tokens)
+        first = fmt.first_chunk(
+            generation.request_id, request.num_prompt_tokens, request.sampling.n
+        )
         return StreamSession(self.context, generation, tenant.name, fmt, first_chunk=first)
 
     async def take_over(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
@@ -188,7 +190,11 @@ class SessionRegistry:
             )
         sampling = sampling_from_json(meta.seed, meta.sampling_params)
         generated = meta.generated_token_ids
-        if len(generated) >= sampling.max_tokens:
+        if sampling.n > 1 and not service.core.features.relays:
+            owner = Owner(meta.tenant, meta.resume_token_sha256)
+            generation = unresumable_choices(stream_id, meta.prompt_token_ids, sampling, owner)
+            service.generations[stream_id] = generation
+        elif len(generated) >= sampling.max_tokens:
             owner = Owner(meta.tenant, meta.resume_token_sha256)
             generation = completed_generation(
                 stream_id, meta.prompt_token_ids, generated, sampling, owner

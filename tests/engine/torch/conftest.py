@@ -18,13 +18,13 @@ if TYPE_CHECKING:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool:
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     """Run each engine test on the process's torch thread, where the engines compute: a
     second OpenMP team in the process throttles both (see ``TorchEngine``)."""
     from sluicegate.engine.torch.runner import run_on_torch_thread
 
     if pyfuncitem.get_closest_marker("caller_thread"):
-        return False  # the test is about calling from other threads: run it as usual
+        return None  # the test is about calling from other threads: run it as usual
     function = pyfuncitem.obj
     kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     run_on_torch_thread(lambda: function(**kwargs))

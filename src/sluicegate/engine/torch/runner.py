@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from torch.profiler import record_function
 
 from sluicegate.engine.base import Engine, EngineLimits
 from sluicegate.engine.grammar import GrammarError
@@ -34,7 +33,7 @@ from sluicegate.engine.torch.loader import (
     resolve_dtype,
 )
 from sluicegate.engine.torch.model import ModelArgs, Transformer, kv_cache_bytes_per_slot
-from sluicegate.engine.torch.sampling import SamplingBatch, sample
+from sluicegate.engine.torch.step_sampling import sample_step
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.sizes import format_memory_size
 
@@ -349,26 +348,9 @@ class TorchEngine:
             # Logit rows come out in batch order, so the sampled sequences are listed that
             # way: one row per sequence, one more per draft token (the output indices after).
             sampled = [sequences[i] for i in order if sequences[i].sample]
-            rows = [
-                (s, s.output_index + j) for s in sampled for j in range(1 + len(s.draft_token_ids))
-            ]
             if not sampled:
                 return StepResult()
-            self._mask_grammars(logits, sampled)
-            # The label costs ~1 us when no profiler listens; the step profile
-            # (engine_profile, under bench/) reads it.
-            with record_function("sluicegate.sample"):
-                params = SamplingBatch.build([s.sampling for s, _ in rows], [i for _, i in rows])
-                new_ids: list[int] = sample(logits, params).tolist()
-        result = StepResult()
-        row = 0
-        for s in sampled:
-            result.sampled_token_ids[s.request_id] = new_ids[row]
-            if s.draft_token_ids:
-                after = new_ids[row + 1 : row + 1 + len(s.draft_token_ids)]
-                result.draft_sampled_token_ids[s.request_id] = after
-            row += 1 + len(s.draft_token_ids)
-        return result
+            return sample_step(logits, sampled, self._mask_grammars)
 
     def _forward(
         self, model: Transformer, sequences: list[ScheduledSequence], chunks: list[SequenceChunk]

@@ -17,8 +17,10 @@ what a resume continues from).  One call is :class:`~.relay.Relay`'s.
 * **Cancel**: the task is cancelled, which closes the upstream connection at once.
 * **Failure**: an upstream that refuses (429/503), fails (5xx, connection error), hangs
   before its first token or goes silent mid-answer is left for another: before any text
-  the request is simply sent again; after some, it is continued there, and the client
-  sees one stream.  An upstream's 4xx reaches the client as it is (its own validation).
+  the request is simply sent again; after some, it is continued there (text of one
+  choice), or asked again and what its client has skipped (tool calls, several choices:
+  :mod:`~sluicegate.engine.upstream.choices`), and the client sees one stream.  An
+  upstream's 4xx reaches the client as it is (its own validation).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ from sluicegate.scheduler.request import FinishReason, Request
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 
 logger = logging.getLogger(__name__)
+
+#: Tokens of the byte-level tokenizer (256 bytes and ChatML's specials): counts in bytes.
+BYTE_VOCAB_SIZE = 259
 
 #: The long prompt an upstream's TTFT is measured with at start (about 256 tokens).
 PROBE_TEXT = " ".join(
@@ -95,6 +100,16 @@ class UpstreamCore:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def model_max_len(self, model: str) -> int:
+        """The context a served model takes, as requests are checked against it: what
+        its upstreams say (the least of them), within ``max_model_len`` when one is
+        configured.  A gateway counting bytes (no model tokenizer) counts several times
+        a model's tokens: it checks nothing of its own and leaves it to the upstream."""
+        known = self.pool.max_model_len(model)
+        if known is None or self.tokenizer.vocab_size <= BYTE_VOCAB_SIZE:
+            return self._max_model_len
+        return min(known, self._max_model_len)
+
     @property
     def model_names(self) -> list[str]:
         return self.pool.served_models()
@@ -144,7 +159,7 @@ class UpstreamCore:
             request.first_scheduled_time = time.monotonic()
         if request.num_output_tokens:
             # Taken over from another replica: its client has this text already.
-            live.text.append(self.tokenizer.decode(request.output_token_ids))
+            live.answer.choice(0).text.append(self.tokenizer.decode(request.output_token_ids))
             live.taken_over = True
         rid = request.request_id
         self._live[rid] = live
@@ -248,7 +263,7 @@ class UpstreamCore:
                 upstream = await self._find_room(live)
             if upstream is None:
                 raise ClientError(self._unavailable(live))
-            if live.upstream is not None and live.upstream != upstream.name and live.text:
+            if live.upstream is not None and live.upstream != upstream.name and live.delivered:
                 # Mid-answer, moved from the upstream that failed it (counted there).
                 failovers += 1
                 if (failed := self.pool.by_name(live.upstream)) is not None:
@@ -283,7 +298,7 @@ class UpstreamCore:
         timeout; None if nothing freed."""
         timeout = (
             self.settings.upstream_idle_timeout_seconds
-            if live.text
+            if live.delivered
             else self.settings.upstream_first_token_timeout_seconds
         )
         deadline = time.monotonic() + timeout
@@ -293,14 +308,14 @@ class UpstreamCore:
                 for u in self.pool.upstreams
                 if u.healthy and u.serves(live.call.model) and u.name not in live.excluded
             ]
-            if not others and not live.text:
+            if not others and not live.delivered:
                 return None  # every upstream that could serve it failed it: say so now
             self._reclaim(live)
             self._room.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(PAUSE_CHECK_SECONDS):
                     await self._room.wait()
-            if live.text:
+            if live.delivered:
                 live.excluded = {
                     name
                     for name in live.excluded

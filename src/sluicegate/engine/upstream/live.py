@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from sluicegate.engine.output import RequestStream
+from sluicegate.engine.upstream.choices import AnswerState
 from sluicegate.engine.upstream.pool import Upstream
 from sluicegate.engine.upstream.wire import UpstreamCall
 from sluicegate.errors import APIError
@@ -37,7 +38,8 @@ class Live:
     #: Set while not paused: what a paused relay waits on.  Moved with the request's
     #: pause state, which is the one record of it (:meth:`pause`, :meth:`resume`).
     running: asyncio.Event = field(default_factory=asyncio.Event)
-    text: list[str] = field(default_factory=list)
+    #: What its client has, choice by choice.
+    answer: AnswerState = field(default_factory=AnswerState)
     #: Upstreams that failed this request (not tried again for it).
     excluded: set[str] = field(default_factory=set)
     upstream: str | None = None
@@ -55,6 +57,8 @@ class Live:
     def __post_init__(self) -> None:
         if not self.request.pause.paused:
             self.running.set()
+        n = self.call.body.get("n")
+        self.answer = AnswerState(n if isinstance(n, int) and not isinstance(n, bool) else 1)
 
     @property
     def paused(self) -> bool:
@@ -75,7 +79,12 @@ class Live:
 
     @property
     def partial_text(self) -> str:
-        return "".join(self.text)
+        return self.answer.partial_text
+
+    @property
+    def delivered(self) -> bool:
+        """Its client has some of its answer."""
+        return self.answer.delivered
 
     @property
     def affinity_key(self) -> str | None:

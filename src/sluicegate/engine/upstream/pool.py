@@ -36,7 +36,7 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sluicegate.config import Settings
-from sluicegate.engine.upstream.signals import Latency, load_signals
+from sluicegate.engine.upstream.signals import Latency, context_length, load_signals
 from sluicegate.upstream_settings import ContinueStyle, UpstreamConfig
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class Upstream:
     outstanding_tokens: int = 0
     #: Its own model names (from /v1/models).
     models: list[str] = field(default_factory=list)
+    #: Its own model name -> the context it takes, when its /v1/models says.
+    context_lengths: dict[str, int] = field(default_factory=dict)
     waiting_inside: float = 0.0
     kv_usage: float | None = None
     latency: Latency = field(default_factory=Latency)
@@ -100,6 +102,15 @@ class Upstream:
 
     def served_models(self) -> list[str]:
         return list(self.config.models) if self.config.models else list(self.models)
+
+    def max_model_len(self, served: str) -> int | None:
+        """The context it takes for a served model (None: it does not say).  An upstream
+        of one model answers to any name (llama.cpp lists its file's path): that one's."""
+        lengths = self.context_lengths
+        found = lengths.get(self.upstream_model(served))
+        if found is None and len(lengths) == 1 and len(self.models) == 1:
+            return next(iter(lengths.values()))
+        return found
 
     def cut(self, reason: str, now: float, to: int | None = None) -> None:
         """Take the limit down (at most once a second, so one burst of pushback is one cut)."""
@@ -214,6 +225,16 @@ class UpstreamPool:
                 seen.setdefault(model)
         return list(seen)
 
+    def max_model_len(self, served: str) -> int | None:
+        """The context a served model takes: the least any upstream serving it says
+        (None: none says)."""
+        known = [
+            length
+            for u in self.upstreams
+            if u.serves(served) and (length := u.max_model_len(served)) is not None
+        ]
+        return min(known) if known else None
+
     @property
     def total_limit(self) -> int:
         return sum(u.limit for u in self.upstreams if u.healthy)
@@ -294,7 +315,7 @@ class UpstreamPool:
     async def check(self, upstream: Upstream) -> None:
         """Read its model list (health) and its metrics (load), when it has them."""
         try:
-            upstream.models = await self._models(upstream)
+            upstream.models, upstream.context_lengths = await self._models(upstream)
         except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
             self.failed(upstream, f"health check: {exc!r}")
             return
@@ -307,16 +328,24 @@ class UpstreamPool:
             self._changed()
         await self._read_load(upstream)
 
-    async def _models(self, upstream: Upstream) -> list[str]:
-        """Its model names, from its /v1/models.  When that fails (``transformers serve``
-        without a hub cache) but its models are configured, its /health says whether it is
-        up.  Raises when it is not."""
+    async def _models(self, upstream: Upstream) -> tuple[list[str], dict[str, int]]:
+        """Its model names and the contexts they take, from its /v1/models.  When that
+        fails (``transformers serve`` without a hub cache) but its models are configured,
+        its /health says whether it is up.  Raises when it is not."""
         timeout = self.settings.upstream_connect_timeout_seconds
         try:
             response = await upstream.client.get("/v1/models", timeout=timeout)
             response.raise_for_status()
             data = response.json().get("data", [])
-            return [m["id"] for m in data if isinstance(m, dict) and "id" in m]
+            entries = [m for m in data if isinstance(m, dict) and "id" in m]
+            lengths = {
+                str(m["id"]): length for m in entries if (length := context_length(m)) is not None
+            }
+            if any("meta" in m for m in entries):  # llama.cpp: a slot holds less
+                slot = await self._slot_context(upstream)
+                if slot is not None:
+                    lengths = {name: min(length, slot) for name, length in lengths.items()}
+            return [str(m["id"]) for m in entries], lengths
         except (httpx.HTTPError, ValueError, AttributeError, TypeError) as exc:
             if not upstream.config.models or isinstance(exc, httpx.ConnectError):
                 raise
@@ -327,7 +356,20 @@ class UpstreamPool:
             # after an exception): ask again, on a new one.
             health = await upstream.client.get("/health", timeout=timeout)
         health.raise_for_status()
-        return list(upstream.config.models.values())
+        return list(upstream.config.models.values()), {}
+
+    async def _slot_context(self, upstream: Upstream) -> int | None:
+        """llama.cpp's context per slot (its /props), which is what one request gets:
+        its /v1/models gives the model's training context only."""
+        try:
+            response = await upstream.client.get(
+                "/props", timeout=self.settings.upstream_connect_timeout_seconds
+            )
+            settings = response.json().get("default_generation_settings") or {}
+            n_ctx = settings.get("n_ctx")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
 
     async def _read_load(self, upstream: Upstream) -> None:
         try:

@@ -1,5 +1,7 @@
-"""One call to one upstream: send the request (or its continuation), relay its streamed
-answer into the request's stream, and say how it ended (:class:`Outcome`).
+"""One call to one upstream: send the request (its continuation, or the request again
+from the start), relay its streamed answer into the request's stream choice by choice
+(text, whole tool calls, refusals, log probabilities, each choice's finish: see
+:mod:`~sluicegate.engine.upstream.choices`), and say how it ended (:class:`Outcome`).
 
 While its reader is behind, the relay stops reading the upstream's answer (the socket
 fills and TCP holds the upstream back); a request that must let go of its place ends the
@@ -20,9 +22,10 @@ import httpx
 from sluicegate.config import Settings
 from sluicegate.engine.output import RequestOutput
 from sluicegate.engine.tokenizer import ChatTemplateError, TextTokenizer
+from sluicegate.engine.upstream.choices import Diverged, Piece
 from sluicegate.engine.upstream.live import ClientError, Live, Outcome
 from sluicegate.engine.upstream.pool import Upstream, UpstreamPool
-from sluicegate.engine.upstream.wire import Delta, error_message, parse_event
+from sluicegate.engine.upstream.wire import ChoiceDelta, error_message, parse_event
 from sluicegate.engine.upstream.wire import request_body as build_body
 from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
@@ -63,19 +66,30 @@ class Relay:
     async def call(self, live: Live, upstream: Upstream) -> Outcome:
         request = live.request
         call = live.call
+        answer = live.answer
+        # Restart-and-skip (see choices.py) where appending text cannot continue it, or
+        # where a completion of the rendered conversation would lose its tools.
+        restart = (
+            answer.needs_restart
+            or not answer.delivered
+            or (upstream.continue_style == "completion" and _structured(live))
+        )
+        if live.taken_over and live.calls == 0 and _structured(live):
+            raise ClientError(_not_continued_here())
         tokens_left = call.max_tokens - request.num_output_tokens
-        if tokens_left <= 0 and live.text:
+        if not restart and tokens_left <= 0:
             post(live, FinishReason.LENGTH)
             return Outcome.FINISHED
-        continuing_chat = call.kind == "chat" and bool(live.text)
+        continuing_chat = call.kind == "chat" and not restart
         path, body = build_body(
             call,
             upstream.upstream_model(call.model),
-            live.partial_text,
-            tokens_left,
+            "" if restart else live.partial_text,
+            call.max_tokens if restart else tokens_left,
             upstream.continue_style,
             self._render,
         )
+        answer.begin_call(restart)
         self.num_calls += 1
         live.calls += 1
         settings = self.settings
@@ -111,6 +125,7 @@ class Relay:
         first_time: float | None = None
         last_time = started
         tokens = 0
+        done = False
         while True:
             if live.aborted:
                 raise asyncio.CancelledError
@@ -139,24 +154,30 @@ class Relay:
             if delta.error is not None:
                 return self._failed(live, upstream, f"error event: {delta.error}")
             if delta.done:
+                done = True
                 break
-            if delta.text:
-                now = time.monotonic()
-                first_time = first_time or now
-                last_time = now
-                num_tokens = self._deliver(live, delta)
+            for choice in delta.choices:
+                if choice.has_content:
+                    now = time.monotonic()
+                    first_time = first_time or now
+                    last_time = now
+                num_tokens = self._deliver(live, _absorb(live, choice))
                 tokens += num_tokens
-                wait = request.pace.after_tokens(self._clock(), num_tokens)
-                if wait > 0.0:
-                    await self._sleep(wait)
-            if delta.finish_reason is not None:
-                finish = _finish_reason(delta.finish_reason)
+                if choice.finish_reason is not None and choice.index == 0:
+                    finish = _finish_reason(choice.finish_reason)
+                if num_tokens:
+                    wait = request.pace.after_tokens(self._clock(), num_tokens)
+                    if wait > 0.0:
+                        await self._sleep(wait)
             if delta.prompt_tokens is not None and delta.completion_tokens is not None:
                 reported = (delta.prompt_tokens, delta.completion_tokens)
                 cached = delta.cached_tokens
-        if finish is None:
-            # The stream ended without saying how: the upstream died mid-answer.
+        if finish is None or not (done or live.answer.whole):
+            # The stream ended without saying how (or with choices unfinished and no
+            # ``[DONE]``): the upstream died mid-answer.
             return self._failed(live, upstream, "its stream ended without a finish reason")
+        for piece in _end(live):
+            self._deliver(live, piece)
         self.mean_prompt += 0.05 * (request.num_prompt_tokens - self.mean_prompt)
         self.mean_output += 0.05 * (max(1, request.num_output_tokens) - self.mean_output)
         upstream.latency.observe(
@@ -248,23 +269,45 @@ class Relay:
                     waiter.cancel()
         return False
 
-    def _deliver(self, live: Live, delta: Delta) -> int:
+    def _deliver(self, live: Live, piece: Piece) -> int:
+        """Put what goes out of one choice into the request's stream; its tokens (text,
+        refusal and calls, counted with the gateway's tokenizer, for limits and pacing)."""
+        answer = live.answer
+        # One choice's end of several, or a reason the stream's own finish lacks.
+        choice_finish = piece.finish
+        if choice_finish is not None and not answer.multiple and choice_finish in _FINISHES:
+            choice_finish = None  # the stream's finish says it
+        if not (piece.text or piece.tool_calls or piece.refusal or piece.logprobs or choice_finish):
+            return 0
         request = live.request
-        ids = self.tokenizer.encode(delta.text)
+        encode = self.tokenizer.encode
+        ids = encode(piece.text) if piece.text else []
+        others = [encode(piece.refusal)] if piece.refusal else []
+        for fragment in piece.tool_calls:
+            function = fragment["function"]
+            others.append(encode(function["name"] + function["arguments"]))
+        extra = [t for more in others for t in more]
         request.all_token_ids.extend(ids)
+        request.all_token_ids.extend(extra)
         # Its prompt is processed (admission counts what is left of prompts still ahead).
         request.num_computed_tokens = request.num_tokens
-        live.text.append(delta.text)
         output = RequestOutput(
             request.request_id,
-            delta.text,
-            len(ids),
+            piece.text,
+            len(ids) + len(extra),
             request.num_prompt_tokens,
             request.num_output_tokens,
-            committed_token_ids=ids,
+            # What a takeover continues from (one choice's text; with calls or several
+            # choices their tokens only say that it has begun, see _structured).
+            committed_token_ids=ids + extra,
+            index=piece.index,
+            tool_calls=piece.tool_calls,
+            logprobs=piece.logprobs,
+            refusal=piece.refusal,
+            choice_finish=choice_finish,
         )
         live.stream.put(output)
-        return len(ids)
+        return output.num_new_tokens
 
 
 def post(
@@ -293,5 +336,55 @@ def post(
     live.stream.put(output)
 
 
+#: The upstream's finish reasons a stream's own finish carries (others go out as the
+#: choice's finish, the stream's being ``stop``).
+_FINISHES = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "tool_calls": FinishReason.TOOL_CALLS,
+    "content_filter": FinishReason.CONTENT_FILTER,
+}
+
+
 def _finish_reason(text: str) -> FinishReason:
-    return FinishReason.LENGTH if text == "length" else FinishReason.STOP
+    return _FINISHES.get(text, FinishReason.STOP)
+
+
+def _absorb(live: Live, choice: ChoiceDelta) -> Piece:
+    try:
+        return live.answer.absorb(choice)
+    except Diverged as exc:
+        raise ClientError(_diverged(exc)) from None
+
+
+def _end(live: Live) -> list[Piece]:
+    try:
+        return live.answer.end_call()
+    except Diverged as exc:
+        raise ClientError(_diverged(exc)) from None
+
+
+def _diverged(exc: Diverged) -> APIError:
+    return APIError(
+        502,
+        "The upstream failed mid-answer, and the answer asked again of another upstream "
+        f"differs from what this stream already sent ({exc}): the stream ends here rather "
+        "than send parts twice or broken. Send the request again.",
+        code="upstream_answer_diverged",
+    )
+
+
+def _structured(live: Live) -> bool:
+    """It may have tool calls or several choices (which a takeover cannot know of)."""
+    body = live.call.body
+    return live.answer.multiple or bool(body.get("tools") or body.get("functions"))
+
+
+def _not_continued_here() -> APIError:
+    return APIError(
+        502,
+        "This stream was taken over from a replica that stopped mid-answer; an answer "
+        "that may hold tool calls or several choices cannot be continued on another "
+        "replica without repeating or breaking them. Send the request again.",
+        code="upstream_answer_not_resumable",
+    )

@@ -1,5 +1,6 @@
-"""What an upstream tells about itself: its answers' latency (measured by the gateway)
-and its load (read from its own Prometheus metrics)."""
+"""What an upstream tells about itself: its answers' latency (measured by the gateway),
+its load (read from its own Prometheus metrics) and its models' contexts (its
+/v1/models)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,19 @@ def load_signals(text: str) -> tuple[float | None, float | None, float | None]:
             elif sample.name in SEAT_GAUGES:
                 seats = float(sample.value)
     return waiting, kv, seats
+
+
+def context_length(entry: dict[str, object]) -> int | None:
+    """The context a model of an upstream's /v1/models takes: ``max_model_len`` (vLLM,
+    SGLang, Sluicegate), else llama.cpp's ``meta.n_ctx`` or ``meta.n_ctx_train``."""
+    meta = entry.get("meta")
+    found = [entry.get("max_model_len")]
+    if isinstance(meta, dict):
+        found += [meta.get("n_ctx"), meta.get("n_ctx_train")]
+    for value in found:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _ewma(current: float | None, value: float, alpha: float) -> float:

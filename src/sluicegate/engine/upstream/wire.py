@@ -4,7 +4,8 @@ continuations) and the server-sent events of its streamed answer.
 Every call is streamed, whatever the client asked for: only a streamed answer can be
 paused (by not reading it), cancelled at once (by closing it) and continued elsewhere
 after a failure.  The client's body is passed through, less Sluicegate's own fields, with
-the model name mapped and ``max_tokens`` resolved.
+the model name mapped and ``max_tokens`` resolved: whatever else it holds (tools, ``n``,
+log probabilities, an engine's own fields) is the upstream's to serve or refuse.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def request_body(
         rendered = render(list(call.body["messages"]))
         if rendered is not None:
             kept = {k: v for k, v in call.body.items() if k in _SAMPLING_FIELDS}
+            if call.body.get("logprobs") is True:  # chat's switch, as completions ask it
+                kept["logprobs"] = call.body.get("top_logprobs") or 0
             return "/v1/completions", kept | stream_fields | {"prompt": rendered + partial_text}
     path = "/v1/chat/completions" if call.kind == "chat" else "/v1/completions"
     if not partial_text:
@@ -135,11 +138,28 @@ def request_body(
 
 
 @dataclass(slots=True)
+class ChoiceDelta:
+    """One choice's part of an upstream event, in the shapes :class:`RequestOutput`
+    carries (chat-shaped log probabilities, OpenAI's streamed tool-call fragments)."""
+
+    index: int = 0
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    refusal: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    #: The choice's own finish reason, as the upstream names it.
+    finish_reason: str | None = None
+
+    @property
+    def has_content(self) -> bool:
+        return bool(self.text or self.tool_calls or self.refusal or self.logprobs)
+
+
+@dataclass(slots=True)
 class Delta:
     """One event of an upstream's stream."""
 
-    text: str = ""
-    finish_reason: str | None = None
+    choices: list[ChoiceDelta] = field(default_factory=list)
     #: ``usage`` when the event carries it (the last one, with ``include_usage``).
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -150,7 +170,8 @@ class Delta:
 
 
 def parse_event(data: bytes) -> Delta | None:
-    """The payload of one ``data:`` line (None for one that says nothing)."""
+    """The payload of one ``data:`` line (None for one that says nothing).  Every choice
+    is kept, with its text, tool-call fragments, refusal, log probabilities and finish."""
     data = data.strip()
     if data == b"[DONE]":
         return Delta(done=True)
@@ -171,17 +192,64 @@ def parse_event(data: bytes) -> Delta | None:
         if isinstance(details, dict):
             delta.cached_tokens = _count(details.get("cached_tokens")) or 0
     choices = event.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        choice = choices[0]
-        inner = choice.get("delta")
-        if isinstance(inner, dict):
-            content = inner.get("content")
-            delta.text = content if isinstance(content, str) else ""
-        elif isinstance(choice.get("text"), str):
-            delta.text = choice["text"]
-        reason = choice.get("finish_reason")
-        delta.finish_reason = reason if isinstance(reason, str) else None
+    if isinstance(choices, list):
+        delta.choices = [_choice(c) for c in choices if isinstance(c, dict)]
     return delta
+
+
+def _choice(choice: dict[str, Any]) -> ChoiceDelta:
+    out = ChoiceDelta(index=_count(choice.get("index")) or 0)
+    inner = choice.get("delta")
+    if isinstance(inner, dict):  # a chat chunk
+        out.text = _text(inner.get("content"))
+        out.refusal = _text(inner.get("refusal"))
+        calls = inner.get("tool_calls")
+        if isinstance(calls, list):
+            out.tool_calls = [c for c in calls if isinstance(c, dict)]
+        elif isinstance(inner.get("function_call"), dict):
+            # The deprecated single-call shape: one call, at index 0.
+            out.tool_calls = [{"index": 0, "type": "function", "function": inner["function_call"]}]
+    else:  # a completion chunk
+        out.text = _text(choice.get("text"))
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        content = logprobs.get("content")
+        if isinstance(content, list):
+            out.logprobs = [e for e in content if isinstance(e, dict)]
+        elif isinstance(logprobs.get("tokens"), list):
+            out.logprobs = chat_logprobs(logprobs)
+    reason = choice.get("finish_reason")
+    out.finish_reason = reason if isinstance(reason, str) else None
+    return out
+
+
+def chat_logprobs(legacy: dict[str, Any]) -> list[dict[str, Any]]:
+    """Completions' legacy log probabilities (``tokens``, ``token_logprobs``,
+    ``top_logprobs``) as the chat-shaped entries an output carries (the writer turns them
+    back into the legacy shape for a completions client)."""
+    tokens = legacy.get("tokens") or []
+    values = legacy.get("token_logprobs") or []
+    tops = legacy.get("top_logprobs") or []
+    entries: list[dict[str, Any]] = []
+    for i, token in enumerate(tokens):
+        token = str(token)
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        entries.append(
+            {
+                "token": token,
+                "logprob": values[i] if i < len(values) else None,
+                "bytes": list(token.encode()),
+                "top_logprobs": [
+                    {"token": str(t), "logprob": v, "bytes": list(str(t).encode())}
+                    for t, v in top.items()
+                ],
+            }
+        )
+    return entries
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def _count(value: object) -> int | None:

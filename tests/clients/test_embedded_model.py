@@ -1,0 +1,129 @@
+"""The clients against the embedded model (SmolLM2, ``--engine torch``): a 135M model
+left to itself rarely writes a well-formed call, so what these tests check is the
+server's promise that under ``required`` or a named tool the call is always well-formed
+and fits its schema (constrained decoding), whatever the model would have written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.clients.tools import (
+    ASK_WEATHER,
+    TOOLS,
+    Person,
+    Weather,
+    assemble_streamed_calls,
+    check_call,
+)
+from tests.support.servers import ServerProcess, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def torch_server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
+    server = start_server(
+        # Static admission: these tests are about answers, and an objective calibrated on
+        # a busy machine must not refuse them.
+        [
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "1024",
+            "--cache-dir",
+            str(torch_cache_dir),
+            "--admission",
+            "static",
+        ],
+        "clients-torch",
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(torch_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=torch_server.v1, api_key="unused") as client:
+        yield client
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_calls_fit_their_schemas(client: openai.OpenAI, seed: int) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0.8,
+        seed=seed,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.id and call.type == "function"
+        check_call(call.function.name, call.function.arguments)
+
+
+def test_parallel_tool_calls_false_makes_exactly_one_call(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
+    check_call(calls[0].function.name, calls[0].function.arguments)
+
+
+def test_streamed_required_call_fits_its_schema(client: openai.OpenAI) -> None:
+    deltas = []
+    finishes = []
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+    ):
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    assert finishes in (["tool_calls"], ["stop"])
+    calls = assemble_streamed_calls(deltas)
+    assert calls and sorted(calls) == list(range(len(calls)))
+    for call in calls.values():
+        assert call["name"] == "get_weather"
+        check_call("get_weather", call["arguments"])
+
+
+def test_parse_with_a_pydantic_tool(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.parse(
+        model=MODEL,
+        messages=ASK_WEATHER,
+        tools=[openai.pydantic_function_tool(Weather)],
+        tool_choice="required",
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    assert calls and all(isinstance(c.function.parsed_arguments, Weather) for c in calls)
+
+
+def test_langchain_structured_output_by_function_calling(torch_server: ServerProcess) -> None:
+    from langchain_openai import ChatOpenAI  # seconds to import: only where it is used
+
+    llm = ChatOpenAI(model=MODEL, base_url=torch_server.v1, api_key="unused")
+    structured = llm.with_structured_output(Person, method="function_calling")
+    for text in ("Ada is 36 and speaks English and French.", "Linus, 28, speaks Finnish."):
+        person = structured.invoke(f"Extract the person: {text}")
+        assert isinstance(person, Person)
+        assert 0 <= person.age <= 150 and len(person.languages) <= 3
