@@ -46,11 +46,13 @@ typecheck: $(STAMP)
 
 # Two workers (pytest-xdist): most slow tests wait on servers and sockets, so two share
 # the machine's two cores well.  A file's tests run on one worker (--dist loadfile), so a
-# module's server or compiled package is made once; files are handed out one at a time.
+# module's server or compiled package is made once; files are handed out one at a time,
+# the longest first (in collection order, tests/support/order.py; xdist's own reordering
+# put the longest last).
 PYTEST_WORKERS ?= 2
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
 pytest-fast: $(STAMP)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import slow_rule
+from tests.support import order, slow_rule
 from tests.support.servers import ServerProcess, start_server
 
 _guard = slow_rule.ProcessGuard()
@@ -28,6 +28,7 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_rule.mark(items)
+    order.longest_files_first(items)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -110,6 +110,11 @@ def transformers_serve(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     # fail; the gateway asks its /health instead (its models are configured).
     absent = tmp_path_factory.mktemp("hub") / "absent"
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(absent)}
+    # Under two pytest-xdist workers its torch computes on one thread too, as ours do
+    # (tests/conftest.py): its two OpenMP threads, spinning for the cores the other worker
+    # used, took 7-10 s of CPU for a 12-token answer where one thread takes under 1 s.
+    if threads := os.environ.get("SLUICEGATE_TORCH_THREADS"):
+        env["OMP_NUM_THREADS"] = threads
     peer = Peer("transformers", args, env, model=str(hf_dir))
     peer.chat(QUESTION, 2)  # its first answer sets it up (seconds): not in a test's time
     yield peer
