@@ -19,11 +19,17 @@ import pytest
 #: Files of more than ~20 s of tests each in one ``make test``, longest first.
 LONGEST_FIRST = (
     "tests/upstream/test_peers.py",
+    "tests/tools/test_model.py",
+    "tests/clients/test_embedded_model.py",
+    "tests/engine/torch/test_sampling_surface_model.py",
     "tests/engine/torch/test_compiled.py",
     "tests/upstream/test_failover.py",
     "tests/engine/torch/test_smollm2.py",
     "tests/engine/torch/test_prefix_cache.py",
     "tests/engine/torch/test_grammar.py",
+    "tests/service/test_choices.py",
+    "tests/clients/test_litellm.py",
+    "tests/clients/test_langchain.py",
     "tests/resume/test_access.py",
     "tests/resume/test_replicas.py",
     "tests/upstream/test_gateway.py",
