@@ -143,13 +143,15 @@ class Settings(FlowSettings, BaseSettings):
         60.0,
         gt=0.0,
         description="An upstream that sends no token this long after a request is taken "
-        "to hang: the request moves to another upstream.",
+        "to hang (comments and heartbeats are not tokens): the request moves to another "
+        "upstream.",
     )
     upstream_idle_timeout_seconds: float = Field(
         30.0,
         gt=0.0,
-        description="An upstream stream that goes silent this long mid-answer (while its "
-        "reader keeps up) is taken to be dead: the answer continues elsewhere.",
+        description="An upstream stream that makes no progress this long mid-answer (while "
+        "its reader keeps up; comments and empty deltas are not progress) is taken to be "
+        "dead: the answer continues elsewhere.",
     )
     upstream_eject_failures: int = Field(
         3, ge=1, description="Consecutive failures that eject an upstream until it is healthy."

@@ -118,7 +118,9 @@ class ScriptedUpstream:
         for i, event in enumerate(answer.events):
             if answer.dies_after is not None and i >= answer.dies_after:
                 break
-            await _silence(send, answer.silent_before.get(i, 0.0), answer.comment_every_seconds)
+            silence = answer.silent_before.get(i, 0.0)
+            if silence and not await _silence(send, receive, silence, answer.comment_every_seconds):
+                return  # the gateway went away meanwhile
             if isinstance(event, list):
                 chunk = _chunk(event, chat)
             else:
@@ -132,15 +134,23 @@ class ScriptedUpstream:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _silence(send: Any, seconds: float, comment_every: float | None) -> None:
+async def _silence(send: Any, receive: Any, seconds: float, comment_every: float | None) -> bool:
     """No data for ``seconds``: only SSE comments every ``comment_every`` seconds (a queued
-    request's position, a heartbeat), when set."""
+    request's position, a heartbeat), when set.  False when the client went away."""
     deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        await asyncio.sleep(left if comment_every is None else min(left, comment_every))
-        if comment_every is not None:
-            comment = {"type": "http.response.body", "body": b": queued\n\n", "more_body": True}
-            await send(comment)
+    gone = asyncio.ensure_future(receive())  # the body was read: what comes is a disconnect
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            wait = left if comment_every is None else min(left, comment_every)
+            done, _ = await asyncio.wait({gone}, timeout=wait)
+            if done:
+                return False
+            if comment_every is not None:
+                comment = b": queued position=1\n\n"
+                await send({"type": "http.response.body", "body": comment, "more_body": True})
+        return True
+    finally:
+        gone.cancel()
 
 
 def _chunk(choices: list[dict[str, Any]], chat: bool) -> dict[str, Any]:

@@ -14,8 +14,11 @@ import asyncio
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import orjson
+
+from sluicegate.engine.upstream.wire import parse_event
 from tests.support.inprocess import InProcessApp, serve_in_process
-from tests.upstream.scripted import Answer, ScriptedUpstream
+from tests.upstream.scripted import Answer, ScriptedUpstream, text
 from tests.upstream.test_passthrough import TWO_CALLS, WHOLE_CALLS, ended, sse_chunks
 from tests.upstream.test_restart import BODY, parts
 
@@ -90,6 +93,35 @@ async def test_comments_do_not_stand_for_a_first_token() -> None:
         second.stop()
 
 
+async def test_a_reasoning_model_thinking_is_not_silent() -> None:
+    """Reasoning tokens (which the gateway does not relay), a few tenths of a second apart
+    for longer than both timeouts: the upstream is working, and is waited for."""
+    thinking = [{"index": 0, "delta": {"reasoning_content": "hmm "}} for _ in range(8)]
+    events = [*thinking, text("Paris.", 0, "stop")]
+    pauses = dict.fromkeys(range(len(events)), 0.3)
+    upstream = ScriptedUpstream(lambda body, attempt: Answer(events, silent_before=pauses)).start()
+    try:
+        async with gateway([upstream]) as app:
+            _, chunks = await streamed(app, BODY)
+        assert parts(chunks) == ("Paris.", [], ["stop"])
+        assert len(upstream.calls) == 1
+    finally:
+        upstream.stop()
+
+
+def test_only_deltas_with_something_in_them_are_progress() -> None:
+    def progress(choice: dict[str, Any]) -> bool:
+        delta = parse_event(orjson.dumps({"choices": [choice]}))
+        assert delta is not None
+        return delta.choices[0].progress
+
+    assert not progress({"index": 0, "delta": {"role": "assistant", "content": ""}})
+    assert not progress({"index": 0, "delta": {"content": None, "tool_calls": []}})
+    assert progress({"index": 0, "delta": {"reasoning_content": "so"}})
+    assert progress({"index": 0, "delta": {}, "finish_reason": "stop"})
+    assert progress({"index": 0, "text": "x"})  # a completion's
+
+
 async def test_an_upstream_silent_on_every_restart_ends_the_stream_with_an_error() -> None:
     """It dies after the first call; asked again, it repeats that call and falls silent,
     every time.  The gateway gives up after a few calls, and says so."""
@@ -104,7 +136,7 @@ async def test_an_upstream_silent_on_every_restart_ends_the_stream_with_an_error
         async with gateway([upstream]) as app:
             raw, chunks = await streamed(app, BODY)
             stats = (await app.client.get("/v1/stats")).json()
-        content, calls, finishes = parts(chunks)
+        content, calls, _ = parts(chunks)
         assert content == "Let me check." and calls == WHOLE_CALLS[:1]
         assert raw.count('"call_') == 1
         error = next(c["error"] for c in chunks if "error" in c)
@@ -127,4 +159,3 @@ def gateway(upstreams: list[ScriptedUpstream]) -> AbstractAsyncContextManager[In
         engine="upstream",
         upstream=[u.url for u in upstreams],
     )
-

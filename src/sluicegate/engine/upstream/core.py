@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 #: Tokens of the byte-level tokenizer (256 bytes and ChatML's specials): counts in bytes.
 BYTE_VOCAB_SIZE = 259
 
+#: A request gives up after this many failed calls per upstream of the pool (an upstream
+#: that fails it on every call, and passes its health checks between, would hold its
+#: stream for ever).
+MAX_FAILED_CALLS_PER_UPSTREAM = 3
+
 #: The long prompt an upstream's TTFT is measured with at start (about 256 tokens).
 PROBE_TEXT = " ".join(
     ["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 16
@@ -255,19 +260,21 @@ class UpstreamCore:
             self._capacity.release(rid)
 
     async def _relay_until_done(self, live: Live) -> None:
+        """Call upstreams until one answers it whole.  Every way out ends its stream: an
+        answer, or (raised, and posted by :meth:`_serve`) an error; a request its
+        upstreams keep failing gives up after ``MAX_FAILED_CALLS_PER_UPSTREAM`` failed
+        calls per upstream, even when the same one comes back healthy each time."""
         rid = live.request.request_id
-        failovers = 0
         while True:
             upstream = self._choose(live)
             if upstream is None:
                 upstream = await self._find_room(live)
             if upstream is None:
                 raise ClientError(self._unavailable(live))
-            if live.upstream is not None and live.upstream != upstream.name and live.delivered:
-                # Mid-answer, moved from the upstream that failed it (counted there).
-                failovers += 1
-                if (failed := self.pool.by_name(live.upstream)) is not None:
-                    failed.failovers_total += 1
+            # Mid-answer, moved from the upstream that failed it (counted there).
+            previous = None if live.upstream == upstream.name else live.upstream
+            if previous is not None and live.delivered and (failed := self.pool.by_name(previous)):
+                failed.failovers_total += 1
             live.upstream = upstream.name
             live.holding = upstream
             self.pool.hold(upstream, rid, live.request.max_total_tokens)
@@ -283,8 +290,8 @@ class UpstreamCore:
                 # Its seat stays lent out until its reader catches up.
                 await live.running.wait()
                 live.preempted = False
-            elif failovers > 2 * len(self.pool.upstreams):
-                raise ClientError(self._unavailable(live))
+            elif live.num_failed_calls >= MAX_FAILED_CALLS_PER_UPSTREAM * len(self.pool.upstreams):
+                raise ClientError(_gave_up(live))
 
     def _choose(self, live: Live) -> Upstream | None:
         return self.pool.choose(
@@ -357,3 +364,13 @@ class UpstreamCore:
             code="upstream_unavailable",
             headers={"retry-after": str(retry)},
         )
+
+
+def _gave_up(live: Live) -> APIError:
+    return APIError(
+        502,
+        f"The upstreams failed this request {live.num_failed_calls} times (the last: "
+        f"{live.last_failure}): the stream ends here rather than wait on. Send the "
+        "request again.",
+        code="upstream_failed",
+    )

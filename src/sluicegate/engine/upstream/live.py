@@ -53,12 +53,22 @@ class Live:
     #: Calls made for it so far, and whether it began with text delivered elsewhere.
     calls: int = 0
     taken_over: bool = False
+    #: Its calls that failed (an upstream that died, went silent, pushed back), and why
+    #: the last one did: the relay gives up after a few (:meth:`failed`).
+    num_failed_calls: int = 0
+    last_failure: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request.pause.paused:
             self.running.set()
         n = self.call.body.get("n")
         self.answer = AnswerState(n if isinstance(n, int) and not isinstance(n, bool) else 1)
+
+    def failed(self, upstream: Upstream, reason: str) -> None:
+        """A call on ``upstream`` failed: not tried there again (until it is healthy)."""
+        self.excluded.add(upstream.name)
+        self.num_failed_calls += 1
+        self.last_failure = f"{upstream.name}: {reason}"
 
     @property
     def paused(self) -> bool:

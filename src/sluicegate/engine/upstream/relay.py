@@ -109,9 +109,7 @@ class Relay:
                     return await self._refused(live, upstream, response)
                 return await self._relay(live, upstream, response)
         except httpx.HTTPError as exc:
-            self.pool.failed(upstream, repr(exc))
-            live.excluded.add(upstream.name)
-            return Outcome.RETRY
+            return self._failed(live, upstream, repr(exc))
 
     async def _relay(self, live: Live, upstream: Upstream, response: httpx.Response) -> Outcome:
         """Read the answer's events into the request's stream."""
@@ -126,13 +124,20 @@ class Relay:
         last_time = started
         tokens = 0
         done = False
+        # Silence is timed from the upstream's last progress on the answer (or the call's
+        # start, or the end of a pause or a pacing wait), not from its last line: SSE
+        # comments (another Sluicegate's queue position, heartbeats) and empty deltas are
+        # no answer, and an upstream that sends only them must not hold the stream forever.
+        heard = started
         while True:
             if live.aborted:
                 raise asyncio.CancelledError
-            if live.paused and await self._stays_paused(live):
-                upstream.aborts_total += 1
-                self.preemptions += 1
-                return Outcome.PREEMPTED
+            if live.paused:
+                if await self._stays_paused(live):
+                    upstream.aborts_total += 1
+                    self.preemptions += 1
+                    return Outcome.PREEMPTED
+                heard = time.monotonic()  # its reader was behind, not the upstream
             timeout = (
                 settings.upstream_first_token_timeout_seconds
                 if first_time is None
@@ -140,7 +145,7 @@ class Relay:
             )
             try:
                 # Not asyncio.wait_for: on 3.11 it can swallow a cancellation.
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(max(0.0, heard + timeout - time.monotonic())):
                     line = await anext(lines)
             except StopAsyncIteration:
                 break
@@ -157,10 +162,11 @@ class Relay:
                 done = True
                 break
             for choice in delta.choices:
-                if choice.has_content:
-                    now = time.monotonic()
-                    first_time = first_time or now
-                    last_time = now
+                if choice.progress:
+                    heard = now = time.monotonic()
+                    if choice.has_content:
+                        first_time = first_time or now
+                        last_time = now
                 num_tokens = self._deliver(live, _absorb(live, choice))
                 tokens += num_tokens
                 if choice.finish_reason is not None and choice.index == 0:
@@ -169,6 +175,7 @@ class Relay:
                     wait = request.pace.after_tokens(self._clock(), num_tokens)
                     if wait > 0.0:
                         await self._sleep(wait)
+                        heard = time.monotonic()  # its own pace, not the upstream's
             if delta.prompt_tokens is not None and delta.completion_tokens is not None:
                 reported = (delta.prompt_tokens, delta.completion_tokens)
                 cached = delta.cached_tokens
@@ -195,7 +202,7 @@ class Relay:
 
     def _failed(self, live: Live, upstream: Upstream, reason: str) -> Outcome:
         self.pool.failed(upstream, reason)
-        live.excluded.add(upstream.name)
+        live.failed(upstream, reason)
         return Outcome.RETRY
 
     def _render(self, messages: list[dict[str, Any]]) -> str | None:
@@ -230,7 +237,7 @@ class Relay:
         message, param, code = error_message(status, content)
         if status in (429, 503):
             self.pool.pushed_back(upstream, status)
-            live.excluded.add(upstream.name)
+            live.failed(upstream, f"answered {status}")
             return Outcome.RETRY
         if 400 <= status < 500 and status not in (401, 403, 404, 408):
             # Its own validation (context length, a parameter it does not take): the

@@ -149,6 +149,10 @@ class ChoiceDelta:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     #: The choice's own finish reason, as the upstream names it.
     finish_reason: str | None = None
+    #: Its delta holds something besides its role (content, or parts the gateway does
+    #: not relay, such as a reasoning model's ``reasoning_content``): the upstream is
+    #: working on it, which an empty delta or an SSE comment does not show.
+    progress: bool = False
 
     @property
     def has_content(self) -> bool:
@@ -201,6 +205,7 @@ def _choice(choice: dict[str, Any]) -> ChoiceDelta:
     out = ChoiceDelta(index=_count(choice.get("index")) or 0)
     inner = choice.get("delta")
     if isinstance(inner, dict):  # a chat chunk
+        out.progress = any(value for key, value in inner.items() if key != "role")
         out.text = _text(inner.get("content"))
         out.refusal = _text(inner.get("refusal"))
         calls = inner.get("tool_calls")
@@ -220,6 +225,7 @@ def _choice(choice: dict[str, Any]) -> ChoiceDelta:
             out.logprobs = chat_logprobs(logprobs)
     reason = choice.get("finish_reason")
     out.finish_reason = reason if isinstance(reason, str) else None
+    out.progress = out.progress or out.has_content or out.finish_reason is not None
     return out
 
 
