@@ -154,7 +154,9 @@ async def test_completions_logprobs(client: openai.AsyncOpenAI) -> None:
     token_ids = list(expected_completion(prompt, 13, 40).encode())[:30]
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(token_ids)
     assert lp.token_logprobs == [sim_logprobs(13, i, t, 2).logprob for i, t in enumerate(token_ids)]
-    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # The alternatives and the sampled token, as OpenAI gives them (k + 1 at most).
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 3 and top[token] == value
     assert lp.text_offset[0] == 0
     # Streamed, the same numbers.
     stream = await client.completions.create(

@@ -195,12 +195,19 @@ def completion_logprobs(entries: list[dict[str, Any]], text_offset: int = 0) -> 
     return {
         "tokens": [entry["token"] for entry in entries],
         "token_logprobs": [entry["logprob"] for entry in entries],
+        # As OpenAI and vLLM give them: the alternatives and the sampled token (k + 1 at
+        # most; the sampled token is often one of the k).
         "top_logprobs": [
             {top["token"]: top["logprob"] for top in entry.get("top_logprobs", ())}
+            | ({} if _has_token(entry) else {entry["token"]: entry["logprob"]})
             for entry in entries
         ],
         "text_offset": offsets,
     }
+
+
+def _has_token(entry: Mapping[str, Any]) -> bool:
+    return any(top["token"] == entry["token"] for top in entry.get("top_logprobs", ()))
 
 
 def usage(output: RequestOutput) -> dict[str, object]:
