@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from sluicegate.bench.chat_chunks import chat_chunks
 from sluicegate.bench.server_process import ServerProcess, start_server_with_args
 
 EDIT_PROMPTS = [
@@ -100,22 +101,15 @@ def _answer(client: httpx.Client, prompt: str, max_tokens: int, seed: int | None
     first = last = 0.0
     text: list[str] = []
     tokens = 0
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(f"answered {response.status_code}: {response.text}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = orjson.loads(line[6:])
-            if isinstance(event.get("usage"), dict):
-                tokens = int(event["usage"]["completion_tokens"])
-            choice = (event.get("choices") or [{}])[0]
-            piece = (choice.get("delta") or {}).get("content") or ""
-            if piece:
-                last = time.monotonic()
-                first = first or last
-                text.append(piece)
+    for event in chat_chunks(client, body):
+        if isinstance(event.get("usage"), dict):
+            tokens = int(event["usage"]["completion_tokens"])
+        choice = (event.get("choices") or [{}])[0]
+        piece = (choice.get("delta") or {}).get("content") or ""
+        if piece:
+            last = time.monotonic()
+            first = first or last
+            text.append(piece)
     return Answer("".join(text), tokens, last - first)
 
 

@@ -26,6 +26,7 @@ import httpx
 import jsonschema
 import orjson
 
+from sluicegate.bench.chat_chunks import chat_chunks
 from sluicegate.bench.server_process import start_server_with_args
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -142,23 +143,16 @@ def _answer(client: httpx.Client, body: Mapping[str, Any]) -> Answer:
     text: list[str] = []
     tokens = 0
     finish: str | None = None
-    with client.stream("POST", "/v1/chat/completions", json=dict(body)) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(f"answered {response.status_code}: {response.text}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = orjson.loads(line[6:])
-            if isinstance(event.get("usage"), dict):
-                tokens = int(event["usage"]["completion_tokens"])
-            choice = (event.get("choices") or [{}])[0]
-            finish = choice.get("finish_reason") or finish
-            piece = (choice.get("delta") or {}).get("content") or ""
-            if piece:
-                last = time.monotonic()
-                first = first or last
-                text.append(piece)
+    for event in chat_chunks(client, body):
+        if isinstance(event.get("usage"), dict):
+            tokens = int(event["usage"]["completion_tokens"])
+        choice = (event.get("choices") or [{}])[0]
+        finish = choice.get("finish_reason") or finish
+        piece = (choice.get("delta") or {}).get("content") or ""
+        if piece:
+            last = time.monotonic()
+            first = first or last
+            text.append(piece)
     return Answer("".join(text), tokens, last - first, finish)
 
 

@@ -30,6 +30,7 @@ import httpx
 import jsonschema
 import orjson
 
+from sluicegate.bench.chat_chunks import chat_chunks
 from sluicegate.bench.server_process import start_server_with_args
 from sluicegate.bench.structured import PROMPTS, SCHEMAS
 
@@ -101,31 +102,24 @@ def answer(client: httpx.Client, body: Mapping[str, Any]) -> ToolAnswer:
     calls: dict[int, dict[str, Any]] = {}
     tokens = 0
     finish: str | None = None
-    with client.stream("POST", "/v1/chat/completions", json=dict(body)) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(f"answered {response.status_code}: {response.text}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = orjson.loads(line[6:])
-            if isinstance(event.get("usage"), dict):
-                tokens = int(event["usage"]["completion_tokens"])
-            choice = (event.get("choices") or [{}])[0]
-            finish = choice.get("finish_reason") or finish
-            delta = choice.get("delta") or {}
-            piece = delta.get("content") or ""
-            fragments = delta.get("tool_calls") or []
-            if piece or fragments:
-                last = (time.monotonic(), tokens)
-                first = first or last
-                text.append(piece)
-            for fragment in fragments:
-                call = calls.setdefault(fragment["index"], {"id": "", "name": "", "arguments": ""})
-                call["id"] = fragment.get("id") or call["id"]
-                function = fragment.get("function") or {}
-                call["name"] += function.get("name") or ""
-                call["arguments"] += function.get("arguments") or ""
+    for event in chat_chunks(client, body):
+        if isinstance(event.get("usage"), dict):
+            tokens = int(event["usage"]["completion_tokens"])
+        choice = (event.get("choices") or [{}])[0]
+        finish = choice.get("finish_reason") or finish
+        delta = choice.get("delta") or {}
+        piece = delta.get("content") or ""
+        fragments = delta.get("tool_calls") or []
+        if piece or fragments:
+            last = (time.monotonic(), tokens)
+            first = first or last
+            text.append(piece)
+        for fragment in fragments:
+            call = calls.setdefault(fragment["index"], {"id": "", "name": "", "arguments": ""})
+            call["id"] = fragment.get("id") or call["id"]
+            function = fragment.get("function") or {}
+            call["name"] += function.get("name") or ""
+            call["arguments"] += function.get("arguments") or ""
     start = first or last
     return ToolAnswer(
         "".join(text),
