@@ -6,9 +6,17 @@ One server.  Requests go out in rounds of ``streams`` at once, like ``bench stru
 ``tool_choice: "required"`` (seeded sampling), each answer's calls assembled from the
 streamed ``delta.tool_calls`` and checked: the name is one of the tools, the arguments
 parse as JSON and validate against that tool's schema (``jsonschema``); a round of the
-same conversations as free text (no tools), each held to exactly the length its tool
-answer had (``max_tokens`` and ``ignore_eos``); and the tool round again (A, B, A, so
-that drift cancels; its seeded answers must come out the same, ids included).
+same conversations as free text, each held to exactly the length its tool answer had
+(``max_tokens`` and ``ignore_eos``); and the tool round again (A, B, A, so that drift
+cancels; its seeded answers must come out the same, ids included).
+
+The free round sends the very prompt the tool round's requests become: the tools'
+description as the system message the server writes for a template without tools of
+its own (SmolLM2's; :func:`sluicegate.tools.prompt.render_messages`), then the user's
+message, without ``tools``.  Both rounds thus attend over the same ~590 prompt tokens,
+and the difference between them is what calling tools costs: the grammar, the parser
+and the call deltas.  ``max_tokens`` (1,024) leaves room for the grammar's most calls
+(:data:`sluicegate.tools.grammar.MAX_CALLS`) of these tools, so no answer is cut.
 
 Time per output token is measured from the chunks' own token counts
 (``continuous_usage_stats``): the parser holds back a call's opening until its name is
@@ -33,6 +41,8 @@ import orjson
 from sluicegate.bench.chat_chunks import chat_chunks
 from sluicegate.bench.server_process import start_server_with_args
 from sluicegate.bench.structured import PROMPTS, SCHEMAS
+from sluicegate.tools.prompt import render_messages
+from sluicegate.tools.spec import tool_plan
 
 #: Each schema of ``bench structured`` as a tool that records one.
 TOOLS: list[dict[str, Any]] = [
@@ -47,6 +57,14 @@ TOOLS: list[dict[str, Any]] = [
     for name, schema in SCHEMAS.items()
 ]
 _SCHEMA_OF = {f"record_{name}": schema for name, schema in SCHEMAS.items()}
+_PLAN = tool_plan(TOOLS, "required", None)
+
+
+def free_messages(prompt: str) -> list[dict[str, Any]]:
+    """The tool round's conversation as the server renders it for SmolLM2's template (the
+    tools described in a system message), sent as free text."""
+    messages, _ = render_messages([{"role": "user", "content": prompt}], _PLAN, native=False)
+    return messages
 
 
 @dataclass(slots=True)
@@ -60,6 +78,7 @@ class ToolAnswer:
     decode_tokens: int
     decode_seconds: float
     finish_reason: str | None
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -73,6 +92,7 @@ class ToolsResult:
     failures: list[str] = field(default_factory=list)
     tokens: dict[str, int] = field(default_factory=lambda: {"tools": 0, "free": 0})
     seconds: dict[str, float] = field(default_factory=lambda: {"tools": 0.0, "free": 0.0})
+    prompt_tokens: dict[str, int] = field(default_factory=lambda: {"tools": 0, "free": 0})
 
     def tpot(self, which: str) -> float:
         return self.seconds[which] / self.tokens[which] if self.tokens[which] else 0.0
@@ -90,7 +110,10 @@ class ToolsResult:
             "same seed",
             f"time per output token at {self.streams} streams: "
             f"{self.tpot('tools') * 1000:.1f} ms calling tools, "
-            f"{self.tpot('free') * 1000:.1f} ms free: overhead {self.overhead:+.1%}",
+            f"{self.tpot('free') * 1000:.1f} ms free: overhead {self.overhead:+.1%} "
+            f"(prompts of {self.prompt_tokens['tools'] / max(1, self.num_requests):.0f} "
+            f"and {self.prompt_tokens['free'] / max(1, self.num_requests):.0f} tokens "
+            "on average)",
         ]
 
 
@@ -102,9 +125,11 @@ def answer(client: httpx.Client, body: Mapping[str, Any]) -> ToolAnswer:
     calls: dict[int, dict[str, Any]] = {}
     tokens = 0
     finish: str | None = None
+    prompt_tokens = 0
     for event in chat_chunks(client, body):
         if isinstance(event.get("usage"), dict):
             tokens = int(event["usage"]["completion_tokens"])
+            prompt_tokens = int(event["usage"]["prompt_tokens"])
         choice = (event.get("choices") or [{}])[0]
         finish = choice.get("finish_reason") or finish
         delta = choice.get("delta") or {}
@@ -128,12 +153,13 @@ def answer(client: httpx.Client, body: Mapping[str, Any]) -> ToolAnswer:
         last[1] - start[1],
         last[0] - start[0],
         finish,
+        prompt_tokens,
     )
 
 
-def _body(prompt: str, max_tokens: int, seed: int) -> dict[str, Any]:
+def _body(messages: list[dict[str, Any]], max_tokens: int, seed: int) -> dict[str, Any]:
     return {
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0.7,
         "seed": seed,
@@ -143,7 +169,7 @@ def _body(prompt: str, max_tokens: int, seed: int) -> dict[str, Any]:
 
 
 def tool_calling(
-    out: Path, num_requests: int = 100, streams: int = 8, max_tokens: int = 512
+    out: Path, num_requests: int = 100, streams: int = 8, max_tokens: int = 1024
 ) -> ToolsResult:
     out.mkdir(parents=True, exist_ok=True)
     result = ToolsResult(num_requests, streams)
@@ -154,7 +180,7 @@ def tool_calling(
     clients = [httpx.Client(base_url=server.base_url, timeout=600) for _ in range(streams)]
     samples: list[dict[str, Any]] = []
     try:
-        answer(clients[0], _body("Say hi.", 8, 0))  # first-use costs
+        answer(clients[0], _body([{"role": "user", "content": "Say hi."}], 8, 0))  # first-use costs
         jobs = [(PROMPTS[i % len(PROMPTS)], i) for i in range(num_requests)]
         with ThreadPoolExecutor(streams) as pool:
             for start in range(0, num_requests, streams):
@@ -178,6 +204,7 @@ def tool_calling(
         "failures": result.failures,
         "tpot_seconds": {w: result.tpot(w) for w in ("tools", "free")},
         "overhead": result.overhead,
+        "prompt_tokens": result.prompt_tokens,
         "answers": samples,
     }
     (out / "results.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
@@ -196,9 +223,10 @@ def _round(
     futures = []
     for i, ((_, prompt), seed) in enumerate(chunk):
         if lengths is None:
-            body = {**_body(prompt, max_tokens, seed), "tools": TOOLS, "tool_choice": "required"}
+            user = [{"role": "user", "content": prompt}]
+            body = {**_body(user, max_tokens, seed), "tools": TOOLS, "tool_choice": "required"}
         else:
-            body = {**_body(prompt, lengths[i], seed), "ignore_eos": True}
+            body = {**_body(free_messages(prompt), lengths[i], seed), "ignore_eos": True}
         futures.append(pool.submit(answer, clients[i], body))
     return [f.result() for f in futures]
 
@@ -238,7 +266,10 @@ def _score(
             result.cut += 1
         result.failures.append(f"{name}: {problem}: {called.calls!r:.300}")
     result.valid += problem is None
-    result.identical += (again.text, again.calls) == (called.text, called.calls)
+    identical = (again.text, again.calls) == (called.text, called.calls)
+    result.identical += identical
+    result.prompt_tokens["tools"] += called.prompt_tokens
+    result.prompt_tokens["free"] += free.prompt_tokens
     result.tokens["free"] += 2 * free.decode_tokens
     result.seconds["free"] += 2 * free.decode_seconds
     for one in (called, again):
@@ -252,5 +283,8 @@ def _score(
             "valid": problem is None,
             "tokens": called.tokens,
             "finish_reason": called.finish_reason,
+            "identical": identical,
+            # The answer asked again, where it differs (to trace why).
+            **({} if identical else {"again": {"calls": again.calls, "text": again.text}}),
         }
     )
