@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import openai
+import orjson
 import pytest
 
 from tests.clients.tools import (
@@ -127,3 +130,96 @@ def test_langchain_structured_output_by_function_calling(torch_server: ServerPro
         person = structured.invoke(f"Extract the person: {text}")
         assert isinstance(person, Person)
         assert 0 <= person.age <= 150 and len(person.languages) <= 3
+
+
+@pytest.fixture(scope="module")
+def gateway(torch_server: ServerProcess) -> Iterator[ServerProcess]:
+    """A gateway (``--engine upstream``) in front of the embedded model."""
+    server = start_server(
+        ["--engine", "upstream", "--upstream", torch_server.base_url, "--admission", "static"],
+        "clients-torch-gateway",
+    )
+    yield server
+    server.stop()
+
+
+#: A seeded tool-calling request that samples (so that the seed matters).
+SEEDED_CALLS = {
+    "model": MODEL,
+    "messages": ASK_WEATHER,
+    "tools": TOOLS,
+    "tool_choice": "required",
+    "temperature": 0.8,
+    "seed": 11,
+    "max_tokens": 300,
+}
+
+
+def _sse(response: httpx.Response) -> list[str]:
+    return [line for line in response.text.splitlines() if line.startswith(("id:", "data:"))]
+
+
+def _streamed_calls(lines: list[str]) -> tuple[dict[int, dict[str, str]], list[str]]:
+    deltas: list[Any] = []
+    finishes: list[str] = []
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        for choice in orjson.loads(line[6:]).get("choices", []):
+            deltas += choice["delta"].get("tool_calls") or []
+            if choice.get("finish_reason"):
+                finishes.append(choice["finish_reason"])
+    calls = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += delta.get("id") or ""
+        call["name"] += (delta.get("function") or {}).get("name") or ""
+        call["arguments"] += (delta.get("function") or {}).get("arguments") or ""
+    return calls, finishes
+
+
+def test_tool_calls_through_a_gateway_are_the_direct_answer(
+    torch_server: ServerProcess, gateway: ServerProcess
+) -> None:
+    """Through a gateway, a seeded tool-calling answer is the answer given directly: the
+    same message (calls, ids, arguments, byte for byte), streamed or not; streamed, the
+    gateway sends each call whole once complete (so that a failover can restart without
+    a broken call), so its chunks are fewer, and they assemble to the same calls."""
+    with httpx.Client(timeout=300) as http:
+        direct = http.post(f"{torch_server.v1}/chat/completions", json=SEEDED_CALLS)
+        through = http.post(f"{gateway.v1}/chat/completions", json=SEEDED_CALLS)
+        assert direct.status_code == through.status_code == 200, (direct.text, through.text)
+        message = direct.json()["choices"][0]["message"]
+        assert message["tool_calls"], message
+        assert through.json()["choices"][0]["message"] == message
+        assert through.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+        streamed = {**SEEDED_CALLS, "stream": True}
+        direct_lines = _sse(http.post(f"{torch_server.v1}/chat/completions", json=streamed))
+        response = http.post(f"{gateway.v1}/chat/completions", json=streamed)
+        through_lines = _sse(response)
+        whole = {
+            i: {
+                "id": c["id"],
+                "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"],
+            }
+            for i, c in enumerate(message["tool_calls"])
+        }
+        assert _streamed_calls(direct_lines) == (whole, ["tool_calls"])
+        assert _streamed_calls(through_lines) == (whole, ["tool_calls"])
+
+        # Resumed from the gateway's replay log after each event: the events after it,
+        # byte for byte, tool-call deltas included.
+        stream_id = response.headers["x-request-id"]
+        token = {"x-sluicegate-resume-token": response.headers["x-sluicegate-resume-token"]}
+        ids = [line for line in through_lines if line.startswith("id:")]
+        for position, id_line in enumerate(ids):
+            seq = id_line.rsplit(":", 1)[1]
+            replay = http.get(f"{gateway.v1}/streams/{stream_id}?after={seq}", headers=token)
+            assert replay.status_code == 200, replay.text
+            after = through_lines[through_lines.index(id_line) + 1 :]
+            # The last event carries the [DONE] line with it: after it, nothing.
+            expected = after if position < len(ids) - 1 else []
+            assert _sse(replay) == expected, position
+        assert len(ids) >= 3 and through_lines[-1] == "data: [DONE]"
