@@ -31,9 +31,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order.longest_files_first(items)
 
 
+def _fast_run(config: pytest.Config) -> bool:
+    """Whether this run deselects slow tests (``make test-fast``)."""
+    return config.getoption("markexpr", "").replace(" ", "") in ("notslow", "not(slow)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # A run without slow tests does not import the modules that are slow as a whole
+    # (the clients' libraries take seconds to import; their tests would all be
+    # deselected anyway).
+    if _fast_run(config) and slow_rule.slow_module(collection_path):
+        return True
+    return None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Only where slow tests are deselected: there no test may start a process.
-    if config.getoption("markexpr", "").replace(" ", "") in ("notslow", "not(slow)"):
+    if _fast_run(config):
         # The standard library asks `uname -p` once per process, the first time anyone
         # wants the processor's name (the openai client's platform headers do): ask now.
         platform.processor()

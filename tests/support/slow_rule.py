@@ -20,6 +20,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from functools import cache
+from pathlib import Path
 from types import FunctionType, ModuleType
 from typing import Any
 
@@ -47,6 +48,24 @@ PROCESS_CALLS = frozenset(
 MODEL_CALLS = frozenset({"TorchEngine", "load_model", "_smollm2_engine"})
 #: ``subprocess.run``: a call named ``run`` counts only on the ``subprocess`` module.
 _QUALIFIED = {("subprocess", "run"), ("subprocess", "call")}
+
+
+def slow_module(path: Path) -> bool:
+    """Whether ``path`` is a test module marked ``slow`` as a whole (a module-level
+    ``pytestmark`` naming ``pytest.mark.slow``), read from its text without importing
+    it."""
+    if not (path.name.startswith("test_") and path.suffix == ".py"):
+        return False
+    tree = ast.parse(path.read_bytes(), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            if "pytestmark" in names and node.value is not None:
+                return any(
+                    isinstance(n, ast.Attribute) and n.attr == "slow" for n in ast.walk(node.value)
+                )
+    return False
 
 
 def mark(items: list[pytest.Item]) -> None:
