@@ -55,8 +55,10 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
+# Two workers too, test by test (--dist load): the tests are short and many, and mostly
+# compute; a module slow as a whole is not even imported (tests/conftest.py).
 pytest-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load -m "not slow" $(PYTEST_ARGS)
 
 # pytest exits 5 when it collects no tests (or deselects them all), which fails these
 # targets as it should.
