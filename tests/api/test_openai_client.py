@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 
+from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.simtext import expected_chat, expected_completion
 from tests.support.inprocess import serve_in_process
 
@@ -20,7 +21,7 @@ async def client() -> AsyncIterator[openai.AsyncOpenAI]:
 
 
 async def test_models_lists_served_model(client: openai.AsyncOpenAI) -> None:
-    assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    assert [m.id for m in (await client.models.list()).data] == [MODEL, EMBEDDING_MODEL]
 
 
 async def test_chat_non_streaming(client: openai.AsyncOpenAI) -> None:

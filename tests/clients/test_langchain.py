@@ -17,6 +17,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Huma
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
+from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.clients.tools import SIM_MODEL, Trip, check_arguments
 from tests.support.servers import ServerProcess
 
@@ -143,3 +144,23 @@ async def test_astream_then_a_second_turn(llm: ChatOpenAI) -> None:
         assert not chunk.tool_call_chunks
         text += chunk.text
     assert text
+
+
+def test_openai_embeddings_rank_a_paraphrase_first(sim: ServerProcess) -> None:
+    """``OpenAIEmbeddings`` against the server's embedding model.  One setting differs
+    from its defaults: ``check_embedding_ctx_length=False``.  By default it tokenises
+    with tiktoken (whose vocabulary it downloads: this machine has no network) and sends
+    OpenAI's token ids, which another model's tokenizer cannot read (the server answers
+    that with a 400 naming ``input``)."""
+    import numpy as np
+    from langchain_openai import OpenAIEmbeddings
+
+    embedder = OpenAIEmbeddings(
+        model=EMBEDDING_MODEL, base_url=sim.v1, api_key="unused", check_embedding_ctx_length=False
+    )
+    documents = ["The cat sat on the mat.", "Quarterly revenue grew by five percent."]
+    vectors = np.asarray(embedder.embed_documents(documents))
+    query = np.asarray(embedder.embed_query("A cat was sitting on the rug."))
+    assert vectors.shape == (2, 256) and query.shape == (256,)
+    scores = vectors @ query
+    assert scores[0] > scores[1]

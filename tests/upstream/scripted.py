@@ -49,6 +49,10 @@ class ScriptedUpstream:
         default_factory=lambda: {"id": MODEL, "object": "model", "max_model_len": CONTEXT}
     )
     props: dict[str, Any] | None = None
+    #: More /v1/models entries (an embedding model, say: ``POST /v1/embeddings`` answers
+    #: each input with ``[len(text), index]``, or ``embedding_status`` with an error).
+    more_models: list[dict[str, Any]] = field(default_factory=list)
+    embedding_status: int = 200
     bodies: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     port: int = 0
@@ -88,7 +92,8 @@ class ScriptedUpstream:
         path = scope["path"]
         if scope["method"] == "GET":
             if path == "/v1/models":
-                await _json(send, 200, {"object": "list", "data": [self.model_entry]})
+                data = [self.model_entry, *self.more_models]
+                await _json(send, 200, {"object": "list", "data": data})
             elif path == "/props" and self.props is not None:
                 await _json(send, 200, self.props)
             else:
@@ -103,6 +108,9 @@ class ScriptedUpstream:
         body = orjson.loads(raw)
         self.bodies.append(body)
         self.paths.append(path)
+        if path == "/v1/embeddings":
+            await _json(send, self.embedding_status, _embeddings(body, self.embedding_status))
+            return
         if body.get("max_tokens") == 1:  # the gateway's latency probe
             answer = Answer([[{"index": 0, "text": "x", "finish_reason": "length"}]])
         else:
@@ -151,6 +159,18 @@ async def _silence(send: Any, receive: Any, seconds: float, comment_every: float
         return True
     finally:
         gone.cancel()
+
+
+def _embeddings(body: dict[str, Any], status: int) -> dict[str, Any]:
+    if status != 200:
+        return {"error": {"message": "scripted failure", "type": "server_error", "code": None}}
+    inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    data = [
+        {"object": "embedding", "index": i, "embedding": [float(len(text)), float(i)]}
+        for i, text in enumerate(inputs)
+    ]
+    usage = {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}
+    return {"object": "list", "data": data, "model": body["model"], "usage": usage}
 
 
 def _chunk(choices: list[dict[str, Any]], chat: bool) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.support.servers import ServerProcess
 from tests.upstream.conftest import start_gateway, start_upstream, upstream_cancelled
 
@@ -54,7 +55,10 @@ def test_answers_pass_through_unchanged(gateway: ServerProcess, upstream_a: Serv
 def test_models_come_from_the_upstreams(gateway: ServerProcess) -> None:
     models = httpx.get(gateway.v1 + "/models").json()["data"]
     # With the upstream's own context (its --max-model-len), not a guess of the gateway's.
-    assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 2048)]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [
+        (MODEL, 2048),
+        (EMBEDDING_MODEL, 8192),
+    ]
     response = httpx.post(
         gateway.v1 + "/chat/completions", json={"model": "gpt-17", "messages": MESSAGES}
     )

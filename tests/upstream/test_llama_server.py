@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
+from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.support.servers import ServerProcess
 from tests.upstream.test_peers import MODEL, QUESTION, Peer, gateway_for, stream_text
 
@@ -248,7 +249,10 @@ def test_tools_pass_through_to_llama_server(llama_jinja: Peer, tmp_path: Path) -
     try:
         # Its context is a slot's (its /props), not the model's training context.
         models = httpx.get(gateway.v1 + "/models", timeout=10).json()["data"]
-        assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 2048)]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [
+            (MODEL, 2048),
+            (EMBEDDING_MODEL, 8192),
+        ]
         ours = {**body, "model": MODEL}
         through = httpx.post(gateway.v1 + "/chat/completions", json=ours, timeout=120)
         assert through.status_code == 200, through.text

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
+from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.support.inprocess import InProcessApp, serve_in_process
 from tests.upstream.scripted import (
     CONTEXT,
@@ -279,7 +280,10 @@ async def test_models_report_the_upstreams_context_and_requests_are_checked_by_i
             "--admission", "static", engine="upstream", upstream=[upstream.url]
         ) as app:
             models = (await app.client.get("/v1/models")).json()["data"]
-            assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, CONTEXT)]
+            assert [(m["id"], m["max_model_len"]) for m in models] == [
+                (MODEL, CONTEXT),
+                (EMBEDDING_MODEL, 8192),
+            ]
             body = {"model": MODEL, "prompt": "Once", "max_tokens": CONTEXT}
             response = await app.client.post("/v1/completions", json=body)
             assert response.status_code == 400, response.text
@@ -304,7 +308,10 @@ async def test_a_llama_cpp_upstream_reports_the_context_of_a_slot() -> None:
             "--admission", "static", engine="upstream", upstream=[upstream.url]
         ) as app:
             models = (await app.client.get("/v1/models")).json()["data"]
-            assert [(m["id"], m["max_model_len"]) for m in models] == [(MODEL, 1024)]
+            assert [(m["id"], m["max_model_len"]) for m in models] == [
+                (MODEL, 1024),
+                (EMBEDDING_MODEL, 8192),
+            ]
     finally:
         upstream.stop()
 
@@ -332,3 +339,50 @@ async def test_an_answer_without_parts_still_streams(kind: str) -> None:
             chunks = await post_stream(app, "/v1/completions", body)
             got = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
         assert got == "Hi there"
+
+
+async def test_embeddings_go_to_the_upstream_that_lists_the_model() -> None:
+    """An upstream's embedding model (``task: "embed"``) is listed by the gateway, not
+    routed chat to, and its embeddings requests are relayed as sent; the answer, an
+    error included, comes back as the upstream gave it.  The gateway's own embedding
+    model is served by the gateway."""
+    embedder = {"id": "bge-small", "object": "model", "task": "embed", "max_model_len": 512}
+    upstream = ScriptedUpstream(always(text("ok", 0, "stop")), more_models=[embedder]).start()
+    try:
+        async with serve_in_process(
+            "--admission", "static", engine="upstream", upstream=[upstream.url]
+        ) as app:
+            models = (await app.client.get("/v1/models")).json()["data"]
+            assert [(m["id"], m.get("task")) for m in models] == [
+                (MODEL, None),
+                (EMBEDDING_MODEL, "embed"),
+                ("bge-small", "embed"),
+            ]
+            client = app.openai(max_retries=0)
+            body = {"input": ["one", "three"], "dimensions": 2, "encoding_format": "float"}
+            reply = await client.embeddings.create(model="bge-small", **body)  # type: ignore[arg-type]
+            assert [d.embedding for d in reply.data] == [[3.0, 0.0], [5.0, 1.0]]
+            sent = upstream.bodies[-1]
+            assert upstream.paths[-1] == "/v1/embeddings"
+            assert sent == {"model": "bge-small", **body}
+            ours = await client.embeddings.create(model=EMBEDDING_MODEL, input="here")
+            assert len(ours.data[0].embedding) == 256
+            assert upstream.paths.count("/v1/embeddings") == 1  # not relayed
+            # Chat names only chat models.
+            chat = await app.client.post(
+                "/v1/chat/completions",
+                json={"model": "bge-small", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert chat.status_code == 404 and chat.json()["error"]["code"] == "model_not_found"
+            # The upstream's own error, as it gave it.
+            upstream.embedding_status = 503
+            failed = await app.client.post(
+                "/v1/embeddings", json={"model": "bge-small", "input": "x"}
+            )
+            assert failed.status_code == 502 and failed.json()["error"]["code"] == "upstream_failed"
+            unknown = await app.client.post(
+                "/v1/embeddings", json={"model": "nomic-embed", "input": "x"}
+            )
+            assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    finally:
+        upstream.stop()

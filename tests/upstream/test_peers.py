@@ -19,6 +19,7 @@ import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
 from sluicegate.bench.server_process import free_port
+from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.support.servers import ARTIFACTS, ServerProcess, start_server
 from tests.upstream.conftest import GATEWAY, start_upstream
 
@@ -170,7 +171,10 @@ def test_transformers_serve_answers_pass_through_unchanged(
         assert stream_text(gateway, body)[0] == direct
         # Whatever the peer's own model list answers (offline it may fail), the gateway
         # lists its configured name.
-        assert [m["id"] for m in httpx.get(gateway.v1 + "/models").json()["data"]] == [MODEL]
+        assert [m["id"] for m in httpx.get(gateway.v1 + "/models").json()["data"]] == [
+            MODEL,
+            EMBEDDING_MODEL,
+        ]
     finally:
         gateway.stop()
 

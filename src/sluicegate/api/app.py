@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from sluicegate import __version__
 from sluicegate.api import (
     batches,
+    embeddings,
     jobs,
     lifecycle,
     openai_routes,
@@ -49,7 +50,17 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.sluicegate = state
     install_error_handlers(app)
-    for module in (openai_routes, prefill, jobs, batches, resume, websocket, stats, web):
+    for module in (
+        openai_routes,
+        embeddings,
+        prefill,
+        jobs,
+        batches,
+        resume,
+        websocket,
+        stats,
+        web,
+    ):
         app.include_router(module.router)
     install_openapi(app)
     return app

@@ -1,4 +1,5 @@
-"""``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and request cancellation."""
+"""``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (and one model by id) and
+request cancellation."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from starlette.responses import Response
 from sluicegate.api import prefill
 from sluicegate.api.access import not_found, owner_admits, presented_resume_token
 from sluicegate.api.body import parse_json, read_body
+from sluicegate.api.embeddings import embedding_model_entry
 from sluicegate.api.jobs import job_payload, job_view
 from sluicegate.api.pipelines import submit_prepared
 from sluicegate.api.prepare import Kind, Prepared, prepare, response_body, stream_format
 from sluicegate.api.state import app_state, ready_state
 from sluicegate.api.stats import json_response
 from sluicegate.errors import APIError, invalid_param
+from sluicegate.pipeline.embedding import embedding_available
 from sluicegate.service.collect import collect
 from sluicegate.service.service import Service
 
@@ -25,14 +28,33 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: HTTPRequest) -> Response:
-    """The served models (upstream mode: what the upstreams serve).  With tenants
-    configured it needs a tenant's key (or the admin key), like every other route."""
+    """The served models (upstream mode: what the upstreams serve), the pipelines, and the
+    embedding model when it is installed.  With tenants configured it needs a tenant's
+    key (or the admin key), like every other route."""
+    return json_response({"object": "list", "data": _models(request)})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: HTTPRequest) -> Response:
+    """One model, as listed; a 404 in OpenAI's shape for any other id."""
+    for entry in _models(request):
+        if entry["id"] == model_id:
+            return json_response(entry)
+    raise APIError(
+        404,
+        f"The model '{model_id}' does not exist (see GET /v1/models).",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _models(request: HTTPRequest) -> list[dict[str, object]]:
     state = app_state(request)
     service = ready_state(request).service
     header = request.headers.get("authorization")
     if service.tenants.auth_enabled and not state.admin_key.admits(header):
         service.authenticate(header)
-    created = int(app_state(request).started_at)
+    created = int(state.started_at)
     models: list[dict[str, object]] = [
         {
             "id": name,
@@ -57,7 +79,14 @@ async def list_models(request: HTTPRequest) -> Response:
                 },
             }
         )
-    return json_response({"object": "list", "data": models})
+    if embedding_available():
+        models.append(embedding_model_entry(created))
+    listed = {entry["id"] for entry in models}
+    for name in service.embedding_models:  # the upstreams' own (upstream mode)
+        if name not in listed:
+            entry = {"id": name, "object": "model", "created": created, "task": "embed"}
+            models.append({**entry, "owned_by": "sluicegate"})
+    return models
 
 
 async def handle(request: HTTPRequest, kind: Kind) -> Response:

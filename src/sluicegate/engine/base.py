@@ -159,6 +159,17 @@ class EngineCore(Protocol):
         """Every model served (a relaying core's change as its upstreams do)."""
         ...
 
+    @property
+    def embedding_models(self) -> list[str]:
+        """Embedding models it relays ``POST /v1/embeddings`` to (an embedded core: none;
+        the server's own embedding model is not a core's)."""
+        ...
+
+    async def relay_embeddings(self, model: str, body: bytes) -> tuple[int, bytes]:
+        """An embeddings request for one of :attr:`embedding_models`: the status and the
+        JSON body to answer with."""
+        ...
+
     async def start(self, on_measured: Callable[[], None]) -> None:
         """Calibrate and start serving; ``on_measured`` is called once :meth:`estimate`
         reflects measurements (maybe later, in the background, for a relaying core whose

@@ -26,6 +26,7 @@ from sluicegate.engine.deliveries import Deliveries, Delivery
 from sluicegate.engine.output import RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.upstream.wire import UpstreamCall
+from sluicegate.errors import APIError
 from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.scheduler import Scheduler
@@ -124,6 +125,13 @@ class EmbeddedCore:
     @property
     def model_names(self) -> list[str]:
         return [self._model_name]
+
+    @property
+    def embedding_models(self) -> list[str]:
+        return []
+
+    async def relay_embeddings(self, model: str, body: bytes) -> tuple[int, bytes]:
+        raise APIError(404, f"The model '{model}' is not an embedding model here.", param="model")
 
     async def start(self, on_measured: Callable[[], None] | None = None) -> None:
         """Calibrate the cost model with warm-up steps (off the event loop), then start

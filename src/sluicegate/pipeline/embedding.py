@@ -22,6 +22,8 @@ EMBEDDING_PACKAGE = "wordllama"
 WEIGHTS = "weights/l2_supercat_256.safetensors"
 TOKENIZER = "tokenizers/l2_supercat_tokenizer_config.json"
 INSTALL = "pip install --no-deps wordllama==0.4.0.post1"
+#: Its name as an embedding model (``POST /v1/embeddings``, ``GET /v1/models``).
+EMBEDDING_MODEL = "wordllama-l2-supercat"
 
 Vectors = npt.NDArray[np.float32]
 
@@ -52,16 +54,39 @@ class StaticEmbedding:
 
     def embed(self, texts: list[str]) -> Vectors:
         """One unit vector per text (zeros for a text without tokens)."""
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for row, encoding in enumerate(self.tokenizer.encode_batch(texts)):
-            ids = [i for i in encoding.ids if 0 <= i < len(self.table)]
+        return self.pool(self.encode(texts))
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids (those the table has a row for)."""
+        rows = len(self.table)
+        return [
+            [i for i in encoding.ids if 0 <= i < rows]
+            for encoding in self.tokenizer.encode_batch(texts)
+        ]
+
+    def pool(self, token_ids: list[list[int]], dimensions: int | None = None) -> Vectors:
+        """One unit vector per list of token ids: the mean of their rows, cut to its first
+        ``dimensions`` components (the table is trained so that a prefix is an embedding
+        too) and normalised; zeros for an empty list."""
+        dim = self.dim if dimensions is None else dimensions
+        out = np.zeros((len(token_ids), dim), dtype=np.float32)
+        for row, ids in enumerate(token_ids):
             if not ids:
                 continue
-            vector = self.table[ids].mean(axis=0)
+            vector = self.table[ids, :dim].mean(axis=0)
             norm = float(np.linalg.norm(vector))
             if norm > 0:
                 out[row] = vector / norm
         return out
+
+
+def embedding_available() -> bool:
+    """Whether the embedding package is installed (``make install`` installs it)."""
+    try:
+        package_dir()
+    except EmbeddingModelNotFound:
+        return False
+    return True
 
 
 @functools.cache

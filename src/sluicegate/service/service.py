@@ -144,6 +144,14 @@ class Service:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    @property
+    def embedding_models(self) -> list[str]:
+        """Embedding models the core relays to (upstream mode: the upstreams')."""
+        return self.core.embedding_models
+
+    async def relay_embeddings(self, model: str, body: bytes) -> tuple[int, bytes]:
+        return await self.core.relay_embeddings(model, body)
+
     def model_max_len(self, model: str) -> int:
         """The context ``model`` takes (in front of upstreams: what they say of it)."""
         return self.core.model_max_len(model)

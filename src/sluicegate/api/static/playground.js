@@ -102,7 +102,8 @@ export function initPlayground({ onModel }) {
     try {
       const response = await fetch("/v1/models", { headers: authHeaders() });
       if (!response.ok) throw await errorFromResponse(response);
-      const data = (await response.json()).data;
+      // Chat models and pipelines only: an embedding model (task "embed") cannot answer.
+      const data = (await response.json()).data.filter((m) => m.task !== "embed");
       const ids = data.map((m) => m.id);
       pipelines = Object.fromEntries(data.filter((m) => m.pipeline).map((m) => [m.id, m.pipeline]));
       const previous = model.value;

@@ -35,6 +35,7 @@ from sluicegate.config import Settings
 from sluicegate.engine.base import CoreFeatures, CoreHooks, CoreStats
 from sluicegate.engine.output import RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
+from sluicegate.engine.upstream import embeddings
 from sluicegate.engine.upstream.estimate import calibrate, pool_estimate
 from sluicegate.engine.upstream.live import ClientError, Live, Outcome
 from sluicegate.engine.upstream.pool import Upstream, UpstreamPool
@@ -118,6 +119,13 @@ class UpstreamCore:
     @property
     def model_names(self) -> list[str]:
         return self.pool.served_models()
+
+    @property
+    def embedding_models(self) -> list[str]:
+        return embeddings.embedding_models(self.pool)
+
+    async def relay_embeddings(self, model: str, body: bytes) -> tuple[int, bytes]:
+        return await embeddings.relay_embeddings(self.pool, model, body)
 
     async def start(self, on_measured: Callable[[], None] | None = None) -> None:
         """Check every upstream once (which sizes the seats), then measure them: at once

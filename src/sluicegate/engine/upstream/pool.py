@@ -36,7 +36,7 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sluicegate.config import Settings
-from sluicegate.engine.upstream.signals import Latency, context_length, load_signals
+from sluicegate.engine.upstream.signals import Latency, context_length, load_signals, split_models
 from sluicegate.upstream_settings import ContinueStyle, UpstreamConfig
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class Upstream:
     models: list[str] = field(default_factory=list)
     #: Its own model name -> the context it takes, when its /v1/models says.
     context_lengths: dict[str, int] = field(default_factory=dict)
+    #: Its embedding models (``POST /v1/embeddings`` is relayed to them).
+    embedding_models: list[str] = field(default_factory=list)
     waiting_inside: float = 0.0
     kv_usage: float | None = None
     latency: Latency = field(default_factory=Latency)
@@ -337,7 +339,7 @@ class UpstreamPool:
             response = await upstream.client.get("/v1/models", timeout=timeout)
             response.raise_for_status()
             data = response.json().get("data", [])
-            entries = [m for m in data if isinstance(m, dict) and "id" in m]
+            entries, upstream.embedding_models = split_models(data)
             lengths = {
                 str(m["id"]): length for m in entries if (length := context_length(m)) is not None
             }

@@ -82,6 +82,16 @@ def load_signals(text: str) -> tuple[float | None, float | None, float | None]:
     return waiting, kv, seats
 
 
+def split_models(data: object) -> tuple[list[dict[str, object]], list[str]]:
+    """An upstream's /v1/models entries: its chat models' and its embedding models' names
+    (``task: "embed"``, as a Sluicegate and vLLM mark them: chat is not routed to them)."""
+    entries = (
+        [m for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
+    )
+    embed = [str(m["id"]) for m in entries if m.get("task") in ("embed", "embedding")]
+    return [m for m in entries if str(m["id"]) not in embed], embed
+
+
 def context_length(entry: dict[str, object]) -> int | None:
     """The context a model of an upstream's /v1/models takes: ``max_model_len`` (vLLM,
     SGLang, Sluicegate), else llama.cpp's ``meta.n_ctx`` or ``meta.n_ctx_train``."""
