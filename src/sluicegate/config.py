@@ -153,6 +153,9 @@ class Settings(FlowSettings, BaseSettings):
         "its reader keeps up; comments and empty deltas are not progress) is taken to be "
         "dead: the answer continues elsewhere.",
     )
+    upstream_max_event_bytes: int = Field(
+        1 << 20, ge=1024, description="A longer line from an upstream fails its call."
+    )
     upstream_eject_failures: int = Field(
         3, ge=1, description="Consecutive failures that eject an upstream until it is healthy."
     )

@@ -68,6 +68,8 @@ class Upstream:
     aborts_total: int = 0
     failovers_total: int = 0
     pushbacks_total: int = 0
+    #: Answers it broke the protocol in (past max_tokens, an event too large), by reason.
+    protocol_errors: dict[str, int] = field(default_factory=dict)
     #: It refused a chat continuation (``continue_final_message``): under ``auto`` it
     #: continues chats on ``/v1/completions`` from now on.
     refused_chat_continuation: bool = False
@@ -485,3 +487,9 @@ class PoolCollector:
             for upstream in upstreams:
                 counter.add_metric([upstream.name], float(read(upstream)))
             yield counter
+        doc = "Answers cut for breaking the protocol (max_tokens, event_too_large)."
+        errors = CounterMetricFamily(p + "protocol_errors", doc, labels=["upstream", "reason"])
+        for upstream in upstreams:
+            for reason, count in sorted(upstream.protocol_errors.items()):
+                errors.add_metric([upstream.name, reason], float(count))
+        yield errors

@@ -25,7 +25,13 @@ from sluicegate.engine.tokenizer import ChatTemplateError, TextTokenizer
 from sluicegate.engine.upstream.choices import Diverged, Piece
 from sluicegate.engine.upstream.live import ClientError, Live, Outcome
 from sluicegate.engine.upstream.pool import Upstream, UpstreamPool
-from sluicegate.engine.upstream.wire import ChoiceDelta, error_message, parse_event
+from sluicegate.engine.upstream.wire import (
+    ChoiceDelta,
+    EventTooLarge,
+    bounded_lines,
+    error_message,
+    parse_event,
+)
 from sluicegate.engine.upstream.wire import request_body as build_body
 from sluicegate.errors import APIError
 from sluicegate.scheduler.request import FinishReason
@@ -107,15 +113,24 @@ class Relay:
                     if continuing_chat and self._refuses_continuation(upstream, response):
                         return Outcome.RETRY  # at once, as a completion, on the same one
                     return await self._refused(live, upstream, response)
-                return await self._relay(live, upstream, response)
+                budget = call.max_tokens if restart else tokens_left
+                return await self._relay(live, upstream, response, budget)
         except httpx.HTTPError as exc:
             return self._failed(live, upstream, repr(exc))
+        except EventTooLarge as exc:
+            _protocol_error(upstream, "event_too_large")
+            return self._failed(live, upstream, f"it sent {exc}")
 
-    async def _relay(self, live: Live, upstream: Upstream, response: httpx.Response) -> Outcome:
-        """Read the answer's events into the request's stream."""
+    async def _relay(
+        self, live: Live, upstream: Upstream, response: httpx.Response, budget: int
+    ) -> Outcome:
+        """Read the answer's events into the request's stream, no more than ``budget``
+        tokens a choice: an upstream that goes on past it (it ignores ``max_tokens``) is
+        cut there, the answer ending with ``length`` (:class:`Overrun`)."""
         settings = self.settings
         request = live.request
-        lines = response.aiter_lines()
+        lines = bounded_lines(response.aiter_bytes(), settings.upstream_max_event_bytes)
+        overrun = Overrun(budget)
         finish: FinishReason | None = None
         reported: tuple[int, int] | None = None
         cached = 0
@@ -160,6 +175,13 @@ class Relay:
                 return self._failed(live, upstream, f"error event: {delta.error}")
             if delta.done:
                 done = True
+                break
+            if overrun.past(delta.choices):
+                _protocol_error(upstream, "max_tokens")
+                logger.warning(
+                    "upstream %s went past max_tokens (%d) or its bytes: cut", upstream.name, budget
+                )
+                finish, done = FinishReason.LENGTH, True
                 break
             for choice in delta.choices:
                 if choice.progress:
@@ -355,6 +377,39 @@ _FINISHES = {
 
 def _finish_reason(text: str) -> FinishReason:
     return _FINISHES.get(text, FinishReason.STOP)
+
+
+class Overrun:
+    """Whether an upstream's answer has gone past its call's ``max_tokens``: an honest
+    upstream sends at most one event with progress per token (vLLM, SGLang, TGI,
+    llama.cpp send one or fewer) plus one that only finishes, and at most a few hundred
+    bytes of text a token.  The gateway cannot count the upstream's tokens itself (its
+    tokenizer may be another, or count bytes), so it bounds what it can see: events with
+    progress, and bytes of text, per choice."""
+
+    #: Bytes of text (content, refusal, call names and arguments) a token may carry.
+    BYTES_PER_TOKEN = 128
+    SLACK_BYTES = 64 * 1024
+
+    def __init__(self, budget: int) -> None:
+        self.budget = max(1, budget)
+        self.events: dict[int, int] = {}
+        self.bytes: dict[int, int] = {}
+
+    def past(self, choices: list[ChoiceDelta]) -> bool:
+        """Count an event's choices; True once one is past its bound."""
+        most_bytes = self.BYTES_PER_TOKEN * self.budget + self.SLACK_BYTES
+        over = False
+        for choice in choices:
+            index = choice.index
+            events = self.events[index] = self.events.get(index, 0) + choice.progress
+            size = self.bytes[index] = self.bytes.get(index, 0) + choice.text_size
+            over = over or events > self.budget + 1 or size > most_bytes
+        return over
+
+
+def _protocol_error(upstream: Upstream, reason: str) -> None:
+    upstream.protocol_errors[reason] = upstream.protocol_errors.get(reason, 0) + 1
 
 
 def _absorb(live: Live, choice: ChoiceDelta) -> Piece:

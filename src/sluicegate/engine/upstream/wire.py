@@ -10,7 +10,7 @@ log probabilities, an engine's own fields) is the upstream's to serve or refuse.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -158,6 +158,16 @@ class ChoiceDelta:
     def has_content(self) -> bool:
         return bool(self.text or self.tool_calls or self.refusal or self.logprobs)
 
+    @property
+    def text_size(self) -> int:
+        """Characters of text it carries: content, refusal, call names and arguments."""
+        calls = sum(
+            len(str(f.get("name") or "")) + len(str(f.get("arguments") or ""))
+            for call in self.tool_calls
+            if isinstance(f := call.get("function") or {}, dict)
+        )
+        return len(self.text) + len(self.refusal) + calls
+
 
 @dataclass(slots=True)
 class Delta:
@@ -283,3 +293,29 @@ def error_message(status: int, content: bytes) -> tuple[str, str | None, str | N
     if isinstance(body, dict) and isinstance(body.get("detail"), str):
         return body["detail"], None, None
     return f"the upstream answered {status}", None, None
+
+
+class EventTooLarge(ValueError):
+    """An upstream sent a line longer than the gateway takes."""
+
+
+async def bounded_lines(chunks: AsyncIterator[bytes], max_bytes: int) -> AsyncIterator[str]:
+    """The lines of a byte stream (``\\n`` or ``\\r\\n`` ends one), none longer than
+    ``max_bytes``: a longer one raises :class:`EventTooLarge` once that many bytes are
+    held, so a hostile upstream's one huge event costs ``max_bytes`` of memory, not its
+    size (``httpx``'s own line reader holds a whole line)."""
+    buffer = bytearray()
+    async for chunk in chunks:
+        buffer += chunk
+        start = 0
+        while (end := buffer.find(b"\n", start)) >= 0:
+            line = bytes(buffer[start:end])
+            if len(line) > max_bytes:
+                raise EventTooLarge(f"a line of {len(line)} bytes (at most {max_bytes})")
+            yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
+            start = end + 1
+        del buffer[:start]
+        if len(buffer) > max_bytes:
+            raise EventTooLarge(f"a line of over {max_bytes} bytes")
+    if buffer:
+        yield bytes(buffer).removesuffix(b"\r").decode("utf-8", errors="replace")
