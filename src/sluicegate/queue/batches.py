@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -92,6 +93,9 @@ class Batches:
         self.journal = journal
         self.files_dir = files_dir
         self._clock = clock
+        #: One finalizer at a time: the last lines of a batch end on several threads at
+        #: once, and each asks to finalize it (the journal is this process's alone).
+        self._finalizing = threading.Lock()
         files_dir.mkdir(parents=True, exist_ok=True)
         with journal.connection() as db:
             db.executescript(_SCHEMA)
@@ -272,7 +276,13 @@ class Batches:
         return finished
 
     def finish_if_done(self, batch_id: str) -> bool:
-        """Finalize the batch if none of its lines is queued or running any more."""
+        """Finalize the batch if none of its lines is queued or running any more: its
+        output files written once, by whichever caller comes first (the others find it
+        finished).  True for that caller."""
+        with self._finalizing:
+            return self._finish_if_done(batch_id)
+
+    def _finish_if_done(self, batch_id: str) -> bool:
         with self.journal.connection() as db:
             row = db.execute(
                 "SELECT status, ending FROM batches WHERE batch_id = ?", (batch_id,)
