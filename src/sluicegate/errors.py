@@ -18,6 +18,7 @@ _TYPE_BY_STATUS = {
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout_error",
+    409: "invalid_request_error",
     410: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

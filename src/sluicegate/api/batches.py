@@ -168,6 +168,8 @@ async def create_batch(request: HTTPRequest) -> Response:
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise APIError(400, "metadata must map strings to strings.", param="metadata")
+    if metadata is not None:
+        check_metadata(metadata)
     view = await asyncio.to_thread(
         batches.create,
         tenant,
@@ -198,3 +200,25 @@ async def get_batch(batch_id: str, request: HTTPRequest) -> Response:
 async def cancel_batch(batch_id: str, request: HTTPRequest) -> Response:
     _, batches, tenant = _caller(request)
     return json_response(await asyncio.to_thread(batches.cancel, batch_id, tenant))
+
+
+#: OpenAI's bounds on ``metadata``: pairs, and characters of a key and of a value.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """A 400 naming ``metadata`` past OpenAI's bounds."""
+    if len(metadata) > METADATA_PAIRS:
+        raise APIError(
+            400,
+            f"metadata holds {len(metadata)} pairs; at most {METADATA_PAIRS}.",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS or len(value) > METADATA_VALUE_CHARS:
+            raise APIError(
+                400,
+                f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values "
+                f"{METADATA_VALUE_CHARS}; {key[:METADATA_KEY_CHARS]!r} is longer.",
+                param="metadata",
+            )

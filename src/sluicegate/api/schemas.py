@@ -247,6 +247,11 @@ def check_chat(req: ChatCompletionRequest, relays: bool = False) -> None:
     if req.audio is not None:
         raise _unsupported("audio", "only text output")
     for i, message in enumerate(req.messages):
+        if message.content is None and message.role in ("system", "developer", "user", "tool"):
+            # Only an assistant turn may go without (its tool calls say it all).
+            raise invalid_param(
+                f"messages[{i}].content", f"a {message.role} message needs 'content'; got null"
+            )
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if part.type != "text":

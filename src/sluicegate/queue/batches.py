@@ -246,6 +246,13 @@ class Batches:
     def cancel(self, batch_id: str, tenant: str, ending: str = "cancelled") -> dict[str, Any]:
         """Stop a batch: its queued lines are dropped, the running ones finish."""
         view = self.view(batch_id, tenant)  # 404 for another tenant's
+        if view["status"] in ("completed", "failed", "expired", "cancelled"):
+            raise APIError(
+                409,
+                f"Batch {batch_id} is {view['status']}: only a batch in progress can be "
+                "cancelled.",
+                code="batch_not_cancellable",
+            )
         if view["status"] == "in_progress":
             with self.journal.connection() as db:
                 db.execute("BEGIN IMMEDIATE")
