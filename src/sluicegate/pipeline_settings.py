@@ -16,6 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 BUILTIN_CHECKS = ("regex", "semantic")
 
 
+def longest_match(pattern: str) -> int | None:
+    """The most characters a match of ``pattern`` can span (None: no bound)."""
+    # The standard library's own parser gives the width (not public API; typeshed has no
+    # stubs for it).
+    import re._constants as constants  # type: ignore[import-not-found]
+    import re._parser as parser  # type: ignore[import-not-found]
+
+    widest = parser.parse(pattern).getwidth()[1]
+    return None if widest >= constants.MAXREPEAT else int(widest)
+
+
 class CheckSettings(BaseModel):
     """One guard check: ``regex`` (patterns), ``semantic`` (topics by similarity) or a
     class of your own (``type: package.module:Class``, given ``options``)."""
@@ -37,6 +48,13 @@ class CheckSettings(BaseModel):
     options: dict[str, Any] = Field(
         default_factory=dict, description="A custom check's keyword arguments."
     )
+    max_match_chars: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="regex: the longest match to catch whole, for a pattern whose matches "
+        "have no bound of their own (a+, \\w*); bounded patterns need none.",
+    )
 
     @property
     def label(self) -> str:
@@ -52,6 +70,13 @@ class CheckSettings(BaseModel):
                     re.compile(pattern)
                 except re.error as error:
                     raise ValueError(f"pattern {pattern!r}: {error}") from None
+                if longest_match(pattern) is None and self.max_match_chars is None:
+                    raise ValueError(
+                        f"pattern {pattern!r} has matches of any length, and a guard holds "
+                        "back only as much text as its longest match to catch it whole "
+                        "before any of it is sent: set max_match_chars on this check (the "
+                        "longest match it must catch), or bound the pattern ({1,40} for +)"
+                    )
         elif self.type == "semantic":
             if not self.topics or not all(self.topics.values()):
                 raise ValueError("a semantic check needs topics, each with example phrases")

@@ -50,11 +50,20 @@ def test_a_check_of_your_own_is_loaded_from_its_class(tmp_path: Path) -> None:
         ({"type": "regex", "patterns": ["("]}, "missing \\)"),
         ({"type": "semantic", "topics": {"x": []}}, "example phrases"),
         ({"type": "moderation"}, "package.module:Class"),
+        # A match of any length cannot be held back whole: the bound must be declared.
+        ({"type": "regex", "patterns": ["ok", "(a+)+$"]}, "max_match_chars"),
     ],
 )
 def test_bad_checks_are_refused_at_start_up(check: dict[str, object], error: str) -> None:
     with pytest.raises(ValidationError, match=error):
         CheckSettings.model_validate(check)
+
+
+def test_a_check_s_longest_match_is_its_patterns_or_its_declared_bound() -> None:
+    bounded = build_check(CheckSettings(type="regex", patterns=["(?i)pipe bombs?", "x{3}"]))
+    assert bounded.max_match_chars == 10
+    declared = CheckSettings(type="regex", patterns=[r"secret\w*"], max_match_chars=40)
+    assert build_check(declared).max_match_chars == 40
 
 
 def test_a_pipeline_s_stages_are_named_once_and_its_stride_fits_its_window() -> None:

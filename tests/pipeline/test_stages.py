@@ -61,8 +61,9 @@ def test_a_trip_sends_nothing_of_its_window_and_ends_with_the_replacement() -> N
     stage, trips = guard(8, 4, "w6 ")
     passed = run(stage, WORDS[:12], FinishReason.LENGTH)
     released = [o for p in passed[:7] for o in p]
-    # w0..w3 went out at the first check; w4..w7 would have been the next release.
-    assert "".join(o.text for o in released if o.finish_reason is None) == "w0 w1 w2 w3 "
+    # w0..w2 went out at the first check (w3 held back: "w6 " is 3 characters, so the
+    # last 2 stay until more text comes); w3..w7 would have been the next release.
+    assert "".join(o.text for o in released if o.finish_reason is None) == "w0 w1 w2 "
     final = passed[7][0]
     assert final.finish_reason == FinishReason.CONTENT_FILTER and final.text == "[filtered]"
     assert final.committed_token_ids == []
@@ -70,13 +71,15 @@ def test_a_trip_sends_nothing_of_its_window_and_ends_with_the_replacement() -> N
     assert all(p == [] for p in passed[8:])  # nothing after the trip
 
 
-def test_the_window_sees_text_split_across_strides() -> None:
-    """A match that spans a release boundary is caught by the next window (its context)."""
+def test_a_match_across_strides_is_caught_before_any_of_it_is_sent() -> None:
+    """ "w3 w4" straddles the first release: the deltas holding its first 4 characters
+    (w2, w3) stay held, so the next window sees it whole and none of it went out."""
     stage, trips = guard(8, 4, "w3 w4")
     passed = run(stage, WORDS[:8], FinishReason.STOP)
-    assert "".join(o.text for o in passed[3]) == "w0 w1 w2 w3 "  # w3 alone does not match
+    assert "".join(o.text for o in passed[3]) == "w0 w1 "
     assert passed[7][0].finish_reason == FinishReason.CONTENT_FILTER
-    assert trips
+    sent = "".join(o.text for p in passed for o in p if o.finish_reason is None)
+    assert "w3" not in sent and trips
 
 
 def test_a_stopped_answer_drops_what_was_not_checked() -> None:

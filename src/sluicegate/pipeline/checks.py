@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sluicegate.pipeline_settings import CheckSettings
+from sluicegate.pipeline_settings import CheckSettings, longest_match
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,14 +28,20 @@ class Trip:
 
 class Check(Protocol):
     label: str
+    #: The longest match it must catch whole (None: it judges windows, as the semantic
+    #: check does, and no text need be held back for it).
+    max_match_chars: int | None
 
     async def check(self, text: str) -> Trip | None: ...
 
 
 class RegexCheck:
-    def __init__(self, label: str, patterns: list[str]) -> None:
+    def __init__(self, label: str, patterns: list[str], max_match_chars: int | None = None) -> None:
         self.label = label
         self.patterns = [re.compile(p) for p in patterns]
+        # Each pattern's own bound, else the declared one (settings refuse neither).
+        widths = [longest_match(p) or max_match_chars or 1 for p in patterns]
+        self.max_match_chars: int | None = max(widths)
 
     async def check(self, text: str) -> Trip | None:
         for pattern in self.patterns:
@@ -52,6 +58,7 @@ class SemanticCheck:
         from sluicegate.pipeline.embedding import default_embedding
 
         self.label = label
+        self.max_match_chars: int | None = None
         self.threshold = threshold
         self.model = default_embedding()
         self.topic_of = [topic for topic, phrases in topics.items() for _ in phrases]
@@ -76,6 +83,8 @@ class _Custom:
     def __init__(self, label: str, target: Any) -> None:
         self.label = label
         self.target = target
+        declared = getattr(target, "max_match_chars", None)
+        self.max_match_chars: int | None = declared if isinstance(declared, int) else None
 
     async def check(self, text: str) -> Trip | None:
         result = self.target.check(text)
@@ -92,7 +101,7 @@ def build_check(settings: CheckSettings) -> Check:
     """A check from its settings; a bad custom class is a ValueError naming it."""
     label = settings.label
     if settings.type == "regex":
-        return RegexCheck(label, settings.patterns)
+        return RegexCheck(label, settings.patterns, settings.max_match_chars)
     if settings.type == "semantic":
         return SemanticCheck(label, settings.topics, settings.threshold)
     module_name, _, class_name = settings.type.partition(":")

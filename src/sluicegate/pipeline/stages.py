@@ -6,8 +6,11 @@ text back, several if it splits).  The final delta it returns ends the request's
 * :class:`GuardStage` runs its checks on a sliding window of the output: every
   ``stride_tokens`` tokens, the window is the last ``window_tokens`` tokens (what was
   released before, as context, plus what it holds).  It releases what it holds only once
-  a check of a window containing it passed, so the client sees a token at most a stride
-  later than without the guard, and nothing of a window that trips.  A trip aborts the
+  a check of a window containing it passed, and even then keeps back the last deltas
+  that hold its checks' longest match less one character (a regex's own bound, or the
+  check's ``max_match_chars``): a match is seen whole before any of it is sent, however
+  it straddles windows, so the client sees a token at most a stride and that many
+  characters later than without the guard, and nothing of a match.  A trip aborts the
   sequence at once and ends the output with the replacement text and
   ``finish_reason: "content_filter"``.
 * :class:`FormatStage` puts a prefix before the answer and a suffix (and the sources the
@@ -71,6 +74,9 @@ class GuardStage:
         self.trip: Trip | None = None
         #: Windows checked (for tests and stats).
         self.windows = 0
+        #: Characters held back after a window passes (its checks' longest match less
+        #: one): a match is then never sent in part before it is seen whole.
+        self.hold_chars = max((c.max_match_chars or 1 for c in checks), default=1) - 1
 
     async def process(self, delta: RequestOutput) -> list[RequestOutput]:
         if self.trip is not None:
@@ -95,8 +101,18 @@ class GuardStage:
             self.trip = trip
             self.on_trip(trip)
             return [final_like(delta, self.settings.replacement, FinishReason.CONTENT_FILTER)]
-        released = merge_outputs(self.held)
-        self.held, self.held_tokens = [], 0
+        # What a match still being written could begin with stays held: the shortest
+        # tail of deltas that holds at least its longest match less one character.
+        keep = len(self.held)
+        if not delta.finished:
+            tail = 0
+            while keep > 0 and tail < self.hold_chars:
+                keep -= 1
+                tail += len(self.held[keep].text)
+        out, self.held, self.held_tokens = self.held[:keep], self.held[keep:], 0
+        if not out:
+            return []
+        released = merge_outputs(out)
         self._remember(released.text, released.num_new_tokens)
         return [released]
 

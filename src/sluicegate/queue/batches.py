@@ -249,8 +249,7 @@ class Batches:
         if view["status"] in ("completed", "failed", "expired", "cancelled"):
             raise APIError(
                 409,
-                f"Batch {batch_id} is {view['status']}: only a batch in progress can be "
-                "cancelled.",
+                f"Batch {batch_id} is {view['status']}: only a batch in progress can be cancelled.",
                 code="batch_not_cancellable",
             )
         if view["status"] == "in_progress":
