@@ -16,6 +16,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 BUILTIN_CHECKS = ("regex", "semantic")
 
 
+def compile_linear(pattern: str) -> Any:
+    """``pattern`` compiled by RE2 (linear-time matching); a ValueError saying why RE2
+    cannot run it (backreferences, lookaround)."""
+    import re2  # type: ignore[import-untyped]
+
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as error:
+        reason = error.args[0] if error.args else error
+        raise ValueError(reason.decode() if isinstance(reason, bytes) else str(reason)) from None
+
+
 def longest_match(pattern: str) -> int | None:
     """The most characters a match of ``pattern`` can span (None: no bound)."""
     # The standard library's own parser gives the width (not public API; typeshed has no
@@ -70,6 +84,14 @@ class CheckSettings(BaseModel):
                     re.compile(pattern)
                 except re.error as error:
                     raise ValueError(f"pattern {pattern!r}: {error}") from None
+                try:
+                    compile_linear(pattern)
+                except ValueError as error:
+                    raise ValueError(
+                        f"pattern {pattern!r}: guards run patterns on RE2, in linear time "
+                        f"(so that no input can stall the server), which cannot run this "
+                        f"one: {error}"
+                    ) from None
                 if longest_match(pattern) is None and self.max_match_chars is None:
                     raise ValueError(
                         f"pattern {pattern!r} has matches of any length, and a guard holds "

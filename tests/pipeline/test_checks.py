@@ -52,6 +52,9 @@ def test_a_check_of_your_own_is_loaded_from_its_class(tmp_path: Path) -> None:
         ({"type": "moderation"}, "package.module:Class"),
         # A match of any length cannot be held back whole: the bound must be declared.
         ({"type": "regex", "patterns": ["ok", "(a+)+$"]}, "max_match_chars"),
+        # RE2 runs in linear time, and so cannot run backreferences or lookaround.
+        ({"type": "regex", "patterns": [r"(a)\1"]}, "RE2"),
+        ({"type": "regex", "patterns": ["(?<=a)b"]}, "RE2"),
     ],
 )
 def test_bad_checks_are_refused_at_start_up(check: dict[str, object], error: str) -> None:
@@ -96,3 +99,13 @@ def test_retrieval_finds_the_document_that_answers(tmp_path: Path) -> None:
     assert message is not None and "30 days" in message
     assert retriever.retrieve("zebra").passages == []
     assert retriever.context_message(retriever.retrieve("zebra")) is None
+
+
+def test_a_catastrophic_pattern_runs_in_linear_time() -> None:
+    """``^(a+)+$`` on 29 a's and a "!" took Python's re 18 s (doubling with each a), on
+    the event loop; on RE2 this 100,000-character window is one pass.  (Were it Python's
+    re again, this test would hang until the suite's timeout.)"""
+    settings = CheckSettings(type="regex", patterns=["^(a+)+$"], max_match_chars=64)
+    check = build_check(settings)
+    assert asyncio.run(check.check("a" * 100_000 + "!")) is None
+    assert asyncio.run(check.check("a" * 40)) is not None

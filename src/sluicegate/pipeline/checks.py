@@ -1,8 +1,8 @@
 """Guard checks: each looks at one window of text and says whether it trips.
 
-Built in: ``regex`` (any pattern matches) and ``semantic`` (the window's embedding is as
-close as ``threshold`` to an example phrase of a banned topic; the model is
-:mod:`sluicegate.pipeline.embedding`).  A check of your own is a class named in the
+Built in: ``regex`` (any pattern matches, on RE2: linear time) and ``semantic`` (the
+window's embedding is as close as ``threshold`` to an example phrase of a banned topic;
+the model is :mod:`sluicegate.pipeline.embedding`).  A check of your own is a class named in the
 config as ``package.module:Class``, built with the check's ``options``, with an
 ``async def check(self, text: str) -> str | None`` (the reason when it trips).
 """
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sluicegate.pipeline_settings import CheckSettings, longest_match
+from sluicegate.pipeline_settings import CheckSettings, compile_linear, longest_match
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,7 +37,8 @@ class Check(Protocol):
 class RegexCheck:
     def __init__(self, label: str, patterns: list[str], max_match_chars: int | None = None) -> None:
         self.label = label
-        self.patterns = [re.compile(p) for p in patterns]
+        # RE2: matching is linear in the text, whatever the pattern.
+        self.patterns = [compile_linear(p) for p in patterns]
         # Each pattern's own bound, else the declared one (settings refuse neither).
         widths = [longest_match(p) or max_match_chars or 1 for p in patterns]
         self.max_match_chars: int | None = max(widths)
