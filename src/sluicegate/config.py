@@ -348,6 +348,9 @@ class Settings(FlowSettings, BaseSettings):
     job_retention_seconds: float = Field(
         86400.0, gt=0.0, description="Finished background jobs are purged this long after."
     )
+    file_storage_bytes_per_tenant: int = Field(
+        2 << 30, ge=1, description="Bytes of files a tenant may keep (uploads past it: 413)."
+    )
 
     @field_validator(
         "model", "served_model_name", "cache_dir", "journal_path", "admin_api_key", mode="before"

@@ -102,7 +102,7 @@ def _list(items: list[dict[str, Any]], more: bool) -> Response:
 
 @router.post("/v1/files")
 async def upload_file(request: HTTPRequest) -> Response:
-    _, batches, tenant = _caller(request)
+    ready, batches, tenant = _caller(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_FILE_BYTES + 65536:
         raise APIError(413, f"Files are limited to {MAX_FILE_BYTES} bytes.", code="file_too_large")
@@ -113,13 +113,19 @@ async def upload_file(request: HTTPRequest) -> Response:
             raise APIError(400, "A multipart form with a 'file' part is required.", param="file")
         if not isinstance(purpose, str):
             raise APIError(400, "A 'purpose' field is required ('batch').", param="purpose")
-        data = await upload.read()
-        if len(data) > MAX_FILE_BYTES:
-            raise APIError(
-                413, f"Files are limited to {MAX_FILE_BYTES} bytes.", code="file_too_large"
-            )
         filename = upload.filename or "upload.jsonl"
-        record = await asyncio.to_thread(batches.add_file, tenant, filename, purpose, data)
+        # Read from the spooled upload a megabyte at a time on a worker thread: memory
+        # holds a chunk and a line, never the file.
+        settings = ready.service.settings
+        record = await asyncio.to_thread(
+            batches.add_file_from,
+            tenant,
+            filename,
+            purpose,
+            upload.file,
+            max_line_bytes=settings.max_request_body_bytes,
+            quota_bytes=settings.file_storage_bytes_per_tenant,
+        )
     finally:
         await form.close()
     return json_response(record.view())

@@ -41,13 +41,28 @@ class FileRecord:
 def check_batch_lines(data: bytes) -> int:
     """Check an uploaded batch file (JSONL of requests); returns its number of requests.
     Raises a 400 naming the first bad line."""
-    seen: dict[str, int] = {}
-    count = 0
-    for number, raw in enumerate(data.splitlines(), start=1):
+    checker = LineChecker()
+    for raw in data.splitlines():
+        checker.feed(raw)
+    return checker.finish()
+
+
+class LineChecker:
+    """The lines of a batch file checked one at a time, as an upload streams in."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self.count = 0
+        self.number = 0
+
+    def feed(self, raw: bytes) -> None:
+        """Check the next line (its newline stripped); a 400 naming it when it is bad."""
+        self.number += 1
+        number = self.number
         if not raw.strip():
-            continue
-        count += 1
-        if count > MAX_LINES:
+            return
+        self.count += 1
+        if self.count > MAX_LINES:
             raise bad_file(f"it has more than {MAX_LINES} requests, the limit of one batch")
         try:
             line = orjson.loads(raw)
@@ -58,18 +73,20 @@ def check_batch_lines(data: bytes) -> int:
         custom_id = line.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             raise bad_file(f"line {number} has no custom_id (a non-empty string)")
-        if custom_id in seen:
-            raise bad_file(f"line {number} repeats the custom_id of line {seen[custom_id]}")
-        seen[custom_id] = number
+        if custom_id in self.seen:
+            raise bad_file(f"line {number} repeats the custom_id of line {self.seen[custom_id]}")
+        self.seen[custom_id] = number
         if line.get("method") != "POST":
             raise bad_file(f"line {number}: method must be POST")
         if line.get("url") not in ENDPOINTS:
             raise bad_file(f"line {number}: url must be one of {sorted(ENDPOINTS)}")
         if not isinstance(line.get("body"), dict):
             raise bad_file(f"line {number}: body must be a JSON object")
-    if count == 0:
-        raise bad_file("it has no requests")
-    return count
+
+    def finish(self) -> int:
+        if self.count == 0:
+            raise bad_file("it has no requests")
+        return self.count
 
 
 def bad_file(reason: str) -> APIError:

@@ -29,14 +29,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
 from sluicegate.errors import APIError
 from sluicegate.queue.batch_format import (
     ENDPOINTS,
+    MAX_FILE_BYTES,
     FileRecord,
+    LineChecker,
     batch_view,
     check_batch_lines,
     result_line,
@@ -96,6 +98,8 @@ class Batches:
         #: One finalizer at a time: the last lines of a batch end on several threads at
         #: once, and each asks to finalize it (the journal is this process's alone).
         self._finalizing = threading.Lock()
+        #: Uploads store one at a time (a tenant's quota is checked against what is stored).
+        self._storing = threading.Lock()
         files_dir.mkdir(parents=True, exist_ok=True)
         with journal.connection() as db:
             db.executescript(_SCHEMA)
@@ -111,6 +115,57 @@ class Batches:
         self._write(record.file_id, [data])
         self._insert_file(record)
         return record
+
+    def add_file_from(
+        self,
+        tenant: str,
+        filename: str,
+        purpose: str,
+        source: BinaryIO,
+        *,
+        max_line_bytes: int,
+        quota_bytes: int,
+    ) -> FileRecord:
+        """Store an upload read from ``source`` a megabyte at a time, its lines checked as
+        they come: memory holds a chunk and one line, never the file.  A 413 past
+        ``MAX_FILE_BYTES``, a line past ``max_line_bytes`` or the tenant's ``quota_bytes``
+        of stored files; a 400 naming the first bad line."""
+        if purpose != "batch":
+            raise APIError(400, f"purpose must be 'batch'; got {purpose!r}", param="purpose")
+        record = FileRecord(f"file-{uuid.uuid4().hex}", tenant, purpose, filename, 0, 0.0)
+        path = self.files_dir / f"{record.file_id}.jsonl"
+        tmp = path.with_suffix(".upload")
+        checker, partial, size = LineChecker(), b"", 0
+        used = self._stored_bytes(tenant)
+        try:
+            with tmp.open("wb") as out:
+                while chunk := source.read(1 << 20):
+                    size += len(chunk)
+                    _check_size(size, used, quota_bytes)
+                    out.write(chunk)
+                    *lines, partial = (partial + chunk).split(b"\n")
+                    for line in [*lines, partial]:
+                        if len(line) > max_line_bytes:
+                            raise _line_too_large(checker.number + 1, max_line_bytes)
+                        if line is not partial:
+                            checker.feed(line.removesuffix(b"\r"))
+                checker.feed(partial.removesuffix(b"\r"))
+                checker.finish()
+                out.flush()
+                os.fsync(out.fileno())
+            with self._storing:  # the quota, checked again with any upload beside it
+                _check_size(size, self._stored_bytes(tenant), quota_bytes)
+                tmp.replace(path)
+                record = FileRecord(record.file_id, tenant, purpose, filename, size, self._clock())
+                self._insert_file(record)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return record
+
+    def _stored_bytes(self, tenant: str) -> int:
+        with self.journal.connection() as db:
+            row = db.execute("SELECT SUM(bytes) FROM files WHERE tenant = ?", (tenant,))
+            return int(row.fetchone()[0] or 0)
 
     def file(self, file_id: str, tenant: str) -> FileRecord:
         with self.journal.connection() as db:
@@ -434,3 +489,25 @@ def _line_counts(db: Any, batch_id: str) -> dict[str, int]:
         (batch_id,),
     ).fetchone()
     return {"completed": int(completed), "failed": int(finished) - int(completed)}
+
+
+def _check_size(size: int, used: int, quota_bytes: int) -> None:
+    if size > MAX_FILE_BYTES:
+        raise APIError(413, f"Files are limited to {MAX_FILE_BYTES} bytes.", code="file_too_large")
+    if used + size > quota_bytes:
+        raise APIError(
+            413,
+            f"The file would take this tenant's stored files to over {quota_bytes} bytes "
+            f"({used} stored): delete files it no longer needs (DELETE /v1/files/{{id}}).",
+            code="storage_quota_exceeded",
+        )
+
+
+def _line_too_large(number: int, max_line_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"Line {number} of the batch file is over {max_line_bytes} bytes, the largest "
+        "request body this server takes.",
+        param="file",
+        code="line_too_large",
+    )
