@@ -3,8 +3,9 @@ by line, file records, and result lines and batch objects in OpenAI's shape."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -170,3 +171,48 @@ def batch_view(row: tuple[Any, ...], counts: dict[str, int] | None) -> dict[str,
         "request_counts": {"total": total, "completed": completed, "failed": failed},
         "metadata": orjson.loads(metadata) if metadata else None,
     }
+
+
+def copy_checked(
+    source: BinaryIO, out: BinaryIO, max_line_bytes: int, check: Callable[[int], None]
+) -> int:
+    """Copy an upload from ``source`` to ``out`` a megabyte at a time, each line checked
+    as it comes (memory holds a chunk and one line), ``check`` given the bytes so far
+    after each chunk; the bytes copied."""
+    checker, partial, size = LineChecker(), b"", 0
+    while chunk := source.read(1 << 20):
+        size += len(chunk)
+        check(size)
+        out.write(chunk)
+        *lines, partial = (partial + chunk).split(b"\n")
+        for line in [*lines, partial]:
+            if len(line) > max_line_bytes:
+                raise _line_too_large(checker.number + 1, max_line_bytes)
+            if line is not partial:
+                checker.feed(line.removesuffix(b"\r"))
+    checker.feed(partial.removesuffix(b"\r"))
+    checker.finish()
+    return size
+
+
+def check_size(size: int, used: int, quota_bytes: int) -> None:
+    """A 413 for a file past ``MAX_FILE_BYTES`` or past what its tenant may store."""
+    if size > MAX_FILE_BYTES:
+        raise APIError(413, f"Files are limited to {MAX_FILE_BYTES} bytes.", code="file_too_large")
+    if used + size > quota_bytes:
+        raise APIError(
+            413,
+            f"The file would take this tenant's stored files to over {quota_bytes} bytes "
+            f"({used} stored): delete files it no longer needs (DELETE /v1/files/{{id}}).",
+            code="storage_quota_exceeded",
+        )
+
+
+def _line_too_large(number: int, max_line_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"Line {number} of the batch file is over {max_line_bytes} bytes, the largest "
+        "request body this server takes.",
+        param="file",
+        code="line_too_large",
+    )

@@ -36,11 +36,11 @@ import orjson
 from sluicegate.errors import APIError
 from sluicegate.queue.batch_format import (
     ENDPOINTS,
-    MAX_FILE_BYTES,
     FileRecord,
-    LineChecker,
     batch_view,
     check_batch_lines,
+    check_size,
+    copy_checked,
     result_line,
 )
 from sluicegate.queue.journal import JobJournal
@@ -135,26 +135,16 @@ class Batches:
         record = FileRecord(f"file-{uuid.uuid4().hex}", tenant, purpose, filename, 0, 0.0)
         path = self.files_dir / f"{record.file_id}.jsonl"
         tmp = path.with_suffix(".upload")
-        checker, partial, size = LineChecker(), b"", 0
         used = self._stored_bytes(tenant)
         try:
             with tmp.open("wb") as out:
-                while chunk := source.read(1 << 20):
-                    size += len(chunk)
-                    _check_size(size, used, quota_bytes)
-                    out.write(chunk)
-                    *lines, partial = (partial + chunk).split(b"\n")
-                    for line in [*lines, partial]:
-                        if len(line) > max_line_bytes:
-                            raise _line_too_large(checker.number + 1, max_line_bytes)
-                        if line is not partial:
-                            checker.feed(line.removesuffix(b"\r"))
-                checker.feed(partial.removesuffix(b"\r"))
-                checker.finish()
+                size = copy_checked(
+                    source, out, max_line_bytes, lambda n: check_size(n, used, quota_bytes)
+                )
                 out.flush()
                 os.fsync(out.fileno())
             with self._storing:  # the quota, checked again with any upload beside it
-                _check_size(size, self._stored_bytes(tenant), quota_bytes)
+                check_size(size, self._stored_bytes(tenant), quota_bytes)
                 tmp.replace(path)
                 record = FileRecord(record.file_id, tenant, purpose, filename, size, self._clock())
                 self._insert_file(record)
@@ -489,25 +479,3 @@ def _line_counts(db: Any, batch_id: str) -> dict[str, int]:
         (batch_id,),
     ).fetchone()
     return {"completed": int(completed), "failed": int(finished) - int(completed)}
-
-
-def _check_size(size: int, used: int, quota_bytes: int) -> None:
-    if size > MAX_FILE_BYTES:
-        raise APIError(413, f"Files are limited to {MAX_FILE_BYTES} bytes.", code="file_too_large")
-    if used + size > quota_bytes:
-        raise APIError(
-            413,
-            f"The file would take this tenant's stored files to over {quota_bytes} bytes "
-            f"({used} stored): delete files it no longer needs (DELETE /v1/files/{{id}}).",
-            code="storage_quota_exceeded",
-        )
-
-
-def _line_too_large(number: int, max_line_bytes: int) -> APIError:
-    return APIError(
-        413,
-        f"Line {number} of the batch file is over {max_line_bytes} bytes, the largest "
-        "request body this server takes.",
-        param="file",
-        code="line_too_large",
-    )
