@@ -432,6 +432,11 @@ class Settings(FlowSettings, BaseSettings):
                     f"tenants[{index}] ({tenant.name}): max_tokens_per_second {pace:g} is "
                     f"below pace_floor_tokens_per_second ({floor:g})"
                 )
+        if self.model is not None and self.engine != "torch":
+            raise ValueError(
+                f"model {self.model!r} is for the torch engine; engine {self.engine} loads "
+                "no model (drop --model, or serve it with --engine torch)"
+            )
         if self.engine == "upstream" and not self.upstream_configs:
             raise ValueError(
                 "engine upstream needs at least one upstream: --upstream URL, or upstreams: "

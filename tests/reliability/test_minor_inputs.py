@@ -71,3 +71,16 @@ async def test_batch_metadata_is_bounded_and_a_finished_batch_is_not_cancelled(
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["code"] == "batch_not_cancellable"
         assert (await api.batches.retrieve(batch.id)).status == "completed"
+
+
+@pytest.mark.parametrize("engine", ["sim", "upstream"])
+def test_a_model_path_for_an_engine_that_loads_none_is_refused(engine: str) -> None:
+    """``--engine sim --model /nonexistent`` started, serving the sim under a path that
+    does not exist; the model is the torch engine's."""
+    from pydantic import ValidationError
+
+    from sluicegate.config import Settings
+
+    extra = {"upstreams": [{"url": "http://127.0.0.1:9"}]} if engine == "upstream" else {}
+    with pytest.raises(ValidationError, match="is for the torch engine"):
+        Settings(engine=engine, model="/nonexistent.gguf", **extra)
