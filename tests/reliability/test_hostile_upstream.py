@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluicegate.bench.scrape import parse_metrics
 from tests.upstream.scripted import MODEL, Answer, text
 from tests.upstream.test_passthrough import gateway, sse_chunks
 from tests.upstream.test_restart import parts
@@ -20,11 +21,11 @@ def endless(body: dict[str, Any], attempt: int) -> Answer:
 
 
 async def _metric(app: Any, reason: str) -> float:
-    text_ = (await app.client.get("/metrics")).text
-    for line in text_.splitlines():
-        if line.startswith("sluicegate_upstream_protocol_errors_total{") and reason in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """``sluicegate_upstream_protocol_errors_total`` summed over the label sets that
+    name ``reason``."""
+    snapshot = parse_metrics((await app.client.get("/metrics")).text)
+    name = "sluicegate_upstream_protocol_errors_total{"
+    return sum(v for k, v in snapshot.values.items() if k.startswith(name) and reason in k)
 
 
 async def test_an_answer_past_max_tokens_is_cut_there() -> None:

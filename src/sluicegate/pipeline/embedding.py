@@ -80,8 +80,10 @@ class StaticEmbedding:
         return out
 
 
+@functools.cache
 def embedding_available() -> bool:
-    """Whether the embedding package is installed (``make install`` installs it)."""
+    """Whether the embedding package is installed (``make install`` installs it); looked
+    up once per process, not at every ``GET /v1/models``."""
     try:
         package_dir()
     except EmbeddingModelNotFound:

@@ -28,7 +28,7 @@ async def relay_embeddings(pool: UpstreamPool, model: str, body: bytes) -> tuple
     """The status and body of the first upstream serving ``model`` that answers; a 404
     when none lists it, a 502 ``upstream_failed`` when none answers."""
     serving = [u for u in pool.upstreams if model in u.embedding_models]
-    candidates = sorted((u for u in serving if u.healthy), key=lambda u: u.outstanding_tokens)
+    candidates = sorted((u for u in serving if u.healthy), key=lambda u: u.load)
     if not serving:
         raise APIError(
             404,

@@ -87,6 +87,11 @@ class Upstream:
         return self.config.label
 
     @property
+    def load(self) -> float:
+        """Tokens it holds, per unit of its weight (routing goes to the least)."""
+        return self.outstanding_tokens / self.config.weight
+
+    @property
     def has_room(self) -> bool:
         return self.healthy and len(self.outstanding) < self.limit
 
@@ -261,14 +266,14 @@ class UpstreamPool:
         ]
         if not eligible:
             return None
-        least = min(eligible, key=_load)
+        least = min(eligible, key=lambda u: u.load)
         if affinity_key is None or not self.settings.upstream_prefix_affinity:
             return least
         preferred = max(eligible, key=lambda u: _rendezvous(affinity_key, u))
         # Affinity yields when the preferred one holds clearly more than the least loaded:
         # more than one typical request's tokens over it, and 1.5 times its load.
         slack = max(tokens, 1)
-        if _load(preferred) <= 1.5 * _load(least) + slack / preferred.config.weight:
+        if preferred.load <= 1.5 * least.load + slack / preferred.config.weight:
             return preferred
         return least
 
@@ -416,10 +421,6 @@ class UpstreamPool:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         return {u.name: u.snapshot() for u in self.upstreams}
-
-
-def _load(upstream: Upstream) -> float:
-    return upstream.outstanding_tokens / upstream.config.weight
 
 
 def _rendezvous(key: str, upstream: Upstream) -> float:
