@@ -186,7 +186,9 @@ def test_a_failover_onto_transformers_serve_continues_as_a_completion(
     which refuses ``continue_final_message`` (it takes no field it does not know): the
     gateway continues it on ``/v1/completions`` from the conversation rendered with its
     chat template plus the text so far, and remembers to for that upstream."""
-    sim = start_upstream("peer-sim", "--served-model-name", MODEL)
+    # 30 ms steps: the kill lands mid-answer (at 5 ms the sim could finish its 24 tokens
+    # first, leaving nothing to continue).
+    sim = start_upstream("peer-sim", "--served-model-name", MODEL, "--sim-step-base-ms", "30")
     gateway = gateway_for(
         [(sim.base_url, MODEL), (transformers_serve.base_url, transformers_serve.model)],
         "tf-failover",
