@@ -24,6 +24,8 @@ _NO_NETWORK = {
     "LANGCHAIN_TRACING_V2": "false",
     "LITELLM_LOCAL_MODEL_COST_MAP": "True",
     "LITELLM_OFFLINE_MODE": "true",
+    # The OpenAI Agents SDK exports its traces to api.openai.com unless told not to.
+    "OPENAI_AGENTS_DISABLE_TRACING": "1",
 }
 for _name, _value in _NO_NETWORK.items():
     os.environ.setdefault(_name, _value)

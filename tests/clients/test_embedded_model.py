@@ -223,3 +223,66 @@ def test_tool_calls_through_a_gateway_are_the_direct_answer(
             expected = after if position < len(ids) - 1 else []
             assert _sse(replay) == expected, position
         assert len(ids) >= 3 and through_lines[-1] == "data: [DONE]"
+
+
+# --- the Responses API on the embedded model ---
+
+#: The tools in the Responses API's flat shape.
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def test_responses_calls_tools_and_follows_a_schema(client: openai.OpenAI) -> None:
+    called = client.responses.create(
+        model=MODEL,
+        instructions="You answer with the tools you are given.",
+        input="What is the weather in Paris, in celsius?",
+        tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        extra_body={"seed": 3},
+    )
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and called.status == "completed"
+    for call in calls:
+        check_call(call.name, call.arguments)
+    weather = client.responses.create(
+        model=MODEL,
+        input="The weather to look up: Paris, in celsius. Answer in JSON.",
+        text={
+            "format": {
+                "type": "json_schema",
+                "name": "weather",
+                "schema": Weather.model_json_schema(),
+                "strict": True,
+            }
+        },
+        max_output_tokens=200,
+        extra_body={"seed": 3},
+    )
+    assert weather.status == "completed"
+    Weather.model_validate_json(weather.output_text)
+
+
+def test_a_continued_conversation_reuses_its_cached_prefix(client: openai.OpenAI) -> None:
+    """``previous_response_id``: the earlier turn and its answer come from the prefix
+    cache.  In open mode, a stored response is its creator's: it presents the resume
+    token it received (as for streams)."""
+    raw = client.responses.with_raw_response.create(
+        model=MODEL,
+        input="My favourite colour is blue. Remember it. " * 6,
+        max_output_tokens=16,
+        extra_body={"seed": 1},
+    )
+    first = raw.parse()
+    token = {"x-sluicegate-resume-token": raw.headers["x-sluicegate-resume-token"]}
+    second = client.responses.create(
+        model=MODEL,
+        input="What is my favourite colour?",
+        previous_response_id=first.id,
+        max_output_tokens=16,
+        extra_headers=token,
+    )
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 2
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)  # no token: not found
+    assert client.responses.retrieve(first.id, extra_headers=token).id == first.id

@@ -77,6 +77,22 @@ async def test_missing_meta_is_not_found(store: Store) -> None:
         await store.get_meta("logonly")
 
 
+async def test_a_deleted_stream_is_unknown_whole(store: Store) -> None:
+    """``delete`` (a stored response deleted by its owner): log, metadata and lease go,
+    and the id is unknown (404), not expired (410)."""
+    await store.put_meta("gone", sample_meta())
+    await store.append("gone", b"data: x\n\n", token_ids=[1])
+    assert await store.acquire_lease("gone", "replica-a", 5.0)
+    await store.delete("gone")
+    with pytest.raises(StreamNotFound):
+        await store.get_meta("gone")
+    with pytest.raises(StreamNotFound):
+        await store.read("gone", 0)
+    assert await store.lease_owner("gone") is None
+    await store.delete("gone")  # idempotent
+    await store.delete("never-was")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_meta_expires_with_the_log(backend: str, make_store: MakeStore) -> None:
     store = await make_store(backend, replay_ttl_seconds=0.2)

@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "tests/clients/test_langchain.py",
     "tests/resume/test_access.py",
     "tests/resume/test_replicas.py",
+    "tests/resume/test_responses_resume.py",
     "tests/upstream/test_gateway.py",
     "tests/engine/torch/test_server.py",
     "tests/api/test_concurrency.py",

@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from sluicegate.tools.prompt import render_messages
+from sluicegate.tools.sim_answer import AFTER_TOOL_RESULT
 from sluicegate.tools.spec import tool_plan
 from tests.support.inprocess import InProcessApp, serve_in_process
 from tests.tools.support import ADD, TOOLS, WEATHER
@@ -123,8 +124,9 @@ async def test_auto_calls_then_answers_the_results(app: InProcessApp) -> None:
         max_tokens=30,
     )
     assert second.choices[0].message.tool_calls is None
-    assert second.choices[0].message.content
-    assert second.choices[0].finish_reason == "length"
+    # The sim's one sentence after a tool result, then the end (an agent loop ends).
+    assert second.choices[0].message.content == AFTER_TOOL_RESULT
+    assert second.choices[0].finish_reason == "stop"
     # The history reached the prompt: the calls and the result, in the generic format.
     plan = tool_plan(TOOLS, None, None)
     rendered, _ = render_messages(history, plan, native=False)

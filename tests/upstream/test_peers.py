@@ -220,7 +220,9 @@ def test_a_failover_onto_transformers_serve_continues_as_a_completion(
             assert b'"error"' not in event.data, event.data
             after += event_text(event) or ""
         stream.close()
-        assert done and after, "the answer continued on transformers serve"
+        # The continuation may be empty: after the sim's words the model may well end at
+        # once. That it continued there, as a completion, is the peer's record below.
+        assert done, "the answer ended cleanly after the failover"
         upstreams = gateway.stats()["upstreams"]
         peer = next(u for name, u in upstreams.items() if str(transformers_serve.port) in name)
         assert peer["continuation"] == "completion"

@@ -15,6 +15,7 @@ from sluicegate.api import (
     lifecycle,
     openai_routes,
     prefill,
+    responses,
     resume,
     stats,
     web,
@@ -52,6 +53,7 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     for module in (
         openai_routes,
+        responses,
         embeddings,
         prefill,
         jobs,

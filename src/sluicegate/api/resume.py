@@ -40,8 +40,9 @@ from sluicegate.store.errors import (
     StreamNotFound,
 )
 from sluicegate.store.event_id import parse_after_seq, parse_event_id, validate_stream_id
+from sluicegate.stream.log_reads import REPLAY_BATCH_EVENTS, Transform
 from sluicegate.stream.replay import follow, replay
-from sluicegate.stream.session import REPLAY_BATCH_EVENTS, StreamSession
+from sluicegate.stream.session import StreamSession
 from sluicegate.stream.sse import EventStreamResponse, SSEConnection
 
 logger = logging.getLogger(__name__)
@@ -57,17 +58,24 @@ async def resume_stream(stream_id: str, request: HTTPRequest) -> Response:
     tenant = ready.service.authenticate(request.headers.get("authorization"))
     token = presented_resume_token(request)
     try:
-        after_seq = _position(ready, stream_id, request)
-        return await _resume(ready, tenant, token, stream_id, after_seq)
+        after_seq = stream_position(ready, stream_id, request)
+        return await resume(ready, tenant, token, stream_id, after_seq)
     except APIError as error:
         status = "rejected" if error.status_code != 404 else "not_found"
         ready.service.metrics.stream_resumes_total.labels(status).inc()
         raise
 
 
-async def _resume(
-    ready: Ready, tenant: Tenant, token: str | None, stream_id: str, after_seq: int
+async def resume(
+    ready: Ready,
+    tenant: Tenant,
+    token: str | None,
+    stream_id: str,
+    after_seq: int,
+    transform: Transform | None = None,
 ) -> Response:
+    """Serve a stream from ``after_seq``: attached, replayed, followed or taken over
+    (``transform``: what its events pass through, see :meth:`StreamSession.response`)."""
     store = ready.store
     metrics = ready.service.metrics
     headers = {"x-sluicegate-stream-id": stream_id, "x-request-id": stream_id}
@@ -83,7 +91,7 @@ async def _resume(
         if after_seq > local.last_seq:
             raise _bad_position(InvalidReplayPosition(stream_id, after_seq, local.last_seq))
         metrics.stream_resumes_total.labels("attach").inc()
-        return local.response(after_seq, headers)
+        return local.response(after_seq, headers, transform)
     try:
         meta = await store.get_meta(stream_id)
         if not owner_admits(
@@ -92,20 +100,20 @@ async def _resume(
             raise _not_found(ready, stream_id)
         head = await store.read(stream_id, after_seq, limit=REPLAY_BATCH_EVENTS)
     except StreamExpired:
-        raise _expired(stream_id) from None
+        raise expired_error(stream_id) from None
     except StreamNotFound:
         raise _not_found(ready, stream_id) from None
     except InvalidReplayPosition as error:
         raise _bad_position(error) from None
     except StoreUnavailable as error:
-        raise _store_down(error) from None
+        raise store_down_error(error) from None
     if head.trimmed:
         raise _trimmed(ReplayTrimmed(stream_id, after_seq, head.resumable_from_seq))
     connection = SSEConnection()
     if head.finished:
         metrics.stream_resumes_total.labels("replay").inc()
         events = replay(store, stream_id, after_seq, head, connection)
-        return _response(ready, events, connection, headers)
+        return _response(ready, events, connection, headers, transform)
     if ready.service.admission.draining:
         raise APIError(
             503,
@@ -116,19 +124,19 @@ async def _resume(
     session = await _try_take_over(ready, tenant, stream_id)
     if session is not None:
         metrics.stream_resumes_total.labels("takeover").inc()
-        return session.response(after_seq, headers)
+        return session.response(after_seq, headers, transform)
     metrics.stream_resumes_total.labels("follow").inc()
     events = follow(ready.sessions, tenant, stream_id, after_seq, connection)
-    return _response(ready, events, connection, headers)
+    return _response(ready, events, connection, headers, transform)
 
 
 async def _try_take_over(ready: Ready, tenant: Tenant, stream_id: str) -> StreamSession | None:
     try:
         return await ready.sessions.take_over(tenant, stream_id)
     except StreamExpired:
-        raise _expired(stream_id) from None
+        raise expired_error(stream_id) from None
     except StoreUnavailable as error:
-        raise _store_down(error) from None
+        raise store_down_error(error) from None
 
 
 def _response(
@@ -136,16 +144,17 @@ def _response(
     events: AsyncIterator[tuple[bytes, int]],
     connection: SSEConnection,
     headers: dict[str, str],
+    transform: Transform | None,
 ) -> EventStreamResponse:
     return EventStreamResponse(
-        events,
+        events if transform is None else transform(events),
         connection,
         headers=headers,
         on_send_blocked=ready.service.metrics.stream_send_blocked_seconds.observe,
     )
 
 
-def _position(ready: Ready, stream_id: str, request: HTTPRequest) -> int:
+def stream_position(ready: Ready, stream_id: str, request: HTTPRequest) -> int:
     """The client's position: ``Last-Event-ID`` (it wins: it is newer), ``?after``, or 0."""
     try:
         validate_stream_id(stream_id)
@@ -178,7 +187,7 @@ def _not_found(ready: Ready, stream_id: str) -> APIError:
     return _no_such("stream", "stream_id", stream_id, open_mode=open_mode)
 
 
-def _expired(stream_id: str) -> APIError:
+def expired_error(stream_id: str) -> APIError:
     return APIError(
         410,
         f"Stream '{stream_id}' has expired: its replay log is dropped replay_ttl_seconds "
@@ -202,7 +211,7 @@ def _bad_position(error: InvalidReplayPosition) -> APIError:
     return APIError(400, str(error), param="Last-Event-ID", code="invalid_position")
 
 
-def _store_down(error: StoreUnavailable) -> APIError:
+def store_down_error(error: StoreUnavailable) -> APIError:
     return APIError(
         503,
         f"The replay store is unreachable: {error}. Retry shortly.",

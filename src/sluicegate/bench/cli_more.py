@@ -123,6 +123,28 @@ def engine_peer_command(
         typer.echo(line)
 
 
+def resume_command(
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Resumes per case.")] = 50,
+    kills: Annotated[int, typer.Option("--kills", min=1, help="Replicas killed.")] = 10,
+    redis_url: Annotated[
+        str | None,
+        typer.Option("--redis-url", help="A Redis to use (default: start redis-server)."),
+    ] = None,
+    out: OutOption = Path("bench-resume"),
+) -> None:
+    """Resume latency of the Responses API's streams (``starting_after``): reconnect to the
+    first event on the same replica, on another, and after the generating one is killed
+    (sim engine, two replicas, a Redis started from redis-server on the PATH)."""
+    from sluicegate.bench.resume_latency import resume_latency
+
+    try:
+        result = resume_latency(out, samples=samples, kills=kills, redis_url=redis_url)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in result.lines():
+        typer.echo(line)
+
+
 def register_more(app: typer.Typer) -> None:
     """Add this module's commands to ``sluicegate bench``."""
     app.command("speculative")(speculative_command)
@@ -131,3 +153,4 @@ def register_more(app: typer.Typer) -> None:
     app.command("tools")(tools_command)
     app.command("guard")(guard_command)
     app.command("engine-peer")(engine_peer_command)
+    app.command("resume")(resume_command)

@@ -229,6 +229,11 @@ class Store(abc.ABC):
     ) -> None:
         """Set the status (RUNNING or CHECKPOINTED) and/or replace ``extra``."""
 
+    @abc.abstractmethod
+    async def delete(self, stream_id: str) -> None:
+        """Drop the stream whole (log, metadata, lease): it is unknown from now on (a
+        stored response deleted by its owner).  Idempotent."""
+
     # --- generation lease ---
 
     @abc.abstractmethod

@@ -191,6 +191,14 @@ class MemoryStore(Store):
             meta.extra = copy.deepcopy(dict(extra))
         self._touch(stream)
 
+    async def delete(self, stream_id: str) -> None:
+        validate_stream_id(stream_id)
+        stream = self._streams.pop(stream_id, None)
+        self._leases.pop(stream_id, None)
+        self._tombstones.pop(stream_id, None)
+        if stream is not None:
+            stream.notify()
+
     # --- generation lease ---
 
     async def acquire_lease(self, stream_id: str, owner: str, ttl_seconds: float) -> bool:

@@ -316,6 +316,10 @@ class RedisStore(Store):
             return
         self._raise_for(int(reply[0]), stream_id, None)
 
+    async def delete(self, stream_id: str) -> None:
+        keys = self._keys(stream_id)
+        await self._must("delete", lambda c: c.delete(*keys))
+
     # --- generation lease ---
 
     async def acquire_lease(self, stream_id: str, owner: str, ttl_seconds: float) -> bool:

@@ -41,6 +41,10 @@ class StreamFormat:
     #: A pipeline's stream (``model`` is the pipeline's name): the sources its answer was
     #: retrieved from (a takeover rebuilds its stages with them).
     sources: list[str] | None = None
+    #: A response of the Responses API (``/v1/responses``), generated as a chat
+    #: completion: its fixed fields (``template``), its input items and the conversation
+    #: it continues (see :mod:`sluicegate.stream.response_events`).
+    response: dict[str, Any] | None = None
 
     def chunk(
         self,
@@ -141,6 +145,7 @@ class StreamFormat:
             "max_tokens_per_second": self.max_tokens_per_second,
             "upstream_call": self.upstream_call,
             "sources": None if self.sources is None else list[JSONValue](self.sources),
+            "response": self.response,
         }
 
     @classmethod
@@ -160,6 +165,7 @@ class StreamFormat:
             sources=[str(x) for x in found]
             if isinstance(found := data.get("sources"), list)
             else None,
+            response=found if isinstance(found := data.get("response"), dict) else None,
         )
 
 

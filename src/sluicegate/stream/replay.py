@@ -13,7 +13,7 @@ from sluicegate.store.errors import ReplayTrimmed, StoreError
 from sluicegate.store.event_id import format_event_id
 from sluicegate.store.records import ReplayResult
 from sluicegate.stream.events import error_event, replay_error
-from sluicegate.stream.session import REPLAY_BATCH_EVENTS
+from sluicegate.stream.log_reads import REPLAY_BATCH_EVENTS
 from sluicegate.stream.sessions import SessionRegistry
 from sluicegate.stream.sse import SSEConnection, with_event_id
 

@@ -50,13 +50,12 @@ from sluicegate.stream.events import (
 )
 from sluicegate.stream.feed import FEED_MAX_WAITING, Emission, Feed, FeedItem
 from sluicegate.stream.flow import FlowController, StreamFlow
+from sluicegate.stream.log_reads import REPLAY_BATCH_EVENTS, Transform
+from sluicegate.stream.response_events import ResponseEvents
 from sluicegate.stream.sse import DONE, EventStreamResponse, SSEConnection, sse_data, with_event_id
 from sluicegate.stream.writer import ChunkWriter, Frame
 
 logger = logging.getLogger(__name__)
-
-#: Events per store read while replaying.
-REPLAY_BATCH_EVENTS = 256
 
 #: Why a session stopped generating without finishing its stream.
 StopReason = Literal["draining", "detached", "lease_lost", "evicted", "store_unavailable"]
@@ -93,6 +92,7 @@ class StreamSession:
         *,
         first_chunk: bytes | None,
         last_seq: int = 0,
+        responses: ResponseEvents | None = None,
     ) -> None:
         self.context = context
         self.service = context.service
@@ -102,10 +102,23 @@ class StreamSession:
         self.stream_id = generation.request_id
         self.tenant_name = tenant_name
         self.format = fmt
+        #: A Responses API stream: its events are made from the chat chunks (``responses``:
+        #: the state rebuilt from the log, at a takeover).
+        self.responses = responses
+        if fmt.response is not None and responses is None:
+            self.responses = ResponseEvents(fmt.response["template"])
+            first_chunk = self.responses.opening()
+        #: A background response runs to its end whether or not anybody reads it: its log
+        #: is its reader (no pause for an absent client, no detach grace).
+        self.background = self.responses is not None and bool(
+            self.responses.template.get("background")
+        )
         self.flow = StreamFlow(generation.stream, generation.request, siblings=generation.siblings)
         if (chain := generation.chain) is not None:
             self.flow.source, self.flow.holdup = chain.head, chain.holdup
         context.flow.register(self.flow)
+        if self.background:
+            self.flow.detach()
         self.feed: Feed | None = None
         #: Seq of the last event this replica logged (or found logged, at a takeover).
         self.last_seq = last_seq
@@ -155,7 +168,7 @@ class StreamSession:
         self._writer_back.set()
         if self.done:
             self.context.flow.unregister(self.stream_id)
-        elif self.stop_reason is None and not self.generation.ended:
+        elif self.stop_reason is None and not self.generation.ended and not self.background:
             grace = self.context.detached_grace_seconds
             self._grace = asyncio.get_running_loop().call_later(grace, self._grace_expired)
 
@@ -164,12 +177,16 @@ class StreamSession:
         index = bisect.bisect_right(self._tokens_through, (seq, 1 << 62))
         return self._tokens_through[index - 1][1] if index else 0
 
-    def response(self, after_seq: int, headers: dict[str, str]) -> EventStreamResponse:
-        """Attach a new connection and stream to it from ``after_seq``."""
+    def response(
+        self, after_seq: int, headers: dict[str, str], transform: Transform | None = None
+    ) -> EventStreamResponse:
+        """Attach a new connection and stream to it from ``after_seq`` (``transform``: what
+        the events pass through on their way, such as a Responses cursor's filter)."""
         feed = self.attach(after_seq)
         connection = SSEConnection()
+        events = self.events(feed, connection, after_seq)
         return EventStreamResponse(
-            self.events(feed, connection, after_seq),
+            events if transform is None else transform(events),
             connection,
             headers=headers,
             on_send_blocked=self.service.metrics.stream_send_blocked_seconds.observe,
@@ -294,6 +311,9 @@ class StreamSession:
         if first_chunk is not None:
             yield Emission(first_chunk)
         writer = ChunkWriter(service, generation, self.format)
+        #: Tokens of chunks that made no event yet (a Responses stream): they ride with the
+        #: next one, so a takeover re-prefills exactly what the log's events carry.
+        held, held_ids = 0, list[int]()
         while True:
             if generation.queued:
                 # Queued: tell the client where it stands, once a second, until it starts.
@@ -307,12 +327,23 @@ class StreamSession:
                 continue  # heartbeats are the writer's
             frame = writer.write(output)
             self._observe_backlog()
+            frame.num_tokens += held
+            frame.committed_token_ids = held_ids + frame.committed_token_ids
+            held, held_ids = 0, []
             if output.finished:
                 for emission in self._last(writer, output, frame):
                     yield emission
                 return
             if frame.chunk is not None:
-                yield Emission(sse_data(frame.chunk), frame.num_tokens, frame.committed_token_ids)
+                data = self._encode(frame.chunk)
+                if not data:
+                    held, held_ids = frame.num_tokens, frame.committed_token_ids
+                    continue
+                yield Emission(data, frame.num_tokens, frame.committed_token_ids)
+
+    def _encode(self, chunk: dict[str, object]) -> bytes:
+        """A chunk as this stream's events: itself, or a response's events."""
+        return sse_data(chunk) if self.responses is None else self.responses.encode(chunk)
 
     def _observe_backlog(self) -> None:
         """Tokens not yet received by the client, and (a pipeline) in front of each stage."""
@@ -326,8 +357,9 @@ class StreamSession:
     def _last(self, writer: ChunkWriter, output: RequestOutput, frame: Frame) -> list[Emission]:
         """The end of the stream: one logged event (so that a takeover never sees half of
         it), or, when stopped to stay resumable, the last text and an unlogged notice."""
-        text = b"" if frame.chunk is None else sse_data(frame.chunk)
+        text = b"" if frame.chunk is None else self._encode(frame.chunk)
         num_tokens, committed = frame.num_tokens, frame.committed_token_ids
+        responses = self.responses
         if self.generation.life is Life.STOPPED:
             emissions = [Emission(text, num_tokens, committed)] if text else []
             notice = self._notice()
@@ -335,12 +367,18 @@ class StreamSession:
                 emissions.append(Emission(notice, logged=False))
             return emissions
         if self.stop_reason == "evicted":
-            data = text + sse_data(self._stall_error()) + DONE
-            return [Emission(data, num_tokens, committed, final=True)]
+            stalled = self._stall_error()
+            end = sse_data(stalled) if responses is None else responses.fail(stalled["error"])
+            return [Emission(text + end + DONE, num_tokens, committed, final=True)]
         ending = writer.finish(output)
         if ending.error is not None:
-            data = text + sse_data(ending.error.event_body()) + DONE
-            return [Emission(data, num_tokens, committed, final=True)]
+            body = ending.error.event_body()
+            end = sse_data(body) if responses is None else responses.fail(body["error"])
+            return [Emission(text + end + DONE, num_tokens, committed, final=True)]
+        if responses is not None:
+            cancelled = self.generation.life is Life.CANCELLED
+            end = responses.finish(ending.chunks, cancelled=cancelled)
+            return [Emission(text + end + DONE, num_tokens, committed, final=True)]
         data = text + b"".join(sse_data(chunk) for chunk in ending.chunks)
         return [Emission(data + DONE, num_tokens, committed, final=True)]
 
@@ -358,7 +396,7 @@ class StreamSession:
             )
         return sse_data(drain_notice(self.stream_id)) + DONE
 
-    def _stall_error(self) -> dict[str, object]:
+    def _stall_error(self) -> dict[str, dict[str, object]]:
         seconds = self.context.flow.config.stall_timeout_seconds
         return {
             "error": {
@@ -402,6 +440,9 @@ class StreamSession:
                 # prefix; the rest is sent without ids (it cannot be resumed past).
                 self.logging = False
         self._tokens_emitted += emission.num_tokens
+        if self.background and self.feed is None:
+            # Nobody reads a background response now: what is logged counts as received.
+            self.flow.tokens_received = self.flow.tokens_written = self._tokens_emitted
         if seq is not None:
             self.last_seq = seq
             self._tokens_through.append((seq, self._tokens_emitted))

@@ -18,7 +18,7 @@ from sluicegate.service.generation import Generation, completed_generation, unre
 from sluicegate.service.ownership import Owner
 from sluicegate.service.service import Service
 from sluicegate.store.base import Store
-from sluicegate.store.errors import StoreUnavailable
+from sluicegate.store.errors import StoreError, StoreUnavailable
 from sluicegate.store.records import StreamMeta, StreamStatus
 from sluicegate.stream.events import (
     StreamFormat,
@@ -27,9 +27,14 @@ from sluicegate.stream.events import (
     sampling_to_json,
 )
 from sluicegate.stream.flow import FlowController
+from sluicegate.stream.log_reads import read_all
+from sluicegate.stream.response_events import ResponseEvents
 from sluicegate.stream.session import SessionContext, StreamSession
 
 logger = logging.getLogger(__name__)
+
+#: Set in a response's ``StreamMeta.extra`` to ask the replica generating it to cancel it.
+CANCEL_ASKED = "cancel_asked"
 
 
 class SessionRegistry:
@@ -102,6 +107,21 @@ class SessionRegistry:
             for session, renewed in zip(sessions, results, strict=True):
                 if renewed is False:
                     session.lease_lost()
+            await self._cancels_asked(sessions)
+
+    async def _cancels_asked(self, sessions: list[StreamSession]) -> None:
+        """Responses another replica was asked to cancel (``POST /v1/responses/{id}/cancel``
+        reached a replica that does not generate them): it marks them in the store, and
+        the generating replica, here, cancels them at its next lease renewal."""
+        for session in sessions:
+            if session.responses is None or session.done:
+                continue
+            try:
+                meta = await self.store.get_meta(session.stream_id)
+            except StoreError:
+                continue
+            if meta.extra.get(CANCEL_ASKED):
+                self.service.cancel(session.generation)
 
     async def _renew(self, session: StreamSession) -> bool:
         try:
@@ -144,6 +164,30 @@ class SessionRegistry:
             generation.request_id, request.num_prompt_tokens, request.sampling.n
         )
         return StreamSession(self.context, generation, tenant.name, fmt, first_chunk=first)
+
+    async def log_finished(
+        self, generation: Generation, tenant: Tenant, fmt: StreamFormat, data: bytes
+    ) -> None:
+        """Store an answer that was not streamed, whole, as a finished stream's log (a
+        stored response: retrieved, continued, listed later like a streamed one).  A store
+        that is down loses it (logged): the answer itself was delivered."""
+        request = generation.request
+        meta = StreamMeta(
+            tenant=tenant.name,
+            model=fmt.model,
+            prompt_token_ids=list(request.prompt_token_ids),
+            seed=request.sampling.seed,
+            sampling_params=sampling_to_json(request.sampling),
+            extra=fmt.to_json(),
+            resume_token_sha256=generation.owner.resume_token_sha256,
+        )
+        stream_id = generation.request_id
+        try:
+            await self.store.put_meta(stream_id, meta)
+            await self.store.append(stream_id, data)
+            await self.store.finish(stream_id)
+        except StoreError as error:
+            logger.warning("response %s not stored: %s", stream_id, error)
 
     async def take_over(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
         """Continue a stream nobody generates (its replica drained, stopped or died).
@@ -188,6 +232,10 @@ class SessionRegistry:
                 f"serves {names}. Resume it on a replica serving that model.",
                 code="model_mismatch",
             )
+        responses = None
+        if fmt.response is not None:  # its events' state, from the log
+            entries = await read_all(store, stream_id)
+            responses = ResponseEvents.restore(fmt.response["template"], entries)
         sampling = sampling_from_json(meta.seed, meta.sampling_params)
         generated = meta.generated_token_ids
         if sampling.n > 1 and not service.core.features.relays:
@@ -244,5 +292,11 @@ class SessionRegistry:
             len(meta.prompt_token_ids) + len(generated),
         )
         return StreamSession(
-            self.context, generation, tenant.name, fmt, first_chunk=None, last_seq=last_seq
+            self.context,
+            generation,
+            tenant.name,
+            fmt,
+            first_chunk=None,
+            last_seq=last_seq,
+            responses=responses,
         )

@@ -4,8 +4,10 @@ given one, a pure function of the seed, valid for the tools' schemas.
 - a named function: one call of it;
 - ``required``: one call, or two (of different tools, when there are two and
   ``parallel_tool_calls`` allows), starting at a tool chosen by the seed;
-- ``auto``: a call when the last message is the user's, and text (the sim's own words)
-  after a tool result, so that an agent loop against the sim ends;
+- ``auto``: a call when the last message is the user's; after a tool result, one short
+  sentence and the end of the answer (:data:`AFTER_TOOL_RESULT`), so that an agent loop
+  against the sim ends, and ends complete (an agent SDK refuses an answer cut at its
+  length limit, which the sim's own words, never ending, always are);
 - ``none``: text.
 """
 
@@ -15,6 +17,9 @@ from sluicegate.tools.example import example_instance
 from sluicegate.tools.spec import ToolChoice, ToolPlan
 from sluicegate.tools.syntax import CALL_SEPARATOR, call_text, dump_json
 
+#: The sim's answer to a tool result under ``auto``.
+AFTER_TOOL_RESULT = "The tool has answered."
+
 
 def sim_answer(plan: ToolPlan, last_role: str | None, seed: int) -> str | None:
     """The scripted answer (None: the sim's ordinary text); ``last_role``: the role of the
@@ -22,6 +27,8 @@ def sim_answer(plan: ToolPlan, last_role: str | None, seed: int) -> str | None:
     functions = plan.callable
     if not functions:
         return None
+    if plan.choice == ToolChoice.AUTO and last_role == "tool":
+        return AFTER_TOOL_RESULT
     if plan.choice == ToolChoice.AUTO and last_role != "user":
         return None
     count = 2 if plan.choice == ToolChoice.REQUIRED and plan.parallel else 1
