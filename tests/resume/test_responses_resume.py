@@ -170,3 +170,37 @@ def test_the_resume_bench_measures_every_case(redis_url: str, tmp_path: Path) ->
     )
     assert 0 < replayed <= new
     assert (tmp_path / "resume.md").read_text().count("\n") == 6
+
+
+def test_a_background_response_survives_a_restart_of_its_only_replica(tmp_path: Path) -> None:
+    """The in-memory store dies with the process; the job journal does not: the restarted
+    replica generates the response again under the same id, to the same text."""
+    journal = [
+        "--journal-path",
+        str(tmp_path / "jobs.sqlite3"),
+        "--config",
+        str(_tenants(tmp_path)),
+    ]
+    slow = [*SIM, "--sim-step-base-ms", "20", *journal]
+    body = {k: v for k, v in REQUEST.items() if k != "stream"}
+    body["max_output_tokens"] = 200
+    with servers((slow, "responses-restart-1")) as (first,):
+        started = client(first).responses.create(**body)
+        assert started.status == "queued"
+        kill(first)  # at once: queued or mid-answer (200 tokens at 20 ms a step take 4 s)
+    with servers(([*SIM, *journal], "responses-restart-2")) as (second,):
+        polled = client(second).responses.retrieve(started.id)
+        deadline = time.monotonic() + 60
+        while polled.status in ("queued", "in_progress") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            polled = client(second).responses.retrieve(started.id)
+        assert polled.status in ("completed", "incomplete"), polled.status
+        # The same seeded request, streamed in the foreground on this replica: same text.
+        again = client(second).responses.create(**{**body, "background": False})
+        assert polled.output_text == again.output_text
+
+
+def _tenants(tmp_path: Path) -> Path:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants: [{name: alpha, api_key: key-alpha}]\n")
+    return path

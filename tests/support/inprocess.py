@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
@@ -111,7 +112,19 @@ async def serve_in_process(
     config = values.pop("config", None)
     if isinstance(config, Path):
         config = str(config)
-    app = create_app(load_settings(config, **values))
+    with tempfile.TemporaryDirectory(prefix="sluicegate-inprocess-") as scratch:
+        # Its own job journal (unless the test places it): one app's background jobs (a
+        # background response's, say) are not run again by the next, as a restarted
+        # server's would be.
+        if "journal_path" not in values and "cache_dir" not in values:
+            values["journal_path"] = str(Path(scratch) / "jobs.sqlite3")
+        async with _served(load_settings(config, **values), ready_timeout_seconds) as served:
+            yield served
+
+
+@contextlib.asynccontextmanager
+async def _served(settings: Any, ready_timeout_seconds: float) -> AsyncIterator[InProcessApp]:
+    app = create_app(settings)
     state = app.state.sluicegate
     assert isinstance(state, AppState)
     async with app.router.lifespan_context(app):

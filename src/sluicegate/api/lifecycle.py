@@ -17,6 +17,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from sluicegate.api.batches import batch_aware_executor
+from sluicegate.api.responses_background import background_aware
 from sluicegate.api.state import AppState, Ready
 from sluicegate.config import Settings
 from sluicegate.engine.output import FlushPolicy
@@ -65,10 +66,12 @@ async def stop(state: AppState) -> None:
         task.cancel()
     ready, state.ready = state.ready, None
     if ready is not None:
-        await ready.sessions.stop()
-        await ready.flow.stop()
+        # The job runner first: a background response's job would take its stream over
+        # again once the sessions had stopped.
         await ready.jobs.stop()
         ready.journal_location.release()
+        await ready.sessions.stop()
+        await ready.flow.stop()
         await ready.service.close()
     if state.store is not None:
         await state.store.close()
@@ -120,9 +123,8 @@ async def _load(state: AppState, store: Store) -> None:
         retention_seconds=settings.job_retention_seconds,
     )
     journal = open_journal(location.path)
-    jobs = JobRunner(
-        journal, settings.max_background_jobs_in_memory, batch_aware_executor(service), limits
-    )
+    executor = background_aware(batch_aware_executor(service), sessions)
+    jobs = JobRunner(journal, settings.max_background_jobs_in_memory, executor, limits)
     files_dir = location.path.with_name(location.path.stem + "-files")
     batches = await asyncio.to_thread(Batches, journal, files_dir)
     jobs.listener = batch_listener(batches)

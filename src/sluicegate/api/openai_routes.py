@@ -125,7 +125,9 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
     if req.stream:
         # A resumable stream: logged event by event, it survives its connection.
         session = await ready.sessions.open(
-            generation, tenant, stream_format(service, prepared, generation)
+            generation,
+            tenant,
+            stream_format(service, prepared, generation.created, generation.priority_label),
         )
         return session.response(0, generation.headers)
     output, answer = await collect(service, generation, _disconnected(request))

@@ -364,13 +364,15 @@ def response_body(
     }
 
 
-def stream_format(service: Service, prepared: Prepared, generation: Generation) -> StreamFormat:
+def stream_format(
+    service: Service, prepared: Prepared, created: int, priority: str
+) -> StreamFormat:
     """How this request's stream is framed (and how a takeover continues it)."""
     req = prepared.req
     options = req.stream_options
     return StreamFormat(
         kind=prepared.kind,
-        created=generation.created,
+        created=created,
         model=prepared.model,
         include_usage=options is not None and options.include_usage,
         continuous_usage=options is not None and options.continuous_usage_stats,
@@ -380,7 +382,7 @@ def stream_format(service: Service, prepared: Prepared, generation: Generation) 
             else options.flush_interval_ms / 1000.0
         ),
         flush_max_tokens=None if options is None else options.flush_max_tokens,
-        priority=generation.priority_label,
+        priority=priority,
         max_tokens_per_second=req.max_tokens_per_second,
         upstream_call=None if prepared.upstream_call is None else prepared.upstream_call.to_json(),
         sources=None

@@ -29,6 +29,7 @@ from sluicegate.api.access import not_found, owner_admits, presented_resume_toke
 from sluicegate.api.body import parse_json, read_body
 from sluicegate.api.pipelines import submit_prepared
 from sluicegate.api.prepare import Prepared, prepare, response_body, stream_format
+from sluicegate.api.responses_background import journal_background
 from sluicegate.api.responses_input import (
     ResponsesRequest,
     as_responses_error,
@@ -92,20 +93,20 @@ async def create_response(request: HTTPRequest) -> Response:
     if dropped:
         # truncation "auto" dropped the oldest items to fit the context: said here.
         fixed["sluicegate"] = {"truncated_input_items": dropped}
+    details = {"template": fixed, "conversation": conversation, "input_count": len(items)}
+    if req.background:
+        return await _background(ready, tenant, prepared, details, bool(req.stream))
     generation = await submit_prepared(service, tenant, prepared, arrival)
     fmt = dataclasses.replace(
-        stream_format(service, prepared, generation),
+        stream_format(service, prepared, generation.created, generation.priority_label),
         include_usage=True,
         continuous_usage=False,
-        response={"template": fixed, "conversation": conversation, "input_count": len(items)},
+        response=details,
     )
     headers = dict(generation.headers)
-    if req.stream or req.background:
+    if req.stream:
         session = await ready.sessions.open(generation, tenant, fmt)
-        if req.stream:
-            return session.response(0, headers)
-        assert session.responses is not None
-        return json_response(session.responses.response(), headers=headers)
+        return session.response(0, headers)
     output, answer = await collect(service, generation, _disconnected(request))
     chat = response_body(service, prepared, generation, output, answer)
     events, data = _events_of(fixed, chat)
@@ -113,6 +114,29 @@ async def create_response(request: HTTPRequest) -> Response:
         await ready.sessions.log_finished(generation, tenant, fmt, data + DONE)
         if generation.resume_token is not None:  # open mode: what retrieving it needs
             headers[RESUME_TOKEN_HEADER] = generation.resume_token
+    return json_response(events.response(), headers=headers)
+
+
+async def _background(
+    ready: Ready, tenant: Tenant, prepared: Prepared, details: dict[str, Any], stream: bool
+) -> Response:
+    """A background response journaled (:mod:`sluicegate.api.responses_background`); its
+    stream served from its start when asked for (taken over here at once)."""
+    service = ready.service
+    priority = prepared.req.priority or tenant.priority_class.value
+    fmt = dataclasses.replace(
+        stream_format(service, prepared, int(time.time()), priority),
+        include_usage=True,
+        continuous_usage=False,
+        response=details,
+    )
+    try:
+        events, token = await journal_background(ready.sessions, ready.jobs, tenant, prepared, fmt)
+    except StoreUnavailable as error:
+        raise store_down_error(error) from None
+    headers = {"x-request-id": prepared.request_id, RESUME_TOKEN_HEADER: token}
+    if stream:
+        return await resume(ready, tenant, token, prepared.request_id, 0, None, headers)
     return json_response(events.response(), headers=headers)
 
 

@@ -73,12 +73,14 @@ async def resume(
     stream_id: str,
     after_seq: int,
     transform: Transform | None = None,
+    extra_headers: dict[str, str] | None = None,
 ) -> Response:
     """Serve a stream from ``after_seq``: attached, replayed, followed or taken over
     (``transform``: what its events pass through, see :meth:`StreamSession.response`)."""
     store = ready.store
     metrics = ready.service.metrics
     headers = {"x-sluicegate-stream-id": stream_id, "x-request-id": stream_id}
+    headers.update(extra_headers or {})
     local = ready.sessions.get(stream_id)
     if local is not None and not owner_admits(ready, local.generation.owner, tenant.name, token):
         raise _not_found(ready, stream_id)

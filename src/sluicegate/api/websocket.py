@@ -141,7 +141,11 @@ async def _start(
     )
     if (chain := generation.chain) is not None:
         flow.source, flow.holdup = chain.head, chain.holdup
-    return generation, flow, stream_format(service, prepared, generation)
+    return (
+        generation,
+        flow,
+        stream_format(service, prepared, generation.created, generation.priority_label),
+    )
 
 
 async def _serve(

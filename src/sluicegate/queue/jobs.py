@@ -93,11 +93,13 @@ class JobRunner:
         tenant_name: str,
         payload_json: str,
         charge: Callable[[], Awaitable[None]] | None = None,
+        job_id: str | None = None,
     ) -> JobRecord:
         """Journal a job (durably) and wake the runner; 413/429 past the limits.
 
         ``charge`` (the tenant's rate limits) is awaited once the job is known to fit,
-        just before it is journaled; what it raises refuses the job."""
+        just before it is journaled; what it raises refuses the job.  ``job_id``: the
+        job's id when it has one already (a background response's), else a new one."""
         limits = self.limits
         size = len(payload_json.encode())
         if size > limits.max_job_bytes:
@@ -119,7 +121,7 @@ class JobRunner:
             )
         if charge is not None:
             await charge()
-        job_id = f"job-{uuid.uuid4().hex}"
+        job_id = job_id or f"job-{uuid.uuid4().hex}"
         record = await asyncio.to_thread(self.journal.submit, job_id, tenant_name, payload_json)
         self._wake.set()
         return record

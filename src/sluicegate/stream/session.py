@@ -268,8 +268,9 @@ class StreamSession:
             self.stop_reason = "lease_lost"
 
     async def wait_done(self) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(self._task)
+        """Until the producer has ended; a cancellation of the caller reaches it (only
+        the producer's own cancellation is not an error here)."""
+        await asyncio.wait([self._task])
 
     async def cancel(self) -> None:
         self._task.cancel()

@@ -59,6 +59,12 @@ class SessionRegistry:
             service, store, flow, flush_policy, detached_grace_seconds, owner
         )
         self._sessions = self.context.sessions
+        #: Background responses whose start this process stored, until their job ends (a
+        #: job that finds its response gone from an in-memory store: deleted if it is
+        #: here, else lost with an earlier process).
+        self.started_here: set[str] = set()
+        #: Streams being taken over here right now (one takeover at a time per stream).
+        self._taking: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -192,18 +198,27 @@ class SessionRegistry:
     async def take_over(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
         """Continue a stream nobody generates (its replica drained, stopped or died).
 
-        ``None`` when another replica holds its lease, or when its log turns out to be
-        complete (then it only needs replaying).  Raises :class:`APIError` when this
-        replica cannot run it now (limits, draining, another model).
+        ``None`` when another replica holds its lease, when this one generates it or is
+        taking it over already (a background response's job and its streaming request),
+        or when its log turns out to be complete (then it only needs replaying).  Raises
+        :class:`APIError` when this replica cannot run it now (limits, draining, another
+        model).
         """
         store = self.store
-        if not await store.acquire_lease(stream_id, self.owner, self.lease_ttl_seconds):
+        live = self._sessions.get(stream_id)
+        if stream_id in self._taking or (live is not None and not live.done):
             return None
+        self._taking.add(stream_id)
         try:
-            return await self._continue(tenant, stream_id)
-        except BaseException:
-            await store.release_lease(stream_id, self.owner)
-            raise
+            if not await store.acquire_lease(stream_id, self.owner, self.lease_ttl_seconds):
+                return None
+            try:
+                return await self._continue(tenant, stream_id)
+            except BaseException:
+                await store.release_lease(stream_id, self.owner)
+                raise
+        finally:
+            self._taking.discard(stream_id)
 
     async def _continue(self, tenant: Tenant, stream_id: str) -> StreamSession | None:
         store = self.store
