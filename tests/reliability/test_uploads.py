@@ -72,3 +72,25 @@ async def test_a_tenant_s_stored_bytes_are_bounded(tmp_path: Path) -> None:
         await api.files.create(file=("c.jsonl", _lines(10)), purpose="batch")
         await api.files.delete(first.id)
         await api.files.create(file=("d.jsonl", data), purpose="batch")
+
+
+async def test_a_line_whose_prompt_is_over_the_context_is_refused_at_upload(
+    tmp_path: Path,
+) -> None:
+    """Each line's request is prepared as it would run: a prompt over the context is
+    refused at upload naming its line, not hours later; a line's other errors are its
+    answer in the error file when it runs (as OpenAI's)."""
+    async with serve_in_process(
+        journal_path=str(tmp_path / "jobs.sqlite3"), max_model_len=256
+    ) as app:
+        api = app.openai(max_retries=0)
+        long_prompt = {"model": "sluicegate-sim", "prompt": "word " * 400, "max_tokens": 4}
+        line = {"custom_id": "long", "method": "POST", "url": "/v1/completions"}
+        data = _lines(3) + orjson.dumps({**line, "body": long_prompt}) + b"\n"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.files.create(file=("in.jsonl", data), purpose="batch")
+        message = str(refused.value)
+        assert "line 4 (long)" in message and "maximum context length is 256" in message
+        bad_temperature = {**long_prompt, "prompt": "hi", "temperature": 7}
+        data = _lines(2) + orjson.dumps({**line, "body": bad_temperature}) + b"\n"
+        assert (await api.files.create(file=("in.jsonl", data), purpose="batch")).bytes

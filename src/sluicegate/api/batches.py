@@ -21,11 +21,11 @@ from starlette.responses import FileResponse, Response
 
 from sluicegate.api.body import parse_json, read_body
 from sluicegate.api.jobs import job_executor
-from sluicegate.api.prepare import prepare, response_body
+from sluicegate.api.prepare import Kind, prepare, response_body
 from sluicegate.api.state import Ready, ready_state
 from sluicegate.api.stats import json_response
 from sluicegate.errors import APIError
-from sluicegate.queue.batch_format import MAX_FILE_BYTES
+from sluicegate.queue.batch_format import ENDPOINTS, MAX_FILE_BYTES, LineValidator
 from sluicegate.queue.batches import Batches
 from sluicegate.queue.jobs import JobExecutor
 from sluicegate.queue.journal import JobRecord
@@ -125,10 +125,29 @@ async def upload_file(request: HTTPRequest) -> Response:
             upload.file,
             max_line_bytes=settings.max_request_body_bytes,
             quota_bytes=settings.file_storage_bytes_per_tenant,
+            # A prompt that cannot fit the context is refused now, naming its line, not
+            # found hours later; other errors of a line's request come back in the
+            # batch's error file, as OpenAI's do.
+            validate=_line_validator(ready.service),
         )
     finally:
         await form.close()
     return json_response(record.view())
+
+
+def _line_validator(service: Service) -> LineValidator:
+    """A batch line's request prepared as when it runs (tokenised): a 400 for a prompt
+    over the context; the line's other errors are its answer when it runs."""
+
+    def validate(url: str, body: dict[str, Any]) -> None:
+        kind: Kind = "chat" if ENDPOINTS[url] == "chat" else "completion"
+        try:
+            prepare(service, kind, dict(body))
+        except APIError as error:
+            if error.code == "context_length_exceeded":
+                raise
+
+    return validate
 
 
 @router.get("/v1/files")

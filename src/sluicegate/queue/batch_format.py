@@ -48,10 +48,17 @@ def check_batch_lines(data: bytes) -> int:
     return checker.finish()
 
 
-class LineChecker:
-    """The lines of a batch file checked one at a time, as an upload streams in."""
+#: Checks one line's request as the server would run it (``url``, ``body``): raises the
+#: :class:`APIError` its request would get (a prompt over the context, a bad parameter).
+LineValidator = Callable[[str, dict[str, Any]], None]
 
-    def __init__(self) -> None:
+
+class LineChecker:
+    """The lines of a batch file checked one at a time, as an upload streams in (each
+    line's request too, with ``validate``)."""
+
+    def __init__(self, validate: LineValidator | None = None) -> None:
+        self.validate = validate
         self.seen: dict[str, int] = {}
         self.count = 0
         self.number = 0
@@ -83,6 +90,11 @@ class LineChecker:
             raise bad_file(f"line {number}: url must be one of {sorted(ENDPOINTS)}")
         if not isinstance(line.get("body"), dict):
             raise bad_file(f"line {number}: body must be a JSON object")
+        if self.validate is not None:
+            try:
+                self.validate(line["url"], line["body"])
+            except APIError as error:
+                raise bad_file(f"line {number} ({custom_id[:64]}): {error.message}") from None
 
     def finish(self) -> int:
         if self.count == 0:
@@ -174,12 +186,16 @@ def batch_view(row: tuple[Any, ...], counts: dict[str, int] | None) -> dict[str,
 
 
 def copy_checked(
-    source: BinaryIO, out: BinaryIO, max_line_bytes: int, check: Callable[[int], None]
+    source: BinaryIO,
+    out: BinaryIO,
+    max_line_bytes: int,
+    check: Callable[[int], None],
+    validate: LineValidator | None = None,
 ) -> int:
     """Copy an upload from ``source`` to ``out`` a megabyte at a time, each line checked
-    as it comes (memory holds a chunk and one line), ``check`` given the bytes so far
-    after each chunk; the bytes copied."""
-    checker, partial, size = LineChecker(), b"", 0
+    as it comes (memory holds a chunk and one line; ``validate``: its request too),
+    ``check`` given the bytes so far after each chunk; the bytes copied."""
+    checker, partial, size = LineChecker(validate), b"", 0
     while chunk := source.read(1 << 20):
         size += len(chunk)
         check(size)

@@ -37,6 +37,7 @@ from sluicegate.errors import APIError
 from sluicegate.queue.batch_format import (
     ENDPOINTS,
     FileRecord,
+    LineValidator,
     batch_view,
     check_batch_lines,
     check_size,
@@ -125,11 +126,13 @@ class Batches:
         *,
         max_line_bytes: int,
         quota_bytes: int,
+        validate: LineValidator | None = None,
     ) -> FileRecord:
         """Store an upload read from ``source`` a megabyte at a time, its lines checked as
-        they come: memory holds a chunk and one line, never the file.  A 413 past
-        ``MAX_FILE_BYTES``, a line past ``max_line_bytes`` or the tenant's ``quota_bytes``
-        of stored files; a 400 naming the first bad line."""
+        they come (``validate``: each line's request as the server would run it): memory
+        holds a chunk and one line, never the file.  A 413 past ``MAX_FILE_BYTES``, a
+        line past ``max_line_bytes`` or the tenant's ``quota_bytes`` of stored files; a
+        400 naming the first bad line."""
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch'; got {purpose!r}", param="purpose")
         record = FileRecord(f"file-{uuid.uuid4().hex}", tenant, purpose, filename, 0, 0.0)
@@ -139,7 +142,11 @@ class Batches:
         try:
             with tmp.open("wb") as out:
                 size = copy_checked(
-                    source, out, max_line_bytes, lambda n: check_size(n, used, quota_bytes)
+                    source,
+                    out,
+                    max_line_bytes,
+                    lambda n: check_size(n, used, quota_bytes),
+                    validate,
                 )
                 out.flush()
                 os.fsync(out.fileno())
