@@ -42,6 +42,18 @@ def test_a_missing_model_file(tmp_path: Path) -> None:
     assert_one_line_failure(code, stderr, "missing.gguf", "does not exist")
 
 
+def test_a_file_that_is_not_gguf_and_a_directory_without_config(tmp_path: Path) -> None:
+    """Told from a glance at the path, before uvicorn starts: one line, no INFO lines."""
+    (tmp_path / "bad.gguf").write_text("not a model")
+    code, stderr = serve("--model", str(tmp_path / "bad.gguf"), timeout=30)
+    assert_one_line_failure(code, stderr, "bad.gguf", "not a GGUF file")
+    assert stderr.strip().count("\n") == 0, stderr
+    (tmp_path / "empty").mkdir()
+    code, stderr = serve("--model", str(tmp_path / "empty"), timeout=30)
+    assert_one_line_failure(code, stderr, "empty", "no config.json")
+    assert stderr.strip().count("\n") == 0, stderr
+
+
 def test_a_port_in_use() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -81,6 +93,7 @@ def test_an_unreachable_redis() -> None:
 
 def test_an_engine_that_fails_to_load_ends_the_process(tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"this is not a GGUF file" * 100)
+    # GGUF's magic, so that it passes the glance before start-up, then garbage.
+    broken.write_bytes(b"GGUF" + b"this is not a GGUF file" * 100)
     code, stderr = serve("--model", str(broken), "--journal-path", str(tmp_path / "j.db"))
     assert_one_line_failure(code, stderr, "engine failed to load")

@@ -127,6 +127,12 @@ class GuardSettings(BaseModel):
         "I can't help with that.", description="Sent instead of the rest of the answer."
     )
     checks: list[CheckSettings] = Field(min_length=1)
+    check_timeout_seconds: float = Field(
+        1.0,
+        gt=0.0,
+        le=60.0,
+        description="A check's deadline per window; past it the window trips (fails closed).",
+    )
 
     @model_validator(mode="after")
     def _stride(self) -> GuardSettings:
@@ -195,6 +201,7 @@ class InputGuardSettings(BaseModel):
     window_tokens: int = Field(16, ge=1, le=512)
     stride_tokens: int = Field(8, ge=1)
     checks: list[CheckSettings] = Field(min_length=1)
+    check_timeout_seconds: float = Field(1.0, gt=0.0, le=60.0)
 
 
 class PipelineSettings(BaseModel):

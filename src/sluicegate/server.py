@@ -165,9 +165,25 @@ def check_model_path(settings: Settings) -> None:
     """A model path that does not exist is a one-line error before anything starts."""
     if settings.engine != "torch" or settings.model is None:
         return
-    if not Path(settings.model).expanduser().exists():
+    path = Path(settings.model).expanduser()
+    if not path.exists():
         raise SystemExit(
             f"sluicegate: the model {settings.model} does not exist (--model): give a GGUF "
             "file or a Hugging Face model directory, or leave --model out for the built-in "
             "SmolLM2-135M-Instruct"
         )
+    # What can be told from a glance at the path, before the server starts (the rest
+    # of a model's problems show when it loads, after start-up).
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise SystemExit(
+            f"sluicegate: the model directory {settings.model} has no config.json (--model): "
+            "give a Hugging Face model directory or a GGUF file"
+        )
+    if path.is_file():
+        with path.open("rb") as file:
+            magic = file.read(4)
+        if magic != b"GGUF":
+            raise SystemExit(
+                f"sluicegate: the model {settings.model} is not a GGUF file (it does not "
+                "start with GGUF) (--model): give a GGUF file or a Hugging Face model directory"
+            )

@@ -84,6 +84,9 @@ async def app(
                             "name": "moderation",
                             "window_tokens": 8,
                             "stride_tokens": 4,
+                            # A slow moderation service, held as long as the test
+                            # needs: not a check past its deadline.
+                            "check_timeout_seconds": 60,
                             "checks": [
                                 {
                                     "type": "tests.pipeline.stall_check:StallCheck",

@@ -5,8 +5,12 @@ In process, against a scripted upstream on a real socket."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from sluicegate.bench.hostile import SCENARIOS, hostile_upstreams
 from sluicegate.bench.scrape import parse_metrics
 from tests.upstream.scripted import MODEL, Answer, text
 from tests.upstream.test_passthrough import gateway, sse_chunks
@@ -79,3 +83,15 @@ async def test_a_huge_event_fails_the_call_without_being_held() -> None:
         assert error["code"] in ("upstream_failed", "upstream_unavailable"), error
         assert await _metric(app, "event_too_large") >= 1.0
         assert (await app.client.get("/health")).status_code == 200
+
+
+@pytest.mark.slow
+def test_the_hostile_upstream_bench_runs_every_scenario(tmp_path: Path) -> None:
+    """``sluicegate bench hostile`` at one second a scenario: every client answer stays
+    within max_tokens and ends (cut, or an error event), whatever the upstream does."""
+    results = hostile_upstreams(tmp_path, seconds=1.0)
+    assert [r.scenario for r in results] == list(SCENARIOS)
+    for result in results:
+        assert result.answers and result.within_max_tokens, result.line()
+        assert "none" not in result.answers, result.line()  # every answer ended
+    assert (tmp_path / "hostile.md").read_text().count("\n") == 2 + len(SCENARIOS)

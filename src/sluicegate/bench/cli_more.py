@@ -145,6 +145,28 @@ def resume_command(
         typer.echo(line)
 
 
+def hostile_command(
+    eject_failures: Annotated[
+        int,
+        typer.Option(
+            "--upstream-eject-failures", min=1, help="The gateway's (default: never eject)."
+        ),
+    ] = 1_000_000,
+    out: OutOption = Path("bench-hostile"),
+) -> None:
+    """A gateway in front of a hostile upstream (ignores max_tokens, one 10 MB event, 1 MB
+    events without end, a drip of a byte a second, garbage): the clients' answers, /health
+    latency and the gateway's memory during each."""
+    from sluicegate.bench.hostile import HEADER, hostile_upstreams
+
+    try:
+        results = hostile_upstreams(out, eject_failures=eject_failures)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in HEADER + [r.line() for r in results]:
+        typer.echo(line)
+
+
 def register_more(app: typer.Typer) -> None:
     """Add this module's commands to ``sluicegate bench``."""
     app.command("speculative")(speculative_command)
@@ -154,3 +176,4 @@ def register_more(app: typer.Typer) -> None:
     app.command("guard")(guard_command)
     app.command("engine-peer")(engine_peer_command)
     app.command("resume")(resume_command)
+    app.command("hostile")(hostile_command)

@@ -238,7 +238,20 @@ def config(stall_file: Path) -> dict[str, Any]:
                     }
                 ],
             },
-            {"name": "stalled", "stages": [{"guard": {"name": "moderation", "checks": [stall]}}]},
+            {
+                "name": "stalled",
+                # A moderation service stalled for the whole measurement, not a check
+                # past its deadline (which would fail closed at once).
+                "stages": [
+                    {
+                        "guard": {
+                            "name": "moderation",
+                            "checks": [stall],
+                            "check_timeout_seconds": 60,
+                        }
+                    }
+                ],
+            },
         ]
     }
 

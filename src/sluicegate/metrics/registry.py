@@ -273,6 +273,12 @@ class Metrics:
             ["pipeline", "check", "where"],
             registry=r,
         )
+        self.guard_check_timeouts_total = Counter(
+            p + "guard_check_timeouts",
+            "Guard checks past their deadline (check_timeout_seconds): failed closed.",
+            ["pipeline", "check", "where"],
+            registry=r,
+        )
         self.guard_check_seconds = Histogram(
             p + "guard_check_seconds",
             "One guard window's checks.",

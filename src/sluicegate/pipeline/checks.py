@@ -3,14 +3,26 @@
 Built in: ``regex`` (any pattern matches, on RE2: linear time) and ``semantic`` (the
 window's embedding is as close as ``threshold`` to an example phrase of a banned topic;
 the model is :mod:`sluicegate.pipeline.embedding`).  A check of your own is a class named in the
-config as ``package.module:Class``, built with the check's ``options``, with an
-``async def check(self, text: str) -> str | None`` (the reason when it trips).
+config as ``package.module:Class``, built with the check's ``options``, with a
+``check(self, text: str) -> str | None`` (the reason when it trips), plain or ``async``.
+
+Every check runs off the event loop, with a deadline (``check_timeout_seconds``): the
+built-in ones and plain custom ones on a small pool of threads (:data:`CHECK_THREADS`),
+an ``async`` custom one on the loop under the deadline (it must not block).  A check past
+its deadline *fails closed*: the window trips, with a reason that says so
+(:attr:`Trip.timed_out`, counted in ``sluicegate_guard_check_timeouts_total``).  A
+thread cannot be stopped: a runaway check keeps its thread until it returns, and with
+every thread taken the next checks wait for one, past their deadline, and fail closed
+too: the pool bounds what runaway checks can take, and the loop is never theirs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +35,25 @@ class Trip:
 
     check: str
     reason: str
+    #: The check did not answer within its deadline (failed closed).
+    timed_out: bool = False
+
+
+#: Threads the checks run on (shared by every pipeline of the process).
+CHECK_THREADS = 4
+_pool: ThreadPoolExecutor | None = None
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="sluicegate-guard")
+    return _pool
+
+
+async def off_loop(work: Callable[[str], Trip | None], text: str) -> Trip | None:
+    """``work(text)`` on the checks' threads."""
+    return await asyncio.get_running_loop().run_in_executor(_threads(), work, text)
 
 
 class Check(Protocol):
@@ -44,6 +75,9 @@ class RegexCheck:
         self.max_match_chars: int | None = max(widths)
 
     async def check(self, text: str) -> Trip | None:
+        return await off_loop(self.search, text)
+
+    def search(self, text: str) -> Trip | None:
         for pattern in self.patterns:
             if (match := pattern.search(text)) is not None:
                 return Trip(self.label, f"matched {pattern.pattern!r}: {match.group(0)!r}")
@@ -71,6 +105,9 @@ class SemanticCheck:
         return float(scores[best]), self.topic_of[best]
 
     async def check(self, text: str) -> Trip | None:
+        return await off_loop(self.judge, text)
+
+    def judge(self, text: str) -> Trip | None:
         score, topic = self.similarity(text)
         if score >= self.threshold:
             return Trip(self.label, f"topic {topic!r} (similarity {score:.2f})")
@@ -87,9 +124,11 @@ class _Custom:
         self.max_match_chars: int | None = declared if isinstance(declared, int) else None
 
     async def check(self, text: str) -> Trip | None:
-        result = self.target.check(text)
-        if inspect.isawaitable(result):
-            result = await result
+        if inspect.iscoroutinefunction(self.target.check):
+            return self._trip(await self.target.check(text))
+        return await off_loop(lambda t: self._trip(self.target.check(t)), text)
+
+    def _trip(self, result: Any) -> Trip | None:
         if result is None or result is False:
             return None
         if isinstance(result, Trip):
@@ -115,9 +154,22 @@ def build_check(settings: CheckSettings) -> Check:
     return _Custom(label, target)
 
 
-async def first_trip(checks: list[Check], text: str) -> Trip | None:
+#: A check's deadline when its guard sets none.
+DEFAULT_CHECK_TIMEOUT_SECONDS = 1.0
+
+
+async def first_trip(
+    checks: list[Check], text: str, timeout_seconds: float = DEFAULT_CHECK_TIMEOUT_SECONDS
+) -> Trip | None:
+    """The first check that trips on ``text``; one past ``timeout_seconds`` trips (fails
+    closed)."""
     for check in checks:
-        trip = await check.check(text)
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                trip = await check.check(text)
+        except TimeoutError:
+            reason = f"no answer within {timeout_seconds:g}s: failed closed"
+            return Trip(check.label, reason, timed_out=True)
         if trip is not None:
             return trip
     return None

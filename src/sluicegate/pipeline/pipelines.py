@@ -31,6 +31,8 @@ class Pipeline:
     def count_trip(self, trip: Trip, where: str, metrics: Metrics) -> None:
         self.trips[where] += 1
         metrics.guard_trips_total.labels(self.name, trip.check, where).inc()
+        if trip.timed_out:
+            metrics.guard_check_timeouts_total.labels(self.name, trip.check, where).inc()
 
     def snapshot(self) -> dict[str, object]:
         """For ``/v1/stats``."""
@@ -74,9 +76,8 @@ class Pipeline:
         ids = encode(text)
         start = 0
         while True:
-            trip = await first_trip(
-                self.input_checks, decode(ids[start : start + guard.window_tokens])
-            )
+            window = decode(ids[start : start + guard.window_tokens])
+            trip = await first_trip(self.input_checks, window, guard.check_timeout_seconds)
             if trip is not None or start + guard.window_tokens >= len(ids):
                 return trip
             start += guard.stride_tokens

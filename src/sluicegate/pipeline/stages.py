@@ -96,7 +96,7 @@ class GuardStage:
             return []
         window = "".join(t for t, _ in self.context) + "".join(d.text for d in self.held)
         self.windows += 1
-        trip = await first_trip(self.checks, window)
+        trip = await first_trip(self.checks, window, self.settings.check_timeout_seconds)
         if trip is not None:
             self.trip = trip
             self.on_trip(trip)
