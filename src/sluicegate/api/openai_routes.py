@@ -130,7 +130,7 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
             stream_format(service, prepared, generation.created, generation.priority_label),
         )
         return session.response(0, generation.headers)
-    output, answer = await collect(service, generation, _disconnected(request))
+    output, answer = await collect(service, generation, disconnected(request))
     return json_response(
         response_body(service, prepared, generation, output, answer), headers=generation.headers
     )
@@ -177,7 +177,8 @@ async def cancel_request(request_id: str, request: HTTPRequest) -> Response:
     return json_response({"id": request_id, "object": "request.cancelled", "cancelled": True})
 
 
-async def _disconnected(request: HTTPRequest) -> None:
+async def disconnected(request: HTTPRequest) -> None:
+    """Returns when the client has gone away."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

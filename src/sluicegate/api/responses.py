@@ -27,6 +27,7 @@ from starlette.responses import Response
 from sluicegate.admission.tenants import Tenant
 from sluicegate.api.access import not_found, owner_admits, presented_resume_token
 from sluicegate.api.body import parse_json, read_body
+from sluicegate.api.openai_routes import disconnected
 from sluicegate.api.pipelines import submit_prepared
 from sluicegate.api.prepare import Prepared, prepare, response_body, stream_format
 from sluicegate.api.responses_background import journal_background
@@ -107,7 +108,7 @@ async def create_response(request: HTTPRequest) -> Response:
     if req.stream:
         session = await ready.sessions.open(generation, tenant, fmt)
         return session.response(0, headers)
-    output, answer = await collect(service, generation, _disconnected(request))
+    output, answer = await collect(service, generation, disconnected(request))
     chat = response_body(service, prepared, generation, output, answer)
     events, data = _events_of(fixed, chat)
     if fixed["store"]:
@@ -177,13 +178,6 @@ def _events_of(fixed: dict[str, Any], chat: dict[str, Any]) -> tuple[ResponseEve
     ending = {"choices": [{"finish_reason": choice["finish_reason"]}], "usage": chat["usage"]}
     data += events.finish([ending])
     return events, data
-
-
-async def _disconnected(request: HTTPRequest) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 # --- stored responses ---

@@ -37,6 +37,20 @@ logger = logging.getLogger(__name__)
 CANCEL_ASKED = "cancel_asked"
 
 
+def stream_meta(generation: Generation, tenant: Tenant, fmt: StreamFormat) -> StreamMeta:
+    """What the store keeps of a new stream for a replica to continue it."""
+    request = generation.request
+    return StreamMeta(
+        tenant=tenant.name,
+        model=fmt.model,
+        prompt_token_ids=list(request.prompt_token_ids),
+        seed=request.sampling.seed,
+        sampling_params=sampling_to_json(request.sampling),
+        extra=fmt.to_json(),
+        resume_token_sha256=generation.owner.resume_token_sha256,
+    )
+
+
 class SessionRegistry:
     """This replica's sessions, its owner id for leases, and the lease renewal loop."""
 
@@ -145,15 +159,7 @@ class SessionRegistry:
         """A new stream: its metadata and lease in the store, then its producer."""
         store = self.store
         request = generation.request
-        meta = StreamMeta(
-            tenant=tenant.name,
-            model=fmt.model,
-            prompt_token_ids=list(request.prompt_token_ids),
-            seed=request.sampling.seed,
-            sampling_params=sampling_to_json(request.sampling),
-            extra=fmt.to_json(),
-            resume_token_sha256=generation.owner.resume_token_sha256,
-        )
+        meta = stream_meta(generation, tenant, fmt)
         try:
             await store.put_meta(generation.request_id, meta)
             await store.acquire_lease(generation.request_id, self.owner, self.lease_ttl_seconds)
@@ -177,16 +183,7 @@ class SessionRegistry:
         """Store an answer that was not streamed, whole, as a finished stream's log (a
         stored response: retrieved, continued, listed later like a streamed one).  A store
         that is down loses it (logged): the answer itself was delivered."""
-        request = generation.request
-        meta = StreamMeta(
-            tenant=tenant.name,
-            model=fmt.model,
-            prompt_token_ids=list(request.prompt_token_ids),
-            seed=request.sampling.seed,
-            sampling_params=sampling_to_json(request.sampling),
-            extra=fmt.to_json(),
-            resume_token_sha256=generation.owner.resume_token_sha256,
-        )
+        meta = stream_meta(generation, tenant, fmt)
         stream_id = generation.request_id
         try:
             await self.store.put_meta(stream_id, meta)
