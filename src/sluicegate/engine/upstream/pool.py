@@ -36,6 +36,7 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sluicegate.config import Settings
+from sluicegate.engine.upstream.network import bounded_transport
 from sluicegate.engine.upstream.signals import Latency, context_length, load_signals, split_models
 from sluicegate.upstream_settings import ContinueStyle, UpstreamConfig
 
@@ -196,9 +197,11 @@ class UpstreamPool:
                     base_url=config.url,
                     timeout=timeout,
                     headers=_auth(config),
-                    limits=httpx.Limits(
-                        max_connections=config.max_concurrent + 4,
-                        max_keepalive_connections=config.max_concurrent + 4,
+                    transport=bounded_transport(
+                        httpx.Limits(
+                            max_connections=config.max_concurrent + 4,
+                            max_keepalive_connections=config.max_concurrent + 4,
+                        )
                     ),
                 ),
                 limit=config.max_concurrent,
