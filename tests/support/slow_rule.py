@@ -48,6 +48,8 @@ PROCESS_CALLS = frozenset(
 MODEL_CALLS = frozenset({"TorchEngine", "load_model", "_smollm2_engine"})
 #: ``subprocess.run``: a call named ``run`` counts only on the ``subprocess`` module.
 _QUALIFIED = {("subprocess", "run"), ("subprocess", "call")}
+#: Calls named like a process start that serve a socket in the test's own process.
+_IN_PROCESS = {("asyncio", "start_server"), ("asyncio", "start_unix_server")}
 
 
 def slow_module(path: Path) -> bool:
@@ -124,6 +126,8 @@ def _calls(function: Callable[..., Any], depth: int = 0) -> frozenset[str]:
             name = target.attr
             if (owner, name) in _QUALIFIED:
                 names.add("Popen")
+                continue
+            if (owner, name) in _IN_PROCESS:
                 continue
         elif isinstance(target, ast.Name):
             name = target.id
