@@ -384,6 +384,10 @@ def soak_command(
         str, typer.Option("--scenario", help="The mixed traffic to run (default: soak).")
     ] = "soak",
     out: OutOption = Path("bench-soak"),
+    retention_seconds: Annotated[
+        float,
+        typer.Option(help="The server's replay_ttl_seconds: the slope is taken after it."),
+    ] = 300.0,
     duration_seconds: DurationOption = None,
     seed: SeedOption = None,
     api_key: ApiKeyOption = None,
@@ -392,7 +396,8 @@ def soak_command(
 ) -> None:
     """Mixed traffic for a long time (10 minutes by default): did memory stay flat?
 
-    Exits 1 when the server's resident memory grew beyond the tolerance.
+    Exits 1 when the server's resident memory grew beyond the tolerance, or by more than
+    5 MB per 10,000 requests after the retention.
     """
     from sluicegate.bench.compare import headline_line, write_outputs
     from sluicegate.bench.runner import BenchError, Runner
@@ -419,7 +424,8 @@ def soak_command(
         result = runner.run(schedule, "soak", settle_seconds=3.0)
     except (BenchError, ValueError) as exc:
         fail(str(exc))
-    trend = memory_trend(result.series)
+    sent = [a.sent_offset_seconds for sample in result.samples for a in sample.attempts]
+    trend = memory_trend(result.series, operation_offsets=sent, retention_seconds=retention_seconds)
     live_after = scrape_live_work(runner.target.base_url)
     outputs = write_outputs(out, [result])
     with outputs.summary_md.open("a") as summary:
