@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import order, slow_rule
+from tests.support.model_server import READY_TIMEOUT_SECONDS, awake, model_server_args
 from tests.support.servers import ServerProcess, start_server
 
 _guard = slow_rule.ProcessGuard()
@@ -123,3 +125,27 @@ def torch_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Converted SmolLM2 weights, shared by every test that loads the model (converting
     the GGUF takes seconds; each conversion is tested where the cache is)."""
     return tmp_path_factory.mktemp("sluicegate-torch-cache")
+
+
+@pytest.fixture(scope="session")
+def model_server_process(
+    torch_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """SmolLM2 through a real server, one per session, so one per pytest-xdist worker,
+    started by the first file that asks for it (:mod:`tests.support.model_server`).
+    Tests take :func:`model_server`."""
+    journal = tmp_path_factory.mktemp("model-server") / "jobs.sqlite3"
+    server = start_server(
+        model_server_args(torch_cache_dir, journal), "smollm2", ready_timeout=READY_TIMEOUT_SECONDS
+    )
+    yield server
+    server.process.send_signal(signal.SIGCONT)  # paused, it would not hear SIGTERM
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_server(model_server_process: ServerProcess) -> Iterator[ServerProcess]:
+    """The session's SmolLM2 server, shared by every file that asks it for answers:
+    running while this file's tests use it, paused between such files."""
+    with awake(model_server_process) as server:
+        yield server

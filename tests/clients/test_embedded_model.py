@@ -2,12 +2,16 @@
 left to itself rarely writes a well-formed call, so what these tests check is the
 server's promise that under ``required`` or a named tool the call is always well-formed
 and fits its schema (constrained decoding), whatever the model would have written.
+
+The server is the session's (:mod:`tests.support.model_server`); a test asks the
+answers it compares two at a time, and tool calls otherwise one at a time (see there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -23,42 +27,24 @@ from tests.clients.tools import (
     assemble_streamed_calls,
     check_call,
 )
-from tests.support.servers import ServerProcess, start_server
+from tests.support.inprocess import InProcessApp, serve_in_process
+from tests.support.model_server import MODEL, TEST_TIMEOUT_SECONDS
+from tests.support.servers import ServerProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.model]
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def torch_server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
-    server = start_server(
-        # Static admission: these tests are about answers, and an objective calibrated on
-        # a busy machine must not refuse them.
-        [
-            "--max-num-seqs",
-            "4",
-            "--max-model-len",
-            "1024",
-            "--cache-dir",
-            str(torch_cache_dir),
-            "--admission",
-            "static",
-        ],
-        "clients-torch",
-    )
-    yield server
-    server.stop()
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(TEST_TIMEOUT_SECONDS)]
 
 
 @pytest.fixture(scope="module")
-def client(torch_server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=torch_server.v1, api_key="unused") as client:
+def client(model_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=model_server.v1, api_key="unused") as client:
         yield client
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_required_calls_fit_their_schemas(client: openai.OpenAI, seed: int) -> None:
+    # One at a time: alone, an answer's calls are drafted from its prompt (speculative
+    # decoding, on while at most two sequences decode), several tokens a step; three at
+    # once cost more than three one after another.
     reply = client.chat.completions.create(
         model=MODEL,
         messages=ASK_WEATHER,
@@ -73,19 +59,6 @@ def test_required_calls_fit_their_schemas(client: openai.OpenAI, seed: int) -> N
     for call in choice.message.tool_calls:
         assert call.id and call.type == "function"
         check_call(call.function.name, call.function.arguments)
-
-
-def test_parallel_tool_calls_false_makes_exactly_one_call(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK_WEATHER,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-    )
-    calls = reply.choices[0].message.tool_calls or []
-    assert len(calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
-    check_call(calls[0].function.name, calls[0].function.arguments)
 
 
 def test_streamed_required_call_fits_its_schema(client: openai.OpenAI) -> None:
@@ -121,26 +94,28 @@ def test_parse_with_a_pydantic_tool(client: openai.OpenAI) -> None:
     assert calls and all(isinstance(c.function.parsed_arguments, Weather) for c in calls)
 
 
-def test_langchain_structured_output_by_function_calling(torch_server: ServerProcess) -> None:
+def test_langchain_structured_output_by_function_calling(model_server: ServerProcess) -> None:
     from langchain_openai import ChatOpenAI  # seconds to import: only where it is used
 
-    llm = ChatOpenAI(model=MODEL, base_url=torch_server.v1, api_key="unused")
+    llm = ChatOpenAI(model=MODEL, base_url=model_server.v1, api_key="unused")
     structured = llm.with_structured_output(Person, method="function_calling")
-    for text in ("Ada is 36 and speaks English and French.", "Linus, 28, speaks Finnish."):
-        person = structured.invoke(f"Extract the person: {text}")
+    texts = ("Ada is 36 and speaks English and French.", "Linus, 28, speaks Finnish.")
+    # LangChain's batch: both at once, on its threads.
+    people = structured.batch([f"Extract the person: {text}" for text in texts])
+    assert len(people) == 2
+    for person in people:
         assert isinstance(person, Person)
         assert 0 <= person.age <= 150 and len(person.languages) <= 3
 
 
-@pytest.fixture(scope="module")
-def gateway(torch_server: ServerProcess) -> Iterator[ServerProcess]:
-    """A gateway (``--engine upstream``) in front of the embedded model."""
-    server = start_server(
-        ["--engine", "upstream", "--upstream", torch_server.base_url, "--admission", "static"],
-        "clients-torch-gateway",
-    )
-    yield server
-    server.stop()
+@pytest.fixture
+async def gateway(model_server: ServerProcess) -> AsyncIterator[InProcessApp]:
+    """A gateway (``--engine upstream``) in front of the embedded model, in process: what
+    is tested is what it relays, not its sockets (the gateway's are tested on the sim)."""
+    async with serve_in_process(
+        "--admission", "static", engine="upstream", upstream=[model_server.base_url]
+    ) as app:
+        yield app
 
 
 #: A seeded tool-calling request that samples (so that the seed matters).
@@ -178,51 +153,56 @@ def _streamed_calls(lines: list[str]) -> tuple[dict[int, dict[str, str]], list[s
     return calls, finishes
 
 
-def test_tool_calls_through_a_gateway_are_the_direct_answer(
-    torch_server: ServerProcess, gateway: ServerProcess
+async def test_tool_calls_through_a_gateway_are_the_direct_answer(
+    model_server: ServerProcess, gateway: InProcessApp
 ) -> None:
     """Through a gateway, a seeded tool-calling answer is the answer given directly: the
     same message (calls, ids, arguments, byte for byte), streamed or not; streamed, the
     gateway sends each call whole once complete (so that a failover can restart without
-    a broken call), so its chunks are fewer, and they assemble to the same calls."""
-    with httpx.Client(timeout=300) as http:
-        direct = http.post(f"{torch_server.v1}/chat/completions", json=SEEDED_CALLS)
-        through = http.post(f"{gateway.v1}/chat/completions", json=SEEDED_CALLS)
-        assert direct.status_code == through.status_code == 200, (direct.text, through.text)
-        message = direct.json()["choices"][0]["message"]
-        assert message["tool_calls"], message
-        assert through.json()["choices"][0]["message"] == message
-        assert through.json()["choices"][0]["finish_reason"] == "tool_calls"
+    a broken call), so its chunks are fewer, and they assemble to the same calls.  (That
+    the server's own stream assembles to its whole answer: tests/tools/test_model.py.)"""
+    async with httpx.AsyncClient(timeout=300) as http:
+        # Both at once (seeded sampling is batch-invariant): a step of two sequences costs
+        # about what one of one does, and two still draft their calls (speculative
+        # decoding); three at once would not.
+        direct, through = await asyncio.gather(
+            http.post(f"{model_server.v1}/chat/completions", json=SEEDED_CALLS),
+            gateway.client.post("/v1/chat/completions", json=SEEDED_CALLS),
+        )
+    assert direct.status_code == through.status_code == 200, (direct.text, through.text)
+    message = direct.json()["choices"][0]["message"]
+    assert message["tool_calls"], message
+    assert through.json()["choices"][0]["message"] == message
+    assert through.json()["choices"][0]["finish_reason"] == "tool_calls"
 
-        streamed = {**SEEDED_CALLS, "stream": True}
-        direct_lines = _sse(http.post(f"{torch_server.v1}/chat/completions", json=streamed))
-        response = http.post(f"{gateway.v1}/chat/completions", json=streamed)
-        through_lines = _sse(response)
-        whole = {
-            i: {
-                "id": c["id"],
-                "name": c["function"]["name"],
-                "arguments": c["function"]["arguments"],
-            }
-            for i, c in enumerate(message["tool_calls"])
+    response = await gateway.client.post(
+        "/v1/chat/completions", json={**SEEDED_CALLS, "stream": True}
+    )
+    through_lines = _sse(response)
+    whole = {
+        i: {
+            "id": c["id"],
+            "name": c["function"]["name"],
+            "arguments": c["function"]["arguments"],
         }
-        assert _streamed_calls(direct_lines) == (whole, ["tool_calls"])
-        assert _streamed_calls(through_lines) == (whole, ["tool_calls"])
+        for i, c in enumerate(message["tool_calls"])
+    }
+    assert _streamed_calls(through_lines) == (whole, ["tool_calls"])
 
-        # Resumed from the gateway's replay log after each event: the events after it,
-        # byte for byte, tool-call deltas included.
-        stream_id = response.headers["x-request-id"]
-        token = {"x-sluicegate-resume-token": response.headers["x-sluicegate-resume-token"]}
-        ids = [line for line in through_lines if line.startswith("id:")]
-        for position, id_line in enumerate(ids):
-            seq = id_line.rsplit(":", 1)[1]
-            replay = http.get(f"{gateway.v1}/streams/{stream_id}?after={seq}", headers=token)
-            assert replay.status_code == 200, replay.text
-            after = through_lines[through_lines.index(id_line) + 1 :]
-            # The last event carries the [DONE] line with it: after it, nothing.
-            expected = after if position < len(ids) - 1 else []
-            assert _sse(replay) == expected, position
-        assert len(ids) >= 3 and through_lines[-1] == "data: [DONE]"
+    # Resumed from the gateway's replay log after each event: the events after it,
+    # byte for byte, tool-call deltas included.
+    stream_id = response.headers["x-request-id"]
+    token = {"x-sluicegate-resume-token": response.headers["x-sluicegate-resume-token"]}
+    ids = [line for line in through_lines if line.startswith("id:")]
+    for position, id_line in enumerate(ids):
+        seq = id_line.rsplit(":", 1)[1]
+        replay = await gateway.client.get(f"/v1/streams/{stream_id}?after={seq}", headers=token)
+        assert replay.status_code == 200, replay.text
+        after = through_lines[through_lines.index(id_line) + 1 :]
+        # The last event carries the [DONE] line with it: after it, nothing.
+        expected = after if position < len(ids) - 1 else []
+        assert _sse(replay) == expected, position
+    assert len(ids) >= 3 and through_lines[-1] == "data: [DONE]"
 
 
 # --- the Responses API on the embedded model ---
@@ -232,32 +212,36 @@ RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 
 
 def test_responses_calls_tools_and_follows_a_schema(client: openai.OpenAI) -> None:
-    called = client.responses.create(
-        model=MODEL,
-        instructions="You answer with the tools you are given.",
-        input="What is the weather in Paris, in celsius?",
-        tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
-        tool_choice="required",
-        extra_body={"seed": 3},
-    )
+    # Both at once: a step of two sequences costs about what a step of one does.
+    with ThreadPoolExecutor(1) as pool:
+        calling = pool.submit(
+            client.responses.create,
+            model=MODEL,
+            instructions="You answer with the tools you are given.",
+            input="What is the weather in Paris, in celsius?",
+            tools=RESPONSE_TOOLS,
+            tool_choice="required",
+            extra_body={"seed": 3},
+        )
+        weather = client.responses.create(
+            model=MODEL,
+            input="The weather to look up: Paris, in celsius. Answer in JSON.",
+            text={
+                "format": {
+                    "type": "json_schema",
+                    "name": "weather",
+                    "schema": Weather.model_json_schema(),
+                    "strict": True,
+                }
+            },
+            max_output_tokens=200,
+            extra_body={"seed": 3},
+        )
+    called = calling.result()
     calls = [item for item in called.output if item.type == "function_call"]
     assert calls and called.status == "completed"
     for call in calls:
         check_call(call.name, call.arguments)
-    weather = client.responses.create(
-        model=MODEL,
-        input="The weather to look up: Paris, in celsius. Answer in JSON.",
-        text={
-            "format": {
-                "type": "json_schema",
-                "name": "weather",
-                "schema": Weather.model_json_schema(),
-                "strict": True,
-            }
-        },
-        max_output_tokens=200,
-        extra_body={"seed": 3},
-    )
     assert weather.status == "completed"
     Weather.model_validate_json(weather.output_text)
 

@@ -3,14 +3,15 @@
 In process on the sim (its answer is a pure function of the prompt and the seed, so
 choice ``i`` of a request seeded ``s`` must be exactly the answer of one choice seeded
 ``s + i``), through the official ``openai`` client and raw HTTP; and once on SmolLM2
-through a real server: the choices equal the single answers of their seeds, and the
-choices after the first reuse the first one's prefill.
+through a real server (the session's, :mod:`tests.support.model_server`): the choices
+equal the single answers of their seeds, and the choices after the first reuse the first
+one's prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from tests.support.inprocess import (
     wait_until,
     websocket_connect,
 )
-from tests.support.servers import ServerProcess, start_server
+from tests.support.model_server import TEST_TIMEOUT_SECONDS
+from tests.support.servers import ServerProcess
 
 MODEL = "sluicegate-sim"
 TOKEN_HEADER = "x-sluicegate-resume-token"
@@ -399,31 +401,9 @@ async def test_a_stream_of_choices_stopped_midway_ends_with_an_error_to_retry() 
 # SmolLM2 through a real server
 
 
-@pytest.fixture(scope="module")
-def model_server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
-    server = start_server(
-        [
-            "--max-num-seqs",
-            "4",
-            "--max-model-len",
-            "512",
-            "--cache-dir",
-            str(torch_cache_dir),
-            "--admission",
-            "static",
-        ],
-        "torch-choices",
-        # Calibrating SmolLM2 took 245 s on two cores busy with other test runs (steps
-        # of 3 s): only a broken server misses this.
-        ready_timeout=900,
-    )
-    yield server
-    server.stop()
-
-
 @pytest.mark.slow
 @pytest.mark.model
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(TEST_TIMEOUT_SECONDS)
 def test_smollm2_choices_equal_single_answers_and_share_the_prefill(
     model_server: ServerProcess,
 ) -> None:
@@ -443,8 +423,16 @@ def test_smollm2_choices_equal_single_answers_and_share_the_prefill(
     # Choices 1-3 reused choice 0's prompt (all of it but the last token, which gives
     # the logits) instead of computing it again.
     assert reply.usage.prompt_tokens_details.cached_tokens == prompt - 1
-    for index, text in enumerate(texts):
-        single = client.chat.completions.create(**asked, seed=1234 + index)
+    # The single answers at once (seeded sampling is batch-invariant): a step of four
+    # sequences costs about what a step of one does.
+    with ThreadPoolExecutor(len(texts)) as pool:
+        singles = list(
+            pool.map(
+                lambda index: client.chat.completions.create(**asked, seed=1234 + index),
+                range(len(texts)),
+            )
+        )
+    for index, (text, single) in enumerate(zip(texts, singles, strict=True)):
         assert single.choices[0].message.content == text, index
         assert single.choices[0].finish_reason == reply.choices[index].finish_reason
     client.close()

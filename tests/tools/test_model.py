@@ -1,25 +1,27 @@
 """Tool calling with the real model (SmolLM2) through the real server: sampled warm,
-every call parses and validates, and streamed deltas assemble to the whole answer."""
+every call parses and validates, and streamed deltas assemble to the whole answer.
+
+The server is the session's (:mod:`tests.support.model_server`); what is compared or
+sampled is asked at once (eight answers cost about what one does, see there).
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from tests.support.servers import ServerProcess, start_server
+from tests.support.model_server import MAX_NUM_SEQS, MODEL, TEST_TIMEOUT_SECONDS
+from tests.support.servers import ServerProcess
 from tests.tools.support import TOOLS
 
-# Ten warm answers of a few hundred tokens each, four at a time, on two shared cores.
-pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(TEST_TIMEOUT_SECONDS)]
 
-MODEL = "SmolLM2-135M-Instruct"
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris? And what is 2 + 3?"}]
 NAMED = {"type": "function", "function": {"name": "add"}}
@@ -36,18 +38,10 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
-    args = ["--max-num-seqs", "4", "--max-model-len", "2048", "--cache-dir", str(torch_cache_dir)]
-    # About the model's answers, not admission: an objective sized from a calibration
-    # on a busy machine must not refuse them.
-    process = start_server([*args, "--admission", "static"], "tools-torch", ready_timeout=600)
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=3000) as c:
+def client(model_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=model_server.v1, api_key="unused", max_retries=0, timeout=TEST_TIMEOUT_SECONDS
+    ) as c:
         yield c
 
 
@@ -69,9 +63,11 @@ def ask(client: openai.OpenAI, choice: Any, seed: int, max_tokens: int = 200, **
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
-def test_ten_warm_answers_all_call_validly(client: openai.OpenAI, choice: Any) -> None:
-    with ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda seed: ask(client, choice, seed), range(10)))
+def test_eight_warm_answers_all_call_validly(client: openai.OpenAI, choice: Any) -> None:
+    # Eight seeds at once, one batch (a grammar mask per sequence in every step): under
+    # required, seeds 0-7 call both tools; under the named one, one of them has a float.
+    with ThreadPoolExecutor(MAX_NUM_SEQS) as pool:
+        replies = list(pool.map(lambda seed: ask(client, choice, seed), range(MAX_NUM_SEQS)))
     for seed, reply in enumerate(replies):
         answer = reply.choices[0]
         assert answer.finish_reason == "tool_calls", (seed, answer)
@@ -86,12 +82,17 @@ def test_ten_warm_answers_all_call_validly(client: openai.OpenAI, choice: Any) -
 
 @pytest.mark.parametrize("choice", ["required", NAMED, "auto"], ids=["required", "named", "auto"])
 def test_streamed_deltas_assemble_to_the_whole_answer(client: openai.OpenAI, choice: Any) -> None:
-    # Under auto, seed 21's answer is text to max_tokens: 60 of them show as much.
-    limit = 60 if choice == "auto" else 200
-    whole = ask(client, choice, 21, limit).choices[0]
+    # Under auto, seed 21's answer is text to max_tokens: 32 of them show as much.
+    limit = 32 if choice == "auto" else 200
+    # Both at once (seeded sampling is batch-invariant): a step of two sequences costs
+    # about what a step of one does.
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(ask, client, choice, 21, limit)
+        chunks = list(ask(client, choice, 21, limit, stream=True))
+    whole = asked.result().choices[0]
     content, finish = "", None
     calls: list[dict[str, str]] = []
-    for chunk in ask(client, choice, 21, limit, stream=True):
+    for chunk in chunks:
         for part in chunk.choices:
             content += part.delta.content or ""
             finish = part.finish_reason or finish
@@ -138,7 +139,8 @@ def test_a_second_turn_with_the_results(client: openai.OpenAI) -> None:
 
 
 def test_json_schema_numbers_end_at_temperature_0_8(client: openai.OpenAI) -> None:
-    """The answer that once ran ``17349773888988888...`` to max_tokens: 5 of 5 parse."""
+    """The answer that once ran ``17349773888988888...`` to max_tokens: 5 of 5 parse
+    (asked at once: one batch)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
     def one(seed: int) -> Any:
@@ -151,7 +153,7 @@ def test_json_schema_numbers_end_at_temperature_0_8(client: openai.OpenAI) -> No
             messages=[{"role": "user", "content": "Describe a person as JSON: name, age, height."}],
         ).choices[0]
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         answers = list(pool.map(one, range(5)))
     for answer in answers:
         assert answer.finish_reason == "stop", answer

@@ -1,11 +1,13 @@
-"""The embedded engine through the real server, with the official openai client."""
+"""The embedded engine through the real server, with the official openai client.
+
+The server is the session's (:mod:`tests.support.model_server`): the default engine (no
+``--engine`` flag), :data:`MAX_NUM_SEQS` seats of :data:`MAX_MODEL_LEN` positions.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -13,36 +15,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.servers import ServerProcess, start_server
+from tests.support.model_server import MAX_MODEL_LEN, MAX_NUM_SEQS, TEST_TIMEOUT_SECONDS
+from tests.support.servers import ServerProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.model]
-
-
-@pytest.fixture(scope="module")
-def torch_server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
-    cache = torch_cache_dir
-    # The default engine: no --engine flag.
-    server = start_server(
-        # These tests are about the model's answers, not admission: an objective sized
-        # from a calibration on a busy machine must not refuse them.
-        [
-            "--max-num-seqs",
-            "4",
-            "--max-model-len",
-            "512",
-            "--cache-dir",
-            str(cache),
-            "--admission",
-            "static",
-        ],
-        "torch",
-    )
-    yield server
-    server.stop()
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(TEST_TIMEOUT_SECONDS)]
 
 
-def test_capital_of_france_is_paris(torch_server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=torch_server.v1, api_key="unused", max_retries=0)
+def test_capital_of_france_is_paris(model_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=model_server.v1, api_key="unused", max_retries=0)
     models = client.models.list()
     assert models.data[0].id == "SmolLM2-135M-Instruct"
     reply = client.chat.completions.create(
@@ -56,8 +36,8 @@ def test_capital_of_france_is_paris(torch_server: ServerProcess) -> None:
     client.close()
 
 
-def test_streaming_and_context_limit(torch_server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=torch_server.v1, api_key="unused", max_retries=0)
+def test_streaming_and_context_limit(model_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=model_server.v1, api_key="unused", max_retries=0)
     stream = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
         messages=[{"role": "user", "content": "Count from one to five."}],
@@ -68,19 +48,24 @@ def test_streaming_and_context_limit(torch_server: ServerProcess) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text.strip()
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt="word " * 600, max_tokens=4)
-    assert "maximum context length is 512" in str(info.value)
+        client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt="word " * (MAX_MODEL_LEN + 100), max_tokens=4
+        )
+    assert f"maximum context length is {MAX_MODEL_LEN}" in str(info.value)
     client.close()
 
 
-def test_kv_cache_memory_is_reported(torch_server: ServerProcess) -> None:
-    kv = torch_server.stats()["kv_cache"]
+def test_kv_cache_memory_is_reported(model_server: ServerProcess) -> None:
+    kv = model_server.stats()["kv_cache"]
     assert isinstance(kv, dict)
-    assert kv["total_slots"] == 4  # the default budget (auto) holds the 4 slots asked for
-    # SmolLM2: 30 layers x (keys + values) x 3 KV heads x 512 positions x 64 dims, per slot.
-    per_slot_per_byte = 30 * 2 * 3 * 512 * 64
-    assert kv["bytes"] in (4 * per_slot_per_byte * 2, 4 * per_slot_per_byte * 4)  # bf16, f32
-    text = httpx.get(torch_server.base_url + "/metrics", timeout=5).text
+    # The default budget (auto) holds the slots asked for.
+    assert kv["total_slots"] == MAX_NUM_SEQS
+    # SmolLM2: 30 layers x (keys + values) x 3 KV heads x positions (a multiple of 32: no
+    # padding) x 64 dims, per slot.
+    per_slot_per_byte = 30 * 2 * 3 * MAX_MODEL_LEN * 64
+    all_slots = MAX_NUM_SEQS * per_slot_per_byte
+    assert kv["bytes"] in (all_slots * 2, all_slots * 4)  # bf16, f32
+    text = httpx.get(model_server.base_url + "/metrics", timeout=5).text
     gauge = next(
         s.value
         for family in text_string_to_metric_families(text)
@@ -103,9 +88,9 @@ PERSON = {
 
 
 def test_json_schema_answers_parse_and_validate_batched_and_alone(
-    torch_server: ServerProcess,
+    model_server: ServerProcess,
 ) -> None:
-    client = openai.OpenAI(base_url=torch_server.v1, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=model_server.v1, api_key="unused", max_retries=0)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
     def ask(prompt: str, seed: int = 7) -> tuple[str, str | None]:
@@ -135,8 +120,8 @@ def test_json_schema_answers_parse_and_validate_batched_and_alone(
     client.close()
 
 
-def test_json_object_mode_and_refused_formats(torch_server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=torch_server.v1, api_key="unused", max_retries=0)
+def test_json_object_mode_and_refused_formats(model_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=model_server.v1, api_key="unused", max_retries=0)
     messages = [
         {"role": "user", "content": 'What is the capital of France? Answer in JSON, key "capital".'}
     ]
