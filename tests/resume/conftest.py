@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from tests.store.conftest import RedisServer, start_redis
-from tests.support.servers import ServerProcess, start_server
+from tests.support import plain_http
+from tests.support.servers import ServerProcess, start_servers
 
 MODEL = "sluicegate-sim"
 #: A sim engine that takes a while per token, so a stream is still running when cut.
@@ -131,7 +132,7 @@ def read_stream(
     reader = SSEReader()
     events: list[Event] = []
     with (
-        httpx.Client(timeout=timeout) as client,
+        plain_http.client(timeout=timeout) as client,
         client.stream(method, url, json=json, headers=headers) as resp,
     ):
         if on_response is not None:
@@ -150,6 +151,15 @@ def read_stream(
             ):
                 break
         return Received(events, dict(resp.headers), resp.status_code)
+
+
+def received(response: httpx.Response) -> Received:
+    """What a response read whole received (in process, a stream is read after its end)."""
+    if response.status_code != 200:
+        return Received([Event(response.text, None)], dict(response.headers), response.status_code)
+    reader = SSEReader()
+    events = [event for line in response.text.splitlines() if (event := reader.feed(line))]
+    return Received(events, dict(response.headers), response.status_code)
 
 
 def owner(received: Received) -> dict[str, str]:
@@ -210,10 +220,9 @@ def config_file(tmp_path: Path, name: str, settings: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def servers(*specs: tuple[list[str], str]) -> Iterator[list[ServerProcess]]:
-    started: list[ServerProcess] = []
+    """Servers started together (:func:`start_servers`), stopped at the block's end."""
+    started = start_servers(*specs)
     try:
-        for args, name in specs:
-            started.append(start_server(args, name))
         yield started
     finally:
         for server in started:

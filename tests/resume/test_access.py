@@ -1,11 +1,13 @@
-"""Who may resume what, expiry, and a store that goes away at run time."""
+"""Who may resume what, expiry, and a store that goes away at run time: in process
+(:mod:`tests.support.inprocess`), but for the resume token on another replica, which
+takes two server processes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.resume.conftest import (
@@ -14,11 +16,14 @@ from tests.resume.conftest import (
     config_file,
     owner,
     read_stream,
+    received,
     resume,
 )
 from tests.simtext import expected_completion
 from tests.store.conftest import start_redis
-from tests.support.servers import ServerProcess, start_server
+from tests.support import plain_http
+from tests.support.inprocess import serve_in_process
+from tests.support.servers import start_servers
 
 pytestmark = pytest.mark.slow
 
@@ -32,100 +37,80 @@ def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def test_only_the_creating_tenant_can_resume_and_expired_streams_are_410(tmp_path: Path) -> None:
+async def test_only_the_creating_tenant_can_resume_and_expired_streams_are_410(
+    tmp_path: Path,
+) -> None:
     config = config_file(tmp_path, "tenants", {"tenants": TENANTS})
-    # Five seconds to live: the checks below must run before the log expires (on a machine
-    # with a load of 11 on its two cores they took more than one second, the TTL before).
-    srv = start_server([*SIM, "--config", config, "--replay-ttl-seconds", "5"], "access")
-    try:
-        url = srv.v1 + "/completions"
-        first = read_stream(
-            "POST", url, json=completion_body("mine", 9, 30), headers=auth("key-alpha")
-        )
+    # Three seconds to live: the checks below must run before the log expires (in
+    # process, they take milliseconds).
+    async with serve_in_process("--config", config, "--replay-ttl-seconds", "3") as app:
+        http = app.client
+        body = completion_body("mine", 9, 30)
+        first = received(await http.post("/v1/completions", json=body, headers=auth("key-alpha")))
         stream_id = first.headers["x-sluicegate-stream-id"]
-        streams = f"{srv.v1}/streams/{stream_id}"
+        streams = f"/v1/streams/{stream_id}"
 
-        other = httpx.get(streams, headers=auth("key-beta"), timeout=5)
-        unknown = httpx.get(f"{srv.v1}/streams/cmpl-nope", headers=auth("key-beta"), timeout=5)
+        other = await http.get(streams, headers=auth("key-beta"))
+        unknown = await http.get("/v1/streams/cmpl-nope", headers=auth("key-beta"))
         assert other.status_code == unknown.status_code == 404
         # Indistinguishable from an id that never existed.
         assert other.json()["error"]["code"] == unknown.json()["error"]["code"] == "not_found"
-        assert httpx.get(streams, timeout=5).status_code == 401
-        mine = resume(srv, stream_id, None, headers=auth("key-alpha"))
+        assert (await http.get(streams)).status_code == 401
+        mine = received(await http.get(streams, headers=auth("key-alpha")))
         assert mine.status == 200 and mine.text == expected_completion("mine", 9, 30)
 
         # Then the log is gone once its time to live has passed.
         deadline = time.monotonic() + 60
-        while (
-            expired := httpx.get(streams, headers=auth("key-alpha"), timeout=5)
-        ).status_code == 200:
+        while (expired := await http.get(streams, headers=auth("key-alpha"))).status_code == 200:
             assert time.monotonic() < deadline, "the log outlived its time to live"
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
         assert expired.status_code == 410
         error = expired.json()["error"]
         assert error["code"] == "stream_expired" and "expired" in error["message"]
-    finally:
-        srv.stop()
 
 
-def store_metrics(server: ServerProcess) -> str:
-    return httpx.get(server.base_url + "/metrics", timeout=5).text
-
-
-def test_redis_lost_at_run_time_fail_open_serves_without_ids(tmp_path: Path) -> None:
+async def test_redis_lost_at_run_time_fail_open_serves_without_ids(tmp_path: Path) -> None:
     redis = start_redis(tmp_path)
-    srv = start_server([*SIM, "--store", f"redis://127.0.0.1:{redis.port}/0"], "fail-open")
     try:
-        ok = read_stream("POST", srv.v1 + "/completions", json=completion_body("up", 1, 20))
-        assert ok.seqs
-        redis.kill()
-        body = completion_body("down", 2, 20)
-        down = read_stream("POST", srv.v1 + "/completions", json=body)
-        assert down.status == 200 and down.done
-        assert down.text == expected_completion("down", 2, 20)
-        assert not down.seqs  # not logged: nothing to resume past
-        metrics = store_metrics(srv)
-        assert "sluicegate_store_available 0.0" in metrics
-        assert (
-            'sluicegate_store_degraded_operations_total{operation="append",outcome="dropped"}'
-            in metrics
-        )
-        assert srv.process.poll() is None
+        async with serve_in_process("--store", redis.url) as app:
+            http = app.client
+            body = completion_body("up", 1, 20)
+            ok = received(await http.post("/v1/completions", json=body))
+            assert ok.seqs
+            redis.kill()
+            body = completion_body("down", 2, 20)
+            down = received(await http.post("/v1/completions", json=body))
+            assert down.status == 200 and down.done
+            assert down.text == expected_completion("down", 2, 20)
+            assert not down.seqs  # not logged: nothing to resume past
+            metrics = (await http.get("/metrics")).text
+            assert "sluicegate_store_available 0.0" in metrics
+            assert (
+                'sluicegate_store_degraded_operations_total{operation="append",outcome="dropped"}'
+                in metrics
+            )
+            assert (await http.get("/health")).status_code == 200
     finally:
-        srv.stop()
         redis.kill()
 
 
-def test_redis_lost_at_run_time_fail_closed_refuses(tmp_path: Path) -> None:
+async def test_redis_lost_at_run_time_fail_closed_refuses(tmp_path: Path) -> None:
     redis = start_redis(tmp_path)
     tenants = [{"name": "limited", "api_key": "key-limited", "requests_per_second": 100}]
     config = config_file(tmp_path, "closed", {"tenants": tenants})
-    args = [
-        *SIM,
-        "--store",
-        f"redis://127.0.0.1:{redis.port}/0",
-        "--config",
-        config,
-        "--store-failure-mode",
-        "fail_closed",
-    ]
-    srv = start_server(args, "fail-closed")
+    args = ["--store", redis.url, "--config", config, "--store-failure-mode", "fail_closed"]
     try:
-        redis.kill()
-        refused = httpx.post(
-            srv.v1 + "/completions",
-            json=completion_body("down", 2, 20),
-            headers=auth("key-limited"),
-            timeout=10,
-        )
-        assert refused.status_code == 503
-        assert refused.json()["error"]["code"] == "store_unavailable"
-        assert "retry-after" in refused.headers
-        metrics = store_metrics(srv)
-        assert 'outcome="raised"' in metrics
-        assert srv.process.poll() is None
+        async with serve_in_process(*args) as app:
+            redis.kill()
+            refused = await app.client.post(
+                "/v1/completions", json=completion_body("down", 2, 20), headers=auth("key-limited")
+            )
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "store_unavailable"
+            assert "retry-after" in refused.headers
+            assert 'outcome="raised"' in (await app.client.get("/metrics")).text
+            assert (await app.client.get("/health")).status_code == 200
     finally:
-        srv.stop()
         redis.kill()
 
 
@@ -143,13 +128,12 @@ def test_in_open_mode_the_resume_token_works_on_every_replica(redis_url: str) ->
         "--detached-grace-seconds",
         "0.5",
     ]
-    a = start_server(args, "open-token-a")
-    b = start_server(args, "open-token-b")
+    a, b = start_servers((args, "open-token-a"), (args, "open-token-b"))
     try:
         body = completion_body("any replica", 13, 300)
         first = read_stream("POST", a.v1 + "/completions", json=body, stop_after_events=10)
         sid = first.headers["x-sluicegate-stream-id"]
-        stranger = httpx.get(f"{b.v1}/streams/{sid}", timeout=5)
+        stranger = plain_http.get(f"{b.v1}/streams/{sid}", timeout=5)
         assert stranger.status_code == 404 and stranger.json()["error"]["code"] == "not_found"
         rest = resume(b, sid, first.last_event_id, headers=owner(first))
         assert first.text + rest.text == expected_completion("any replica", 13, 300)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from tests.resume.conftest import (
@@ -16,24 +15,37 @@ from tests.resume.conftest import (
     owner,
     read_stream,
     resume,
+    servers,
 )
 from tests.simtext import expected_chat, expected_completion
-from tests.support.servers import ServerProcess, start_server
+from tests.support import plain_http
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 
 STORES = ["memory", "redis"]
+#: 2 ms steps: a 200-token stream runs 0.4 s, still under way when its client drops
+#: after its first events (and a resume gives the same text whether it follows the
+#: stream or replays its finished log).
+FAST = [*SIM, "--sim-step-base-ms", "2"]
 
 
-@pytest.fixture(scope="module", params=STORES)
-def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    store = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
-    srv = start_server(
-        [*SIM, "--store", store, "--flush-interval-ms", "0", "--detached-grace-seconds", "5"],
-        f"resume-{request.param}",
-    )
-    yield srv
-    srv.stop()
+@pytest.fixture(scope="module")
+def started(redis_url: str) -> Iterator[dict[str, ServerProcess]]:
+    """The module's servers, started together: one per store, a detached stream kept 5 s,
+    and ``grace``, which stops a detached stream after 0.3 s."""
+    kept = ["--flush-interval-ms", "0", "--detached-grace-seconds", "5"]
+    with servers(
+        ([*FAST, "--store", "memory", *kept], "resume-memory"),
+        ([*FAST, "--store", redis_url, *kept], "resume-redis"),
+        ([*FAST, "--flush-interval-ms", "0", "--detached-grace-seconds", "0.3"], "grace"),
+    ) as (memory, redis, grace):
+        yield {"memory": memory, "redis": redis, "grace": grace}
+
+
+@pytest.fixture(params=STORES)
+def server(request: pytest.FixtureRequest, started: dict[str, ServerProcess]) -> ServerProcess:
+    return started[request.param]
 
 
 def test_every_event_has_an_id_and_the_stream_id_is_the_chunk_id(server: ServerProcess) -> None:
@@ -70,22 +82,22 @@ def test_a_detached_stream_pauses_at_the_high_water_mark(server: ServerProcess) 
     body = completion_body("paused while away", 8, n)
     first = read_stream("POST", server.v1 + "/completions", json=body, stop_after_events=5)
     deadline = time.monotonic() + 30
-    while not server.stats()["requests_paused"] and time.monotonic() < deadline:
+    while not plain_http.stats(server)["requests_paused"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    stats = server.stats()
+    stats = plain_http.stats(server)
     assert stats["requests_paused"] == 1 and stats["streams_paused"] == 1
     streams: list[dict[str, int]] = stats["streams"]  # type: ignore[assignment]
     assert len(streams) == 1
     produced = streams[0]["tokens_produced"]
     assert 128 <= produced < n  # the high-water mark (128 tokens nobody received)
     time.sleep(0.2)
-    assert server.stats()["streams"][0]["tokens_produced"] == produced  # type: ignore[index]
+    assert plain_http.stats(server)["streams"][0]["tokens_produced"] == produced  # type: ignore[index]
     rest = resume(
         server, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
     )
     assert first.text + rest.text == expected_completion("paused while away", 8, n)
     assert_continues(first, rest)
-    assert server.stats()["streams_paused"] == 0
+    assert plain_http.stats(server)["streams_paused"] == 0
 
 
 def test_chat_stream_resumes_after_the_role_chunk(server: ServerProcess) -> None:
@@ -132,9 +144,9 @@ def test_after_query_parameter_and_replay_of_a_finished_stream(server: ServerPro
         "GET", f"{server.v1}/streams/{stream_id}?after={got.seqs[-1]}", headers=mine
     )
     assert nothing.status == 200 and nothing.events == []
-    beyond = httpx.get(f"{server.v1}/streams/{stream_id}?after=999", headers=mine, timeout=5)
+    beyond = plain_http.get(f"{server.v1}/streams/{stream_id}?after=999", headers=mine, timeout=5)
     assert beyond.status_code == 400 and "last event is seq" in beyond.json()["error"]["message"]
-    other = httpx.get(
+    other = plain_http.get(
         f"{server.v1}/streams/{stream_id}",
         headers={**mine, "last-event-id": "cmpl-other:3"},
         timeout=5,
@@ -142,25 +154,22 @@ def test_after_query_parameter_and_replay_of_a_finished_stream(server: ServerPro
     assert other.status_code == 400 and other.json()["error"]["param"] == "Last-Event-ID"
 
 
-def test_a_stream_left_alone_past_the_grace_is_stopped_and_still_resumable() -> None:
-    srv = start_server(
-        [*SIM, "--flush-interval-ms", "0", "--detached-grace-seconds", "0.3"], "grace"
+def test_a_stream_left_alone_past_the_grace_is_stopped_and_still_resumable(
+    started: dict[str, ServerProcess],
+) -> None:
+    srv = started["grace"]
+    n = 300  # far from done when the grace runs out (it pauses at 128 tokens anyway)
+    body = completion_body("left alone", 5, n)
+    first = read_stream("POST", srv.v1 + "/completions", json=body, stop_after_events=5)
+    deadline = time.monotonic() + 30
+    while plain_http.stats(srv)["requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = plain_http.stats(srv)
+    assert stats["requests_running"] == 0 and stats["live_requests"] == 0
+    metrics = plain_http.get(srv.base_url + "/metrics", timeout=5).text
+    assert 'sluicegate_streams_checkpointed_total{reason="detached"} 1.0' in metrics
+    rest = resume(
+        srv, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
     )
-    try:
-        n = 300  # far from done when the grace runs out (it pauses at 128 tokens anyway)
-        body = completion_body("left alone", 5, n)
-        first = read_stream("POST", srv.v1 + "/completions", json=body, stop_after_events=5)
-        deadline = time.monotonic() + 30
-        while srv.stats()["requests_running"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stats = srv.stats()
-        assert stats["requests_running"] == 0 and stats["live_requests"] == 0
-        metrics = httpx.get(srv.base_url + "/metrics", timeout=5).text
-        assert 'sluicegate_streams_checkpointed_total{reason="detached"} 1.0' in metrics
-        rest = resume(
-            srv, first.headers["x-sluicegate-stream-id"], first.last_event_id, headers=owner(first)
-        )
-        assert first.text + rest.text == expected_completion("left alone", 5, n)
-        assert_continues(first, rest)
-    finally:
-        srv.stop()
+    assert first.text + rest.text == expected_completion("left alone", 5, n)
+    assert_continues(first, rest)

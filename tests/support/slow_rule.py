@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -148,12 +149,15 @@ def _module_function(module: ModuleType | None, name: str) -> Callable[..., Any]
 
 
 class ProcessGuard:
-    """While a test runs, starting a process fails it (``-m "not slow"`` runs only)."""
+    """While a test runs, starting a process fails it (``-m "not slow"`` runs only):
+    with ``subprocess``, ``os.fork`` or ``multiprocessing`` (whose fork server forks
+    servers, tests/support/forked.py, where this process starts none itself)."""
 
     def __init__(self) -> None:
         self.test: str | None = None
         self._popen_init = subprocess.Popen.__init__
         self._fork = os.fork
+        self._process_start = multiprocessing.process.BaseProcess.start
 
     def install(self) -> None:
         guard = self
@@ -167,12 +171,18 @@ class ProcessGuard:
             guard.refuse("os.fork()")
             return guard._fork()
 
+        def process_start(process: multiprocessing.process.BaseProcess) -> None:
+            guard.refuse(f"multiprocessing: {process.name}")
+            guard._process_start(process)
+
         subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
         os.fork = fork
+        multiprocessing.process.BaseProcess.start = process_start  # type: ignore[method-assign,assignment]
 
     def uninstall(self) -> None:
         subprocess.Popen.__init__ = self._popen_init  # type: ignore[method-assign]
         os.fork = self._fork
+        multiprocessing.process.BaseProcess.start = self._process_start  # type: ignore[method-assign,assignment]
 
     def refuse(self, what: object) -> None:
         if self.test is not None:

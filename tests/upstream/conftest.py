@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support import plain_http
 from tests.support.servers import ServerProcess, start_server
 
 #: A sim upstream whose answers take a while (5 ms steps), so streams overlap.
@@ -40,18 +41,21 @@ GATEWAY = [
 def upstream_cancelled(upstream: ServerProcess) -> float:
     """Requests the upstream itself ended as cancelled (its client, the gateway, went
     away), whether it dropped them at once or after keeping them resumable a while."""
-    return upstream.metrics().total('sluicegate_requests_total{status="cancelled"}')
+    return plain_http.metrics(upstream).total('sluicegate_requests_total{status="cancelled"}')
 
 
 def start_upstream(name: str, *extra: str) -> ServerProcess:
-    return start_server([*SLOW_SIM, *extra], f"upstream-{name}")
+    """A sim upstream (:data:`SLOW_SIM`, then ``extra``), forked
+    (:mod:`tests.support.forked`)."""
+    return start_server([*SLOW_SIM, *extra], f"upstream-{name}", forked=True)
 
 
 def start_gateway(upstreams: list[ServerProcess], name: str, *extra: str) -> ServerProcess:
+    """A gateway (:data:`GATEWAY`, then ``extra``) in front of ``upstreams``, forked."""
     args = [*GATEWAY, *extra]
     for upstream in upstreams:
         args += ["--upstream", upstream.base_url]
-    return start_server(args, f"gateway-{name}")
+    return start_server(args, f"gateway-{name}", forked=True)
 
 
 @pytest.fixture(scope="package")

@@ -8,21 +8,41 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from sluicegate.pipeline.embedding import EMBEDDING_MODEL
+from tests.support import plain_http
+from tests.support.background import at_once
 from tests.support.servers import ServerProcess
-from tests.upstream.conftest import start_gateway, start_upstream, upstream_cancelled
+from tests.upstream.conftest import start_gateway, upstream_cancelled
 
 MODEL = "sluicegate-sim"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
 
 
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0)
+    """One client per server (closed at the module's end: no socket left to the GC)."""
+    if server.v1 not in _CLIENTS:
+        _CLIENTS[server.v1] = openai.OpenAI(
+            base_url=server.v1, api_key="none", max_retries=0, http_client=plain_http.client()
+        )
+    return _CLIENTS[server.v1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    for each in _CLIENTS.values():
+        each.close()
+    _CLIENTS.clear()
 
 
 def streamed_text(server: ServerProcess, **kwargs: object) -> tuple[str, str | None]:
@@ -36,30 +56,38 @@ def streamed_text(server: ServerProcess, **kwargs: object) -> tuple[str, str | N
 
 def test_answers_pass_through_unchanged(gateway: ServerProcess, upstream_a: ServerProcess) -> None:
     kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "seed": 7}
-    direct = streamed_text(upstream_a, **kwargs)
-    through = streamed_text(gateway, **kwargs)
+    comp = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "seed": 3}
+    # Each asked of the upstream directly and through the gateway, at once.
+    direct, through, direct_text, through_text = at_once(
+        lambda: streamed_text(upstream_a, **kwargs),
+        lambda: streamed_text(gateway, **kwargs),
+        lambda: client(upstream_a).completions.create(**comp).choices[0].text,  # type: ignore[call-overload]
+        lambda: client(gateway).completions.create(**comp).choices[0].text,  # type: ignore[call-overload]
+    )
+    # Then (the prompt in the upstream's prefix cache for both: the same usage) not
+    # streamed.
+    chat, direct_chat = at_once(
+        lambda: client(gateway).chat.completions.create(**kwargs),  # type: ignore[call-overload]
+        lambda: client(upstream_a).chat.completions.create(**kwargs),  # type: ignore[call-overload]
+    )
     assert through == direct and direct[0] and direct[1] == "length"
     # Not streamed, and completions: the same text as direct access.
-    chat = client(gateway).chat.completions.create(**kwargs)  # type: ignore[call-overload]
     assert chat.choices[0].message.content == direct[0]
     assert chat.model == MODEL and chat.choices[0].finish_reason == "length"
     # The usage is the upstream's own count (the gateway counts with another tokenizer).
-    direct_chat = client(upstream_a).chat.completions.create(**kwargs)  # type: ignore[call-overload]
     assert chat.usage == direct_chat.usage and chat.usage is not None
     assert chat.usage.completion_tokens == 40
-    comp = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "seed": 3}
-    direct_text = client(upstream_a).completions.create(**comp).choices[0].text  # type: ignore[call-overload]
-    assert client(gateway).completions.create(**comp).choices[0].text == direct_text  # type: ignore[call-overload]
+    assert through_text == direct_text
 
 
 def test_models_come_from_the_upstreams(gateway: ServerProcess) -> None:
-    models = httpx.get(gateway.v1 + "/models").json()["data"]
+    models = plain_http.get(gateway.v1 + "/models").json()["data"]
     # With the upstream's own context (its --max-model-len), not a guess of the gateway's.
     assert [(m["id"], m["max_model_len"]) for m in models] == [
         (MODEL, 2048),
         (EMBEDDING_MODEL, 8192),
     ]
-    response = httpx.post(
+    response = plain_http.post(
         gateway.v1 + "/chat/completions", json={"model": "gpt-17", "messages": MESSAGES}
     )
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
@@ -69,13 +97,13 @@ def test_the_upstreams_own_validation_reaches_the_client(gateway: ServerProcess)
     # The upstream's context is 2,048 tokens (its own: bytes).  The gateway counts about
     # 1,000 tokens with its tokenizer and lets it through; the upstream refuses it.
     body = {"model": MODEL, "prompt": "word " * 1000, "max_tokens": 8}
-    response = httpx.post(gateway.v1 + "/completions", json=body, timeout=30)
+    response = plain_http.post(gateway.v1 + "/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and "upstream" in error["message"]
     # Past the upstream's context by the gateway's own count: refused here, in its words.
     body = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 8}
-    response = httpx.post(gateway.v1 + "/completions", json=body, timeout=30)
+    response = plain_http.post(gateway.v1 + "/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
@@ -93,7 +121,10 @@ def test_a_disconnect_aborts_the_upstream_request(
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", gateway.v1 + "/chat/completions", json=body, timeout=30) as r:
+    with (
+        plain_http.client(timeout=30) as http,
+        http.stream("POST", gateway.v1 + "/chat/completions", json=body) as r,
+    ):
         lines = r.iter_lines()
         assert sum(1 for line, _ in zip(lines, range(6), strict=False) if line) > 0
     # The client left; after the detach grace (1 s) the gateway closes the upstream's
@@ -102,81 +133,90 @@ def test_a_disconnect_aborts_the_upstream_request(
     while upstream_cancelled(upstream_a) <= before:
         assert time.monotonic() < deadline, "the upstream never saw the abort"
         time.sleep(0.1)
-    assert upstream_a.stats()["requests_running"] == 0
+    assert plain_http.stats(upstream_a)["requests_running"] == 0
 
 
-def test_an_upstream_gets_no_more_than_its_limit(tmp_path_factory: pytest.TempPathFactory) -> None:
-    upstream = start_upstream("limited")
+#: The gateway of the tests of an upstream's limit and of tenants' shares: two places on
+#: ``upstream_a``, and three tenants of weights 1, 2 and 1.
+LIMITED = (
+    "upstreams:\n  - {{url: {url}, name: small, max_concurrent: 2}}\n"
+    "tenants:\n"
+    "  - {{name: heavy, api_key: kh, weight: 1}}\n"
+    "  - {{name: light, api_key: kl, weight: 2}}\n"
+    "  - {{name: blocker, api_key: kb, weight: 1}}\n"
+    "admission: static\nmax_queued_requests: 200\n"
+)
+
+
+@pytest.fixture(scope="module")
+def limited(
+    upstream_a: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     config = tmp_path_factory.mktemp("limit") / "gateway.yaml"
-    config.write_text(
-        f"upstreams:\n  - url: {upstream.base_url}\n    name: small\n    max_concurrent: 2\n"
-    )
+    config.write_text(LIMITED.format(url=upstream_a.base_url))
     gateway = start_gateway([], "limited", "--config", str(config), "--upstream-tokenizer", "bytes")
+    yield gateway
+    gateway.stop()
+
+
+def test_an_upstream_gets_no_more_than_its_limit(
+    limited: ServerProcess, upstream_a: ServerProcess
+) -> None:
+    gateway, upstream = limited, upstream_a
+    requests = plain_http.stats(gateway)["upstreams"]["small"]["requests_total"]
+    counted = 'sluicegate_upstream_requests_total{upstream="small"}'
+    metric = plain_http.metrics(gateway).total(counted)
+    peak = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, plain_http.stats(upstream)["requests_running"])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+
+    async def one(i: int) -> str:
+        body = {
+            "model": MODEL,
+            "prompt": f"request {i}",
+            "max_tokens": 60,
+            "ignore_eos": True,
+            "priority": "batch",
+        }
+        async with plain_http.async_client(timeout=60) as http:
+            response = await http.post(gateway.v1 + "/completions", json=body, headers=auth("kh"))
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["finish_reason"])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
     try:
-        peak = 0
-        stop = threading.Event()
-
-        def watch() -> None:
-            nonlocal peak
-            while not stop.is_set():
-                peak = max(peak, upstream.stats()["requests_running"])
-                time.sleep(0.02)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-
-        async def one(i: int) -> str:
-            body = {
-                "model": MODEL,
-                "prompt": f"request {i}",
-                "max_tokens": 60,
-                "ignore_eos": True,
-                "priority": "batch",
-            }
-            async with httpx.AsyncClient(timeout=60) as http:
-                response = await http.post(gateway.v1 + "/completions", json=body)
-            assert response.status_code == 200, response.text
-            return str(response.json()["choices"][0]["finish_reason"])
-
-        async def all_of_them() -> list[str]:
-            return await asyncio.gather(*(one(i) for i in range(8)))
-
         finishes = asyncio.run(all_of_them())
+    finally:
         stop.set()
         watcher.join()
-        assert finishes == ["length"] * 8
-        assert 1 <= peak <= 2, peak
-        stats = gateway.stats()
-        assert stats["upstreams"]["small"]["limit"] <= 2
-        assert stats["upstreams"]["small"]["requests_total"] >= 8
-        metrics = gateway.metrics()
-        assert metrics.total('sluicegate_upstream_requests_total{upstream="small"}') >= 8
-        assert metrics.total('sluicegate_upstream_healthy{upstream="small"}') == 1
-    finally:
-        gateway.stop()
-        upstream.stop()
+    assert finishes == ["length"] * 8
+    assert 1 <= peak <= 2, peak
+    stats = plain_http.stats(gateway)
+    assert stats["upstreams"]["small"]["limit"] <= 2
+    assert stats["upstreams"]["small"]["requests_total"] - requests >= 8
+    metrics = plain_http.metrics(gateway)
+    assert metrics.total(counted) - metric >= 8
+    assert metrics.total('sluicegate_upstream_healthy{upstream="small"}') == 1
 
 
-def test_tenants_share_an_upstream_by_weight(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_tenants_share_an_upstream_by_weight(limited: ServerProcess) -> None:
     """The gateway's fair queue in front of an upstream of two places: while both tenants
     have work queued, the one of weight 2 gets two of every three places.
 
     Both tenants' requests are queued before any place frees (two blockers hold the
     upstream until then), so the order the queue hands places out in does not depend on
     how fast the machine lets the requests arrive."""
-    # 20 ms steps: a blocker of 1,900 tokens (the most the upstream's 2,048-token context
-    # takes) holds its place for 38 s, until it is cancelled.
-    upstream = start_upstream("fair", "--sim-step-base-ms", "20")
-    config = tmp_path_factory.mktemp("fair") / "gateway.yaml"
-    config.write_text(
-        f"upstreams:\n  - {{url: {upstream.base_url}, max_concurrent: 2}}\n"
-        "tenants:\n"
-        "  - {name: heavy, api_key: kh, weight: 1}\n"
-        "  - {name: light, api_key: kl, weight: 2}\n"
-        "  - {name: blocker, api_key: kb, weight: 1}\n"
-        "admission: static\nmax_queued_requests: 200\n"
-    )
-    gateway = start_gateway([], "fair", "--config", str(config), "--upstream-tokenizer", "bytes")
+    gateway = limited
     done: list[str] = []
 
     async def queued(http: httpx.AsyncClient, count: int) -> None:
@@ -187,9 +227,11 @@ def test_tenants_share_an_upstream_by_weight(tmp_path_factory: pytest.TempPathFa
 
     async def flood() -> None:
         limits = httpx.Limits(max_connections=200)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        async with plain_http.async_client(timeout=120, limits=limits) as http:
             blockers = []
             for i in range(2):
+                # 1,900 tokens (the most the upstream's 2,048-token context takes) at 5 ms
+                # a step: each holds its place for 9.5 s, until it is cancelled.
                 body = {"model": MODEL, "prompt": f"block {i}", "max_tokens": 1900}
                 body |= {"ignore_eos": True, "stream": True}
                 request = http.build_request(
@@ -201,7 +243,9 @@ def test_tenants_share_an_upstream_by_weight(tmp_path_factory: pytest.TempPathFa
                 blockers.append((response, reading))
 
             async def one(key: str, name: str) -> None:
-                body = {"model": MODEL, "prompt": "share", "max_tokens": 5, "ignore_eos": True}
+                # 20 tokens, a tenth of a second: finishes far apart enough to keep
+                # their order on the way back.
+                body = {"model": MODEL, "prompt": "share", "max_tokens": 20, "ignore_eos": True}
                 r = await http.post(gateway.v1 + "/completions", json=body, headers=auth(key))
                 assert r.status_code == 200, r.text
                 done.append(name)
@@ -216,15 +260,11 @@ def test_tenants_share_an_upstream_by_weight(tmp_path_factory: pytest.TempPathFa
                 await reading
             await asyncio.gather(*tasks)
 
-    try:
-        asyncio.run(flood())
-        # Two places: requests finish in the order they were handed places, give or take
-        # the one running beside each.
-        light = done[:15].count("light")
-        assert light in (9, 10, 11), done
-    finally:
-        gateway.stop()
-        upstream.stop()
+    asyncio.run(flood())
+    # Two places: requests finish in the order they were handed places, give or take
+    # the one running beside each.
+    light = done[:15].count("light")
+    assert light in (9, 10, 11), done
 
 
 async def drain(response: httpx.Response) -> None:
@@ -277,21 +317,35 @@ def test_tool_calls_and_choices_pass_through(
         "max_tokens": 200,
         "seed": 9,
     }
-    direct = httpx.post(upstream_a.v1 + "/chat/completions", json=body, timeout=30).json()
-    through = httpx.post(gateway.v1 + "/chat/completions", json=body, timeout=30).json()
+
+    def deltas() -> list[dict[str, Any]]:
+        got = []
+        for chunk in client(gateway).chat.completions.create(stream=True, **body):  # type: ignore[call-overload]
+            for choice in chunk.choices:
+                got += [c.model_dump() for c in choice.delta.tool_calls or []]
+        return got
+
+    choices = {"model": MODEL, "messages": MESSAGES, "n": 2, "logprobs": True, "top_logprobs": 2}
+    choices |= {"max_tokens": 12, "seed": 4}
+    direct, through, streamed, direct_choices, through_choices = at_once(
+        lambda: post(upstream_a, body),
+        lambda: post(gateway, body),
+        deltas,
+        lambda: post(upstream_a, choices),
+        lambda: post(gateway, choices),
+    )
     assert direct["choices"][0]["finish_reason"] == "tool_calls"
     assert [c["finish_reason"] for c in through["choices"]] == ["tool_calls"]
     assert through["choices"][0]["message"] == direct["choices"][0]["message"]
     # Streamed through the gateway, each call comes whole, in one delta.
-    deltas = []
-    for chunk in client(gateway).chat.completions.create(stream=True, **body):  # type: ignore[call-overload]
-        for choice in chunk.choices:
-            deltas += [c.model_dump() for c in choice.delta.tool_calls or []]
     direct_calls = direct["choices"][0]["message"]["tool_calls"]
-    assert deltas == [{"index": i, **c} for i, c in enumerate(direct_calls)]
-    choices = {"model": MODEL, "messages": MESSAGES, "n": 2, "logprobs": True, "top_logprobs": 2}
-    choices |= {"max_tokens": 12, "seed": 4}
-    direct = httpx.post(upstream_a.v1 + "/chat/completions", json=choices, timeout=30).json()
-    through = httpx.post(gateway.v1 + "/chat/completions", json=choices, timeout=30).json()
-    assert len(through["choices"]) == 2
-    assert through["choices"] == direct["choices"]
+    assert streamed == [{"index": i, **c} for i, c in enumerate(direct_calls)]
+    assert len(through_choices["choices"]) == 2
+    assert through_choices["choices"] == direct_choices["choices"]
+
+
+def post(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    answer: dict[str, Any] = plain_http.post(
+        server.v1 + "/chat/completions", json=body, timeout=30
+    ).json()
+    return answer

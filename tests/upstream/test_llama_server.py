@@ -18,10 +18,16 @@ import pytest
 
 from sluicegate.bench.raw_client import event_text, open_stream
 from sluicegate.pipeline.embedding import EMBEDDING_MODEL
-from tests.support.servers import ServerProcess
-from tests.upstream.test_peers import MODEL, QUESTION, Peer, gateway_for, stream_text
+from tests.support.servers import ServerProcess, start_server
+from tests.upstream.test_peers import MODEL, QUESTION, Peer, gateway_args, stream_text
 
 pytestmark = pytest.mark.slow
+
+
+def gateway_for(peers: list[tuple[str, str]], name: str, tmp: Path, *extra: str) -> ServerProcess:
+    """A gateway serving ``MODEL`` from ``peers`` (url, the peer's own model name)."""
+    return start_server([*gateway_args(peers, tmp / "gateway.yaml"), *extra], f"gateway-{name}")
+
 
 BINARY = os.environ.get("SLUICEGATE_LLAMA_SERVER") or shutil.which("llama-server")
 if not BINARY:
@@ -38,6 +44,7 @@ def llama_server() -> Iterator[Peer]:
     gguf = default_model_path()
     args = [str(BINARY), "-m", gguf, "-t", "2", "-np", "4", "-c", "4096", "--metrics", "--slots"]
     peer = Peer("llama-server", args, {}, model=Path(gguf).name)
+    peer.wait()
     yield peer
     peer.stop()
 
@@ -181,6 +188,7 @@ def llama_jinja() -> Iterator[Peer]:
     args = [str(BINARY), "-m", gguf, "-t", "2", "-np", "2", "-c", "4096", "--jinja"]
     args += ["--chat-template-file", str(TOOLS_TEMPLATE)]
     peer = Peer("llama-server-jinja", args, {}, model=Path(gguf).name)
+    peer.wait()
     yield peer
     peer.stop()
 

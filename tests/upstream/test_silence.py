@@ -95,8 +95,8 @@ async def test_comments_do_not_stand_for_a_first_token() -> None:
 
 async def test_a_reasoning_model_thinking_is_not_silent() -> None:
     """Reasoning tokens (which the gateway does not relay), a few tenths of a second apart
-    for longer than both timeouts: the upstream is working, and is waited for."""
-    thinking = [{"index": 0, "delta": {"reasoning_content": "hmm "}} for _ in range(8)]
+    for longer than both timeouts (1.5 s): the upstream is working, and is waited for."""
+    thinking = [{"index": 0, "delta": {"reasoning_content": "hmm "}} for _ in range(4)]
     events = [*thinking, text("Paris.", 0, "stop")]
     pauses = dict.fromkeys(range(len(events)), 0.3)
     upstream = ScriptedUpstream(lambda body, attempt: Answer(events, silent_before=pauses)).start()

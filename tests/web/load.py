@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.support import plain_http
+
 
 @dataclass
 class StreamingLoad:
@@ -51,7 +53,7 @@ class StreamingLoad:
 
     def _client(self, index: int, deadline: float) -> None:
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        with httpx.Client(base_url=self.base_url, headers=headers, timeout=30) as client:
+        with plain_http.client(base_url=self.base_url, headers=headers, timeout=30) as client:
             n = 0
             while not self._stop.is_set() and time.monotonic() < deadline:
                 n += 1

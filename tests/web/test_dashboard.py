@@ -38,7 +38,7 @@ LOADED_SIM = [
 
 @pytest.fixture(scope="module")
 def load_server() -> Iterator[ServerProcess]:
-    server = start_server(LOADED_SIM, "web-load")
+    server = start_server(LOADED_SIM, "web-load", forked=True)
     yield server
     server.stop()
 
@@ -74,7 +74,6 @@ def test_dashboard_follows_the_load(page: Page, load_server: ServerProcess) -> N
 
         for chart in ("requests", "kv", "rejections", "steps"):
             assert page.is_visible(f"[data-testid=chart-{chart}]"), chart
-        time.sleep(0.5)  # let the charts fill a little more for the picture
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=ARTIFACTS / "dashboard.png", full_page=True)
     assert load.completed > 0 and load.errors == []

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.support.servers import ARTIFACTS, ServerProcess, cancellations, start_server
+from tests.support import plain_http
+from tests.support.servers import ARTIFACTS, ServerProcess, cancellations, start_servers
 from tests.web.browser import MODEL, wait_until
 from tests.web.load import StreamingLoad
 
@@ -35,34 +36,46 @@ API_KEY = "sk-web-test"
 
 
 @pytest.fixture(scope="module")
-def web_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """With a pipeline whose guard trips on any visible character: its answers are the
-    replacement.  (Not on any Latin letter, as first written: the sim engine's text has
-    words without one, σήμα or 水門, and an answer that began with enough of them passed
-    them before the guard tripped: seen once in CI.)"""
-    config = tmp_path_factory.mktemp("web") / "pipelines.yaml"
-    config.write_text(
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
+    """The two servers of the tests (:func:`web_server`, :func:`auth_server`), started
+    together."""
+    configs = tmp_path_factory.mktemp("web")
+    # A pipeline whose guard trips on any visible character: its answers are the
+    # replacement.  (Not on any Latin letter, as first written: the sim engine's text has
+    # words without one, σήμα or 水門, and an answer that began with enough of them passed
+    # them before the guard tripped: seen once in CI.)
+    pipelines = configs / "pipelines.yaml"
+    pipelines.write_text(
         "pipelines:\n  - name: guarded\n    stages:\n      - guard:\n"
         "          replacement: Filtered.\n          checks:\n"
         "            - {type: regex, patterns: ['\\S']}\n",
         encoding="utf-8",
     )
-    server = start_server([*SLOW_SIM, "--config", str(config)], "web")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Auth on, and one request at a time for the one tenant: easy to get a real 429."""
-    config = tmp_path_factory.mktemp("web") / "tenants.yaml"
-    config.write_text(
+    # Auth on, and one request at a time for the one tenant: easy to get a real 429.
+    tenants = configs / "tenants.yaml"
+    tenants.write_text(
         f"tenants:\n  - name: web\n    api_key: {API_KEY}\n    max_concurrent: 1\n",
         encoding="utf-8",
     )
-    server = start_server([*SLOW_SIM, "--config", str(config)], "web-auth")
-    yield server
-    server.stop()
+    started = start_servers(
+        ([*SLOW_SIM, "--config", str(pipelines)], "web"),
+        ([*SLOW_SIM, "--config", str(tenants)], "web-auth"),
+    )
+    yield started
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def web_server(servers: list[ServerProcess]) -> ServerProcess:
+    """With a pipeline, ``guarded``, whose guard trips on any visible character."""
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def auth_server(servers: list[ServerProcess]) -> ServerProcess:
+    """Auth on (one tenant, ``API_KEY``), and one request at a time for it."""
+    return servers[1]
 
 
 def open_playground(page: Page, server: ServerProcess) -> None:
@@ -95,7 +108,7 @@ def screenshot(page: Page, name: str) -> Path:
 def test_the_answer_streams_in(page: Page, web_server: ServerProcess) -> None:
     open_playground(page, web_server)
     page.fill("[data-testid=system]", "You are a concise assistant.")
-    ask(page, "What does a sluice gate do?", 250)  # ~5 s at ~20 ms a token
+    ask(page, "What does a sluice gate do?", 150)  # ~3 s at ~20 ms a token
 
     wait_until(lambda: text(page, "output") != "", "the first text appears")
     first = text(page, "output")
@@ -108,7 +121,7 @@ def test_the_answer_streams_in(page: Page, web_server: ServerProcess) -> None:
     wait_until(lambda: state(page) == "done", "the answer completes", timeout=30)
     final = text(page, "output")
     assert final.startswith(first) and len(final) > len(first) + 20
-    assert text(page, "tokens") == "250"
+    assert text(page, "tokens") == "150"
     assert text(page, "finish") == "finish: length"
     assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", text(page, "ttft")), text(page, "ttft")
     tokens_per_second = float(text(page, "tps"))
@@ -137,7 +150,9 @@ def test_stop_cancels_the_generation(page: Page, web_server: ServerProcess) -> N
 
     # Stop cancelled the generation on the server at once, not after the detached grace
     # of a resumable stream whose connection closed (1 s).
-    wait_until(lambda: web_server.stats()["requests_running"] == 0, "no sequence is left running")
+    wait_until(
+        lambda: plain_http.stats(web_server)["requests_running"] == 0, "no sequence is left running"
+    )
     assert time.monotonic() - stopped_at_monotonic < 0.8
     assert cancellations(web_server) - cancelled_before == 1
     stopped_at = text(page, "output")
@@ -218,7 +233,9 @@ def test_api_key_and_rate_limit(page: Page, auth_server: ServerProcess) -> None:
     with StreamingLoad(
         auth_server.base_url, MODEL, num_clients=1, max_tokens=3000, api_key=API_KEY
     ) as holder:
-        wait_until(lambda: auth_server.stats()["requests_running"] == 1, "the slot is taken")
+        wait_until(
+            lambda: plain_http.stats(auth_server)["requests_running"] == 1, "the slot is taken"
+        )
         with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions")) as info:
             ask(page, "hello", 16)
         response = info.value
@@ -232,7 +249,9 @@ def test_api_key_and_rate_limit(page: Page, auth_server: ServerProcess) -> None:
         screenshot(page, "playground-429.png")
     assert holder.errors == []
 
-    wait_until(lambda: auth_server.stats()["requests_running"] == 0, "the slot is free again")
+    wait_until(
+        lambda: plain_http.stats(auth_server)["requests_running"] == 0, "the slot is free again"
+    )
     ask(page, "hello", 16)
     wait_until(lambda: state(page) in ("done", "error"), "the answer completes")
     assert state(page) == "done", text(page, "error")
@@ -244,7 +263,7 @@ def test_typing_warms_the_prefix_cache(page: Page, web_server: ServerProcess) ->
     (debounced); the question sent in the end reuses that warmed prefix."""
     open_playground(page, web_server)
     page.fill("[data-testid=system]", "You are the assistant of a bakery. " * 30)
-    hits = web_server.stats()["prefix_cache"]["hits"]
+    hits = plain_http.stats(web_server)["prefix_cache"]["hits"]
     page.type("[data-testid=prompt]", "When do you open", delay=20)
     wait_until(
         lambda: page.get_attribute("[data-testid=playground]", "data-warmed"),
@@ -252,4 +271,4 @@ def test_typing_warms_the_prefix_cache(page: Page, web_server: ServerProcess) ->
     )
     ask(page, "When do you open on Sunday?", 5)
     wait_until(lambda: state(page) == "done", "the answer completes", timeout=30)
-    assert web_server.stats()["prefix_cache"]["hits"] > hits
+    assert plain_http.stats(web_server)["prefix_cache"]["hits"] > hits

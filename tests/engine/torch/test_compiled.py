@@ -18,11 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import openai
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from sluicegate.bench.scrape import admin_headers
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
 from sluicegate.engine.torch.compiled import CompiledDecode, main
 from sluicegate.engine.torch.model import Transformer
@@ -48,12 +51,12 @@ def cut_model(
     out = export_hf_directory(
         smollm2_path, tmp_path_factory.mktemp("smollm2-cut"), cache_dir=torch_cache_dir
     )
-    weights = load_file(out / "model.safetensors")
-    kept = {
-        name: tensor
-        for name, tensor in weights.items()
-        if not name.startswith("model.layers.") or name.startswith("model.layers.0.")
-    }
+    with safe_open(out / "model.safetensors", "pt") as weights:  # reads only what it keeps
+        kept = {
+            name: weights.get_tensor(name)
+            for name in weights.keys()  # noqa: SIM118 - safe_open handles are not mappings
+            if not name.startswith("model.layers.") or name.startswith("model.layers.0.")
+        }
     save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1}))
@@ -98,12 +101,22 @@ def complete(server: ServerProcess, seed: int) -> str:
 
 def wait_until_built(server: ServerProcess) -> None:
     deadline = time.monotonic() + 300
-    # Each step looks at the build, then at the package's load.
-    while server.stats()["engine_compile"] in ("building", "loading"):
-        assert time.monotonic() < deadline, "the compiled decode step was not built"
-        complete(server, 1)
-        time.sleep(1)
-    assert server.stats()["engine_compile"] == "ready"
+    one_token = {"model": str(server.stats()["model"]), "prompt": "Once", "max_tokens": 1}
+    # One client for every poll: a client per request took more CPU than the request.
+    with httpx.Client(base_url=server.v1, timeout=60) as client:
+        # Each step looks at the build, then at the package's load: a one-token answer
+        # is a step.
+        while compile_status(client) in ("building", "loading"):
+            assert time.monotonic() < deadline, "the compiled decode step was not built"
+            client.post("/completions", json=one_token).raise_for_status()
+            time.sleep(1)
+        assert compile_status(client) == "ready"
+
+
+def compile_status(client: httpx.Client) -> str:
+    response = client.get("/stats", headers=admin_headers())
+    response.raise_for_status()
+    return str(response.json()["engine_compile"])
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +213,7 @@ def test_prompt_only_steps_take_the_package_into_use_on_one_thread_until_then(
             assert time.monotonic() < deadline
             engine.step(_prefill(0, 8, num_decoding=0, context=0))
             threads.append(engine.call(torch.get_num_threads))
+            time.sleep(0.1)  # a step now and then, as requests would come
         assert engine.compile_status == "ready"
         assert threads[-1] == 2 and set(threads[:-1]) <= {1}
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 
 from sluicegate.engine.grammar import grammar_for_response_format
 from sluicegate.engine.torch import TorchEngine
@@ -39,46 +40,67 @@ def requests(engine: TorchEngine, tag: str) -> list[Request]:
     )
     greedy = SamplingParams(max_tokens=80, seed=0, temperature=0.0, grammar=grammar)
     seeded = SamplingParams(max_tokens=80, seed=5, temperature=0.8, top_p=0.95, grammar=grammar)
-    out = []
-    for prompt in PROMPTS:
-        ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        for params in (greedy, seeded):
-            out.append(Request(f"{tag}-{len(out)}", list(ids), params))
-    return out
+    edit, describe = (
+        engine.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for prompt in PROMPTS
+    )
+    # The edit copies its input (drafts are accepted), greedy and seeded; the description
+    # makes its answer up.
+    pairs = [(edit, greedy), (edit, seeded), (describe, greedy)]
+    return [Request(f"{tag}-{i}", list(ids), params) for i, (ids, params) in enumerate(pairs)]
 
 
-def test_answers_follow_the_schema_alike_batched_with_drafts_and_after_preemption(
-    engine_bf16: TorchEngine,
-) -> None:
-    engine = engine_bf16
-    # Plain constrained decoding, each request alone.
-    alone = requests(engine, "alone")
+@pytest.fixture(scope="module")
+def expected(engine_bf16: TorchEngine) -> list[list[int]]:
+    """Plain constrained decoding: each request's answer, computed alone."""
+    alone = requests(engine_bf16, "alone")
     for request in alone:
-        run_requests(engine, [request])
-    expected = [r.output_token_ids for r in alone]
-    for request in alone:
-        text = engine.tokenizer.decode(request.output_token_ids)
+        run_requests(engine_bf16, [request])
+    return [r.output_token_ids for r in alone]
+
+
+def test_answers_follow_the_schema(engine_bf16: TorchEngine, expected: list[list[int]]) -> None:
+    for tokens in expected:
+        text = engine_bf16.tokenizer.decode(tokens)
         jsonschema.validate(json.loads(text), SCHEMA)  # complete: it ended on its own
-        assert request.num_output_tokens < 80, text
-    # All four at once, with drafts: the same tokens (drafts the grammar forbids are
-    # never accepted; the ones it allows are verified like any).
-    batched = requests(engine, "batched")
-    scheduler = run_requests(engine, batched, speculation=SPECULATE)
+        assert len(tokens) < 80, text
+
+
+def test_answers_batched_with_drafts_are_the_answers_alone(
+    engine_bf16: TorchEngine, expected: list[list[int]]
+) -> None:
+    """All three at once, with drafts: the same tokens (drafts the grammar forbids are
+    never accepted; the ones it allows are verified like any)."""
+    batched = requests(engine_bf16, "batched")
+    scheduler = run_requests(engine_bf16, batched, speculation=SPECULATE)
     assert [r.output_token_ids for r in batched] == expected
     counters = scheduler.make_stats().speculation
     assert counters is not None and counters["accepted_tokens"] > 0, counters
-    # Preempted halfway (its output kept, its KV and its matcher gone): it re-prefills,
-    # its matcher catches up with the output, and it ends as it would have.
-    resumed = requests(engine, "resumed")
+
+
+def resumed_halfway(engine: TorchEngine, tag: str, expected: list[list[int]]) -> list[Request]:
+    """The requests preempted halfway: their output kept, their KV and matchers gone."""
+    resumed = requests(engine, tag)
     for request, tokens in zip(resumed, expected, strict=True):
         request.all_token_ids.extend(tokens[: len(tokens) // 2])
-    run_requests(engine, resumed)
+    return resumed
+
+
+def test_answers_resumed_after_a_preemption_are_the_answers_alone(
+    engine_bf16: TorchEngine, expected: list[list[int]]
+) -> None:
+    """Each re-prefills, its matcher catches up with its output, and it ends as it would
+    have."""
+    resumed = resumed_halfway(engine_bf16, "resumed", expected)
+    run_requests(engine_bf16, resumed)
     assert [r.output_token_ids for r in resumed] == expected
 
 
-def test_an_output_its_grammar_cannot_follow_ends_the_answer(engine_bf16: TorchEngine) -> None:
+def test_an_output_its_grammar_cannot_follow_ends_the_answer(
+    engine_bf16: TorchEngine, expected: list[list[int]]
+) -> None:
     """A matcher that cannot catch up (an output that is not JSON: it should never happen)
-    ends that answer with end-of-sequence instead of failing the whole step."""
+    ends that answer with end-of-sequence instead of failing the whole step; a matcher
+    catching up beside it, and its answer, are unharmed."""
     engine = engine_bf16
     grammar = grammar_for_response_format({"type": "json_object"})
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "JSON, please."}])
@@ -87,9 +109,8 @@ def test_an_output_its_grammar_cannot_follow_ends_the_answer(engine_bf16: TorchE
     )
     not_json = engine.tokenizer.tokenizer.encode("hello", add_special_tokens=False).ids
     bad.all_token_ids.extend(not_json)
-    good = requests(engine, "beside")[0]
+    good = resumed_halfway(engine, "beside", expected)[0]
     run_requests(engine, [bad, good])
     assert bad.output_token_ids == [*not_json, bad.output_token_ids[-1]]
     assert bad.output_token_ids[-1] in engine.eos_token_ids
-    text = engine.tokenizer.decode(good.output_token_ids)
-    jsonschema.validate(json.loads(text), SCHEMA)  # the other request in the step is unharmed
+    assert good.output_token_ids == expected[0]

@@ -20,21 +20,38 @@ pytestmark = pytest.mark.slow
 SHAPES = [(960, 576), (576, 1536), (49152, 576)]
 
 
+#: Most rows tested.
+MAX_ROWS = 80
+
+
+def row_counts(dtype: torch.dtype) -> list[int]:
+    """Every row count from 2 to :data:`MAX_ROWS`: each is one oneDNN call.  Where rows go
+    at most ``limit`` to a call (:func:`max_rows_per_call`), more rows are computed as
+    calls of at most ``limit``: there every count up to ``limit + 1`` (a full call and a
+    single row), then a full call and a part, two full calls, two and a single row, and
+    the most."""
+    limit = max_rows_per_call(dtype)
+    if limit is None:
+        return list(range(2, MAX_ROWS + 1))
+    return [*range(2, limit + 2), limit + limit // 2, 2 * limit, 2 * limit + 1, MAX_ROWS]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_a_rows_result_does_not_depend_on_the_row_count(
     dtype: torch.dtype, out_features: int, in_features: int
 ) -> None:
     """Up to 80 rows, past AMX's 32 (where oneDNN's own result changes, see
-    :func:`max_rows_per_call`): each row's bits are those it gets alone."""
+    :func:`max_rows_per_call`): at each count of :func:`row_counts`, each row's bits are
+    those it gets alone."""
     if not packing_supported(dtype):
         pytest.skip(f"oneDNN cannot prepack {dtype} here")
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=generator) / 24).to(dtype)
     packed = pack_weight(weight)
-    x = torch.randn(80, in_features, generator=generator).to(dtype)
+    x = torch.randn(MAX_ROWS, in_features, generator=generator).to(dtype)
     alone = torch.cat([linear_packed(row, packed) for row in torch.split(x, 1)])  # [80, out]
-    for rows in range(2, x.shape[0] + 1):
+    for rows in row_counts(dtype):
         assert torch.equal(linear_packed(x[:rows], packed), alone[:rows]), rows
 
 

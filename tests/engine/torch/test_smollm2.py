@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
 from sluicegate.engine.torch.loader import load_checkpoint
 from sluicegate.scheduler.request import Request, SamplingParams
-from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
+from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult, TokenLogprobs
 from tests.engine.torch.conftest import TEST_THREADS
 from tests.engine.torch.drive import HOLDER_ID_PREFIX, generate, greedy, run_requests
 
@@ -35,12 +37,15 @@ PROMPTS = [
 
 
 class RecordingEngine:
-    """Wraps an engine and remembers the shape of every plan it ran (slot holders left out:
-    they are not the requests under test)."""
+    """Wraps an engine and remembers every plan it ran (slot holders left out: they are
+    not the requests under test)."""
 
     def __init__(self, engine: TorchEngine) -> None:
         self.engine = engine
         self.plans: list[list[int]] = []  # num_new_tokens per sequence, per step
+        self.chunks: dict[str, list[int]] = defaultdict(list)  # request -> num_new_tokens
+        self.slots: dict[int, set[str]] = defaultdict(set)  # KV slot -> requests it held
+        self.logprobs: dict[str, list[TokenLogprobs]] = {}  # of the tokens sampled
 
     @property
     def model_name(self) -> str:
@@ -57,7 +62,13 @@ class RecordingEngine:
     def step(self, plan: StepPlan) -> StepResult:
         tested = [s for s in plan.sequences if not s.request_id.startswith(HOLDER_ID_PREFIX)]
         self.plans.append([s.num_new_tokens for s in tested])
-        return self.engine.step(plan)
+        for s in tested:
+            self.chunks[s.request_id].append(s.num_new_tokens)
+            self.slots[s.kv_slot].add(s.request_id)
+        result = self.engine.step(plan)
+        for request_id, entries in result.logprobs.items():
+            self.logprobs.setdefault(request_id, []).extend(entries)
+        return result
 
     def close(self) -> None:
         self.engine.close()
@@ -158,52 +169,11 @@ def test_greedy_continuation_matches_transformers(
     outputs = generate(engine_f32, prompts, max_new_tokens=16, max_num_batched_tokens=5)
     with torch.inference_mode():
         for ids, ours in zip(prompts, outputs, strict=True):
-            seq = list(ids)
-            for _ in range(len(ours)):
-                seq.append(int(hf_model(torch.tensor([seq])).logits[0, -1].argmax()))
-            assert ours == seq[len(ids) :]
-
-
-def test_batched_generation_equals_each_alone(engine: TorchEngine) -> None:
-    prompts = [encode(engine, p) for p in PROMPTS]
-    # Alone: each prompt in slot 0, prefilled whole (a 64-token budget).
-    alone = [generate(engine, [p], max_new_tokens=12)[0] for p in prompts]
-    recorder = RecordingEngine(engine)
-    # A budget of 16 tokens per step (3 of them to slot holders at first): prefill chunks
-    # and decode tokens of different sequences share steps, in slots 3.. (not slot 0,
-    # where they ran alone).
-    together = generate(
-        recorder, prompts, max_new_tokens=12, max_num_batched_tokens=16, hold_slots=3
-    )
-    assert together == alone
-    mixed = [p for p in recorder.plans if 1 in p and any(n > 1 for n in p)]
-    assert mixed, "no step mixed decode tokens with prefill chunks"
-    assert max(len(p) for p in recorder.plans) == len(prompts)
-
-
-def test_seeded_sampling_is_independent_of_the_batch(engine: TorchEngine) -> None:
-    prompt = encode(engine, PROMPTS[2])
-    sampled = SamplingParams(max_tokens=20, seed=1234, temperature=0.9, top_p=0.95, top_k=40)
-    alone = generate(engine, [prompt], max_new_tokens=20, sampling=sampled)[0]
-    others = [encode(engine, p) for p in PROMPTS[:2]]
-    mixed_params = [
-        SamplingParams(max_tokens=20, seed=1, temperature=1.2),
-        greedy(20),
-        sampled,
-    ]
-    # Prefilled in chunks (an 8-token budget, 2 of them to slot holders at first) beside
-    # decode steps of the others, in slot 2 or above (alone: slot 0).
-    together = generate(
-        engine,
-        [*others, prompt],
-        max_new_tokens=20,
-        sampling=mixed_params,
-        max_num_batched_tokens=8,
-        hold_slots=2,
-    )
-    assert together[2] == alone
-    other_seed = SamplingParams(max_tokens=20, seed=4321, temperature=0.9, top_p=0.95, top_k=40)
-    assert generate(engine, [prompt], max_new_tokens=20, sampling=other_seed)[0] != alone
+            # transformers' greedy choice after the prompt and each prefix of our answer (one
+            # causal forward pass gives them all) is our next token: its greedy continuation
+            # is ours.
+            logits = hf_model(torch.tensor([ids + ours])).logits[0]  # [S, V]
+            assert logits[len(ids) - 1 : -1].argmax(-1).tolist() == ours
 
 
 CHAT_QUESTIONS = [
@@ -215,11 +185,140 @@ CHAT_QUESTIONS = [
     "Translate 'good morning' into Spanish.",
     "Who wrote Romeo and Juliet?",
     "Give me a tip for learning Python.",
-    "What is the boiling point of water?",
-    "Describe a cat in five words.",
-    "Why is the sky blue?",
-    "List the planets of the solar system.",
 ]
+
+
+def chat_prompts(engine: TorchEngine) -> list[list[int]]:
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
+
+
+#: Tokens of each answer in the batch-invariance tests (all of them: ``ignore_eos``).
+NUM_TOKENS = 8
+#: Slot holders in the batched run: the five answers share the other four slots.
+HOLD_SLOTS = 4
+
+
+def answer_sampling() -> list[SamplingParams]:
+    """The sampling surface, an answer each: greedy with a repetition penalty, nucleus
+    sampling with a presence penalty, min-p above temperature 1 with a frequency penalty
+    and a logit bias, and top-k twice, differing only in the seed; three of them with log
+    probabilities (0, 3 and 20 alternatives)."""
+    top_k = SamplingParams(NUM_TOKENS, 1234, temperature=0.9, top_p=0.95, top_k=40)
+    bias = ((28, -5.0), (30, 2.0))
+    surface = [
+        SamplingParams(NUM_TOKENS, 12, temperature=0.0, repetition_penalty=1.3, logprobs=0),
+        SamplingParams(NUM_TOKENS, 11, 0.8, top_p=0.95, presence_penalty=0.8, logprobs=3),
+        SamplingParams(
+            NUM_TOKENS, 13, 1.2, min_p=0.1, frequency_penalty=0.5, logit_bias=bias, logprobs=20
+        ),
+        top_k,
+        replace(top_k, seed=4321),
+    ]
+    return [replace(sampling, ignore_eos=True) for sampling in surface]
+
+
+#: An answer's tokens, and their log probabilities where it asked for them.
+Answer = tuple[list[int], list[TokenLogprobs] | None]
+
+
+@dataclass(slots=True)
+class AloneAnswers:
+    """Chat answers of one engine, each computed alone: in slot 0, its prompt prefilled
+    whole (a 64-token budget)."""
+
+    engine: TorchEngine
+    prompts: list[list[int]]
+    sampling: list[SamplingParams]
+    alone: list[Answer]
+
+    def requests(self, tag: str) -> list[Request]:
+        pairs = enumerate(zip(self.prompts, self.sampling, strict=True))
+        return [Request(f"{tag}-{i}", list(p), s) for i, (p, s) in pairs]
+
+
+def answers(recorder: RecordingEngine, requests: list[Request]) -> list[Answer]:
+    return [(r.output_token_ids, recorder.logprobs.get(r.request_id)) for r in requests]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def alone_answers(request: pytest.FixtureRequest) -> AloneAnswers:
+    """Each dtype in turn (both must be batch-invariant bit for bit): five answers of
+    :data:`NUM_TOKENS` tokens (:func:`answer_sampling`; the last two to the same
+    question), each computed alone, for the tests to compute again in other ways."""
+    engine: TorchEngine = request.getfixturevalue(
+        "engine_f32" if request.param == "float32" else "engine_bf16"
+    )
+    prompts = chat_prompts(engine)[:4]
+    prompts.append(prompts[-1])
+    reference = AloneAnswers(engine, prompts, answer_sampling(), [])
+    recorder = RecordingEngine(engine)
+    requests = reference.requests("alone")
+    for r in requests:
+        run_requests(recorder, [r])
+    reference.alone = answers(recorder, requests)
+    return reference
+
+
+def test_answers_batched_with_chunked_prefill_and_reused_slots_equal_answers_alone(
+    alone_answers: AloneAnswers,
+) -> None:
+    """Bit-exact batch invariance, tokens and log probabilities: the five answers computed
+    together, every prompt prefilled in chunks beside decode tokens of the others, in
+    slots other than slot 0 (where each ran alone), four at a time beside the slot
+    holders, so that the fifth takes a slot another has left, are the answers alone.
+    (Greedy decoding is the argmax of the same logits.)"""
+    engine, prompts = alone_answers.engine, alone_answers.prompts
+    recorder = RecordingEngine(engine)
+    requests = alone_answers.requests("together")
+    # A 32-token budget per step (4 of them to slot holders at first), less than any
+    # prompt.
+    run_requests(recorder, requests, max_num_batched_tokens=32, hold_slots=HOLD_SLOTS)
+    assert answers(recorder, requests) == alone_answers.alone
+    chunks = [recorder.chunks[r.request_id] for r in requests]
+    assert all(c[0] < len(p) for c, p in zip(chunks, prompts, strict=True)), chunks
+    mixed = [p for p in recorder.plans if 1 in p and any(n > 1 for n in p)]
+    assert mixed, "no step mixed decode tokens with prefill chunks"
+    assert max(len(p) for p in recorder.plans) == engine.limits.max_num_seqs - HOLD_SLOTS
+    assert any(len(held) > 1 for held in recorder.slots.values()), recorder.slots
+
+
+def test_answers_resumed_after_a_preemption_equal_answers_alone(
+    alone_answers: AloneAnswers,
+) -> None:
+    """After a "preemption" half-way (KV dropped, tokens kept), each answer is prefilled
+    again in chunks in another slot and continues with the same tokens and log
+    probabilities (penalties count the tokens it had)."""
+    half = NUM_TOKENS // 2
+    requests = alone_answers.requests("resumed")
+    for request, (tokens, _) in zip(requests, alone_answers.alone, strict=True):
+        request.all_token_ids.extend(tokens[:half])
+    recorder = RecordingEngine(alone_answers.engine)
+    # Re-prefilled in chunks (a 32-token budget, less than any of them) in slots 1..
+    # (slot 0, where each ran alone, is held).
+    run_requests(recorder, requests, max_num_batched_tokens=32, hold_slots=1)
+    expected = [(t, None if lp is None else lp[half:]) for t, lp in alone_answers.alone]
+    assert answers(recorder, requests) == expected
+    first_chunks = [recorder.chunks[r.request_id][0] for r in requests]
+    known = [len(p) + half for p in alone_answers.prompts]
+    assert all(c < n for c, n in zip(first_chunks, known, strict=True)), first_chunks
+
+
+def test_answers_alone_have_their_tokens_and_the_log_probabilities_they_asked_for(
+    alone_answers: AloneAnswers,
+) -> None:
+    for (tokens, logprobs), sampling in zip(
+        alone_answers.alone, alone_answers.sampling, strict=True
+    ):
+        assert len(tokens) == NUM_TOKENS
+        assert len(logprobs or []) == (0 if sampling.logprobs is None else NUM_TOKENS)
+
+
+def test_the_seed_decides_a_sampled_answer(alone_answers: AloneAnswers) -> None:
+    """The two answers to one question, sampled alike but for the seed, differ."""
+    assert alone_answers.prompts[3] == alone_answers.prompts[4]
+    first, second = alone_answers.sampling[3:]
+    assert second == replace(first, seed=second.seed) and second.seed != first.seed
+    assert alone_answers.alone[3][0] != alone_answers.alone[4][0]
 
 
 def last_logits(engine: TorchEngine, ids: list[int]) -> torch.Tensor:
@@ -229,50 +328,27 @@ def last_logits(engine: TorchEngine, ids: list[int]) -> torch.Tensor:
     return result
 
 
-def chat_prompts(engine: TorchEngine) -> list[list[int]]:
-    return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
-
-
-def test_nine_seeded_prompts_alone_batched_and_resumed_agree(engine: TorchEngine) -> None:
-    """Bit-exact batch invariance at scale: 9 sampled chat answers, each computed alone,
-    eight at a time in other slots with chunked prefill (the ninth in a slot another has
-    left), and re-prefilled after a "preemption" half-way (KV dropped, tokens kept, in
-    chunks, in another slot), give the same tokens.  (Greedy decoding is the argmax of
-    the same logits.)"""
-    prompts = chat_prompts(engine)[:9]
-    params = [
-        SamplingParams(max_tokens=10, seed=100 + i, temperature=0.8, top_p=0.95, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    alone = [
-        generate(engine, [p], max_new_tokens=10, sampling=[s])[0]
-        for p, s in zip(prompts, params, strict=True)
-    ]
-    # A 32-token budget per step, less than any prompt: every prompt is prefilled in chunks.
-    together = generate(
-        engine, prompts, max_new_tokens=10, sampling=params, max_num_batched_tokens=32
-    )
-    assert together == alone
-    resumed = []
-    for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
-        request = Request(f"resumed-{i}", list(p), s)
-        request.all_token_ids.extend(alone[i][:5])
-        resumed.append(request)
-    # Re-prefilled in chunks (the same 32-token budget, less than any of them) in slots 1..
-    # (slot 0, where each ran alone, is held).
-    run_requests(engine, resumed, max_num_batched_tokens=32, hold_slots=1)
-    assert [r.output_token_ids for r in resumed] == alone
+@pytest.fixture(scope="module")
+def greedy_chat_answers(
+    engine_f32: TorchEngine, engine_bf16: TorchEngine
+) -> dict[str, list[list[int]]]:
+    """Greedy answers of up to 24 tokens to the eight chat questions, batched, in each
+    dtype."""
+    prompts = chat_prompts(engine_f32)
+    assert prompts == chat_prompts(engine_bf16)
+    return {
+        "float32": generate(engine_f32, prompts, max_new_tokens=24),
+        "bfloat16": generate(engine_bf16, prompts, max_new_tokens=24),
+    }
 
 
 def test_bfloat16_departs_from_float32_only_at_near_ties(
-    engine_f32: TorchEngine, engine_bf16: TorchEngine
+    engine_f32: TorchEngine, greedy_chat_answers: dict[str, list[list[int]]]
 ) -> None:
     """Greedy chat answers in bfloat16 against float32: most are identical, and where one
     departs, float32 itself scored the two tokens within a small margin."""
-    prompts = chat_prompts(engine_f32)[:8]
-    assert prompts == chat_prompts(engine_bf16)[:8]
-    f32 = generate(engine_f32, prompts, max_new_tokens=32)
-    bf16 = generate(engine_bf16, prompts, max_new_tokens=32)
+    prompts = chat_prompts(engine_f32)
+    f32, bf16 = greedy_chat_answers["float32"], greedy_chat_answers["bfloat16"]
     identical = 0
     for prompt, a, b in zip(prompts, f32, bf16, strict=True):
         first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
@@ -286,52 +362,48 @@ def test_bfloat16_departs_from_float32_only_at_near_ties(
     assert identical >= len(prompts) // 2
 
 
-def ask(engine: TorchEngine, question: str, max_new_tokens: int = 32) -> tuple[str, list[int]]:
-    ids = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
-    out = generate(engine, [ids], max_new_tokens=max_new_tokens)[0]
-    return engine.tokenizer.decode(out), out
-
-
-def test_paris_float32(engine_f32: TorchEngine) -> None:
-    text, out = ask(engine_f32, "What is the capital of France?")
-    assert "Paris" in text
-    assert out[-1] in engine_f32.eos_token_ids  # the chat answer ends by itself
-
-
-def test_paris_bfloat16(smollm2_path: str, torch_cache_dir: Path) -> None:
-    engine = TorchEngine(
-        smollm2_path,
-        dtype="bfloat16",
-        max_num_seqs=2,
-        max_model_len=256,
-        cache_dir=str(torch_cache_dir),
-        num_threads=TEST_THREADS,
-    )
-    try:
-        assert engine.model.dtype == torch.bfloat16
-        text, out = ask(engine, "What is the capital of France?")
-        assert "Paris" in text
-        assert out[-1] in engine.eos_token_ids
-    finally:
-        engine.close()
-
-
-def test_warm_cache_holds_the_same_weights(
-    engine_f32: TorchEngine, smollm2_path: str, torch_cache_dir: Path
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paris(
+    dtype: str,
+    engine_f32: TorchEngine,
+    engine_bf16: TorchEngine,
+    greedy_chat_answers: dict[str, list[list[int]]],
 ) -> None:
+    """The greedy answer to "What is the capital of France?" names Paris and ends by
+    itself, in each dtype."""
+    engine = engine_f32 if dtype == "float32" else engine_bf16
+    assert engine.model.dtype == getattr(torch, dtype)
+    assert CHAT_QUESTIONS[0] == "What is the capital of France?"
+    out = greedy_chat_answers[dtype][0]
+    assert "Paris" in engine.tokenizer.decode(out)
+    assert out[-1] in engine.eos_token_ids  # the chat answer ends by itself
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_warm_cache_holds_the_same_weights(
+    dtype: str,
+    engine_f32: TorchEngine,
+    engine_bf16: TorchEngine,
+    smollm2_path: str,
+    torch_cache_dir: Path,
+) -> None:
+    """Each dtype's engine converted the GGUF and cached the result (one file per dtype):
+    a warm load reads the same weights and tokenizer."""
+    engine = engine_f32 if dtype == "float32" else engine_bf16
     entries = list((torch_cache_dir / "torch").iterdir())
     assert len(entries) == 1
     files = {p.name for p in entries[0].iterdir()}
-    assert {"meta.json", "tokenizer.json", "model-float32.safetensors"} <= files
+    assert {"meta.json", "tokenizer.json", f"model-{dtype}.safetensors"} <= files
     meta = json.loads((entries[0] / "meta.json").read_text())
     assert meta["name"] == "SmolLM2-135M-Instruct"
-    warm = load_checkpoint(smollm2_path, "float32", torch_cache_dir)
-    assert warm.args == engine_f32.args
-    loaded = engine_f32.model.state_dict()
+    warm = load_checkpoint(smollm2_path, dtype, torch_cache_dir)
+    assert warm.args == engine.args
+    loaded = engine.model.state_dict()
     assert warm.state_dict.keys() == loaded.keys()
     for name, tensor in warm.state_dict.items():
+        assert tensor.dtype == getattr(torch, dtype), name
         assert torch.equal(tensor, loaded[name]), name
-    assert warm.tokenizer.eos_token_ids == engine_f32.eos_token_ids
+    assert warm.tokenizer.eos_token_ids == engine.eos_token_ids
 
 
 def test_hugging_face_directory_gives_the_same_model(

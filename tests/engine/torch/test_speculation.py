@@ -1,8 +1,11 @@
 """Prompt-lookup speculative decoding on SmolLM2: drafts verified in one pass give the
-tokens plain decoding gives, greedy and seeded, alone and batched, and on edit prompts
-most drafts are accepted."""
+tokens plain decoding gives, greedy and seeded, with penalties (draft rows are penalised
+as if the drafts had been decoded), alone and batched, and on edit prompts most drafts
+are accepted."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from sluicegate.engine.torch import TorchEngine
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
@@ -25,10 +28,20 @@ def prompts(engine: TorchEngine) -> list[list[int]]:
     return [engine.tokenizer.encode_chat([{"role": "user", "content": e}]) for e in EDITS]
 
 
+#: Tokens of each answer.
+NUM_TOKENS = 32
+
+
 def sampling() -> list[SamplingParams]:
-    greedy = SamplingParams(max_tokens=40, seed=0, temperature=0.0)
-    seeded = SamplingParams(max_tokens=40, seed=11, temperature=0.7, top_p=0.9)
-    return [greedy, seeded, greedy, seeded]
+    """For the edits twice over: greedy, then seeded; the second edit's with penalties."""
+    greedy = SamplingParams(max_tokens=NUM_TOKENS, seed=0, temperature=0.0)
+    seeded = SamplingParams(max_tokens=NUM_TOKENS, seed=11, temperature=0.7, top_p=0.9)
+    return [
+        greedy,
+        replace(greedy, repetition_penalty=1.1, presence_penalty=0.2),
+        seeded,
+        replace(seeded, seed=21, frequency_penalty=0.3),
+    ]
 
 
 def test_verified_drafts_give_the_tokens_of_plain_decoding(engine_bf16: TorchEngine) -> None:
@@ -37,7 +50,7 @@ def test_verified_drafts_give_the_tokens_of_plain_decoding(engine_bf16: TorchEng
     engine = engine_bf16
     edit_prompts = prompts(engine) * 2  # each edit greedy and seeded
     params = sampling()
-    plain = generate(engine, edit_prompts, max_new_tokens=40, sampling=params)
+    plain = generate(engine, edit_prompts, max_new_tokens=NUM_TOKENS, sampling=params)
     pairs = enumerate(zip(edit_prompts, params, strict=True))
     requests = [Request(f"spec-{i}", list(p), s) for i, (p, s) in pairs]
     scheduler = run_requests(engine, requests, speculation=SPECULATE)

@@ -24,8 +24,14 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path: str, torch_cache_dir: Path) -> TextTokenizer:
-    return load_tokenizer(smollm2_path, torch_cache_dir)
+def tokenizer_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tokenizer-cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: str, tokenizer_cache: Path) -> TextTokenizer:
+    """Built from the GGUF's metadata (the cache is empty: it parses the file)."""
+    return load_tokenizer(smollm2_path, tokenizer_cache)
 
 
 def test_ids_match_transformers_gguf_conversion(
@@ -91,13 +97,13 @@ def test_chat_template(tokenizer: TextTokenizer) -> None:
 
 
 def test_cached_tokenizer_equals_freshly_built(
-    tokenizer: TextTokenizer, smollm2_path: str, tmp_path: Path
+    tokenizer: TextTokenizer, smollm2_path: str, tokenizer_cache: Path
 ) -> None:
-    fresh = load_tokenizer(smollm2_path, tmp_path)  # cold: parses the GGUF
-    assert (next((tmp_path / "torch").iterdir()) / "tokenizer.json").is_file()
-    again = load_tokenizer(smollm2_path, tmp_path)  # warm: reads tokenizer.json
-    for tok in (fresh, again):
-        assert tok.eos_token_ids == tokenizer.eos_token_ids
-        assert tok.chat_template.source == tokenizer.chat_template.source
-        for text in TEXTS:
-            assert tok.encode(text) == tokenizer.encode(text)
+    """The fixture's tokenizer was built from the GGUF into an empty cache: the cache
+    gives it back."""
+    assert (next((tokenizer_cache / "torch").iterdir()) / "tokenizer.json").is_file()
+    again = load_tokenizer(smollm2_path, tokenizer_cache)  # warm: reads tokenizer.json
+    assert again.eos_token_ids == tokenizer.eos_token_ids
+    assert again.chat_template.source == tokenizer.chat_template.source
+    for text in TEXTS:
+        assert again.encode(text) == tokenizer.encode(text)
