@@ -122,9 +122,18 @@ def pytest_runtest_makereport(
 
 @pytest.fixture(scope="session")
 def torch_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Converted SmolLM2 weights, shared by every test that loads the model (converting
-    the GGUF takes seconds; each conversion is tested where the cache is)."""
-    return tmp_path_factory.mktemp("sluicegate-torch-cache")
+    """Converted SmolLM2 weights and the cost model's saved calibration, shared by every
+    test that loads the model, and by the run's pytest-xdist workers (converting the GGUF
+    takes about 10 s of CPU, calibrating a server 4-5 s: once a run each, not once a
+    worker). Each entry is written to a temporary name and renamed, so two workers that
+    convert at once both leave a whole file. A new directory each run: the cold path is
+    exercised every time (each conversion is tested where the cache is)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's own directory, above each worker's
+    path = root / "sluicegate-torch-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
