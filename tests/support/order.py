@@ -1,11 +1,11 @@
-"""The order in which ``make test`` hands files to its two workers: the longest first.
+"""The order in which ``make test`` hands files to its workers: the longest first.
 
 Under ``--dist loadfile`` a file runs whole on one worker, and files are handed out in
 collection order (``--no-loadscope-reorder``; pytest-xdist's own reordering puts the
 files with the most tests first, so the long files of one or two tests, the peers,
 the replicas, the speculation test, came last, and one of them could run alone at the
 end while the other worker idled). Starting the long ones first leaves only short files
-for the end, where they even out the two workers.
+for the end, where they even out the workers.
 
 The list is measured, not guessed: the files' summed test times in one ``make test``
 (``--durations=0``), longest first; a file not listed follows them in collection order.
