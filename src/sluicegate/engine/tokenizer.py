@@ -156,11 +156,17 @@ def byte_level_tokenizer() -> TextTokenizer:
 
     Multi-byte characters span several tokens, which is what makes incremental
     detokenisation non-trivial, so the sim engine exercises it.
+
+    Its BPE model keeps no word cache.  With no regex the pre-tokenizer hands BPE the
+    whole text as one word, and BPE's cache keeps every distinct word shorter than 256
+    bytes for the life of the process (up to 10,000 of them, about 34 bytes per byte):
+    every distinct prompt, some 3.4 KB a request in the soak (docs/benchmarks.md), up to
+    85 MB, outside Python's heap.  With no merges to apply, the cache saves nothing.
     """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_to_unicode = sorted(alphabet, key=lambda ch: _BYTE_ORDER[ch])
     vocab = {ch: i for i, ch in enumerate(byte_to_unicode)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], cache_capacity=0))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
