@@ -240,6 +240,7 @@ class UpstreamCore:
             self.tokenizer,
             PROBE_TEXT,
             self.settings.upstream_first_token_timeout_seconds,
+            self.settings.upstream_max_event_bytes,
         )
         if on_measured is not None:
             on_measured()

@@ -15,6 +15,7 @@ import httpx
 
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.upstream.pool import UpstreamPool
+from sluicegate.engine.upstream.wire import EventTooLarge, bounded_lines
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 
 #: Before any answer is measured: a typical GPU engine's TTFT and TPOT.
@@ -59,10 +60,16 @@ def pool_estimate(
 
 
 async def calibrate(
-    pool: UpstreamPool, tokenizer: TextTokenizer, probe_text: str, timeout_seconds: float
+    pool: UpstreamPool,
+    tokenizer: TextTokenizer,
+    probe_text: str,
+    timeout_seconds: float,
+    max_event_bytes: int,
 ) -> None:
     """Measure each healthy upstream's TTFT with a short and a long prompt (one-token
-    answers), so that admission predicts from the first request on."""
+    answers), so that admission predicts from the first request on.  Its lines are read
+    as the relay reads them, none over ``max_event_bytes`` (a hostile upstream's huge
+    first event ends the probe, not the gateway's memory)."""
     for upstream in [u for u in pool.upstreams if u.healthy]:
         models = upstream.served_models()
         if not models:
@@ -81,10 +88,11 @@ async def calibrate(
                 ) as response:
                     if response.status_code != 200:
                         break
-                    async for line in response.aiter_lines():
+                    lines = bounded_lines(response.aiter_bytes(), max_event_bytes)
+                    async for line in lines:
                         if line.startswith("data:"):
                             break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, EventTooLarge):
                 break
             ttft = time.monotonic() - started
             upstream.latency.observe(len(tokenizer.encode(prompt)), ttft, None)
