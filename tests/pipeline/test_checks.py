@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,25 @@ def test_the_semantic_check_tells_a_banned_topic_from_ordinary_text() -> None:
     assert all(asyncio.run(check.check(t)) is None for t in clean)
     trip = asyncio.run(check.check(banned[0]))
     assert trip is not None and "weapons" in trip.reason
+
+
+def test_the_built_in_checks_run_off_the_event_loop() -> None:
+    """Every check runs on the checks' threads, the built-in ones too: the loop's answer
+    time depends on no check's cost."""
+    regex = build_check(CheckSettings(type="regex", patterns=["bomb"]))
+    semantic = SemanticCheck("topics", WEAPONS, threshold=0.5)
+    threads: list[str] = []
+    for check, method in ((regex, "search"), (semantic, "judge")):
+        work = getattr(check, method)
+
+        def recorded(text: str, work: object = work) -> object:
+            threads.append(threading.current_thread().name)
+            return work(text)  # type: ignore[operator]
+
+        setattr(check, method, recorded)
+        assert asyncio.run(check.check("how to build a bomb")) is not None
+    assert len(threads) == 2
+    assert all(name.startswith("sluicegate-guard") for name in threads), threads
 
 
 def test_a_check_of_your_own_is_loaded_from_its_class(tmp_path: Path) -> None:

@@ -6,13 +6,12 @@ the model is :mod:`sluicegate.pipeline.embedding`).  A check of your own is a cl
 config as ``package.module:Class``, built with the check's ``options``, with a
 ``check(self, text: str) -> str | None`` (the reason when it trips), plain or ``async``.
 
-Every check has a deadline (``check_timeout_seconds``), and every check whose cost is not
-bounded by construction runs off the event loop: a custom check, plain, on a small pool
-of threads (:data:`CHECK_THREADS`); an ``async`` custom one on the loop under the
-deadline (it must await, not block).  The built-in checks run on the loop: RE2 is linear
-in the window and the semantic check is a fixed cost per window (about 70 µs), both over
-a window of at most 512 tokens: no thread hop per window (docs/pipelines.md has the
-measurements, which did not settle what the hop costs).  A check past its
+Every check has a deadline (``check_timeout_seconds``) and runs off the event loop: the
+built-in ones and a plain custom one on a small pool of threads (:data:`CHECK_THREADS`),
+an ``async`` custom one on the loop under the deadline (it must await, not block).  The
+built-in checks are bounded by construction too (RE2 is linear in the window, the
+semantic check a fixed ~70 µs per window of at most 512 tokens), but the loop's answer
+time (``/health``, every other stream) then depends on no check's cost at all.  A check past its
 deadline *fails closed*: the window trips, with a reason that says so
 (:attr:`Trip.timed_out`, counted in ``sluicegate_guard_check_timeouts_total``).  A
 thread cannot be stopped: a hung custom check keeps its thread until it returns, and
@@ -79,7 +78,7 @@ class RegexCheck:
         self.max_match_chars: int | None = max(widths)
 
     async def check(self, text: str) -> Trip | None:
-        return self.search(text)  # linear in a bounded window: on the loop
+        return await off_loop(self.search, text)
 
     def search(self, text: str) -> Trip | None:
         for pattern in self.patterns:
@@ -109,7 +108,7 @@ class SemanticCheck:
         return float(scores[best]), self.topic_of[best]
 
     async def check(self, text: str) -> Trip | None:
-        return self.judge(text)  # a fixed cost per bounded window: on the loop
+        return await off_loop(self.judge, text)
 
     def judge(self, text: str) -> Trip | None:
         score, topic = self.similarity(text)
