@@ -15,8 +15,9 @@ EMBEDDING_SPEC := wordllama==0.4.0.post1
 # torch in 4 s where pip took 30).
 UV_SPEC := uv==0.13.9
 # uv does not read pip's configuration: the find-links pip would use (where this machine's
-# CPU build of torch lies) are handed to it, so both find the same torch.
-FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+# CPU build of torch lies) are handed to it, so both find the same torch (asked only when
+# installing).
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 # Without --compile-bytecode: uv writes no .pyc, and each module is compiled the first time
 # a process imports it (below). Compiling all 20,000 modules of the environment took 84 s
 # of CPU; the 5,600 that the server, torch and the tests' client libraries import, 14 s.

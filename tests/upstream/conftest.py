@@ -37,6 +37,24 @@ GATEWAY = [
     "3",
 ]
 
+#: A gateway for paused readers: small buffers, so a reader that stops is seen at once.
+PAUSE = [
+    "--pause-preempt-seconds",
+    "0.5",
+    "--high-water-tokens",
+    "32",
+    "--low-water-tokens",
+    "8",
+    "--flush-interval-ms",
+    "0",
+    "--socket-send-buffer-bytes",
+    "4096",
+    "--transport-write-buffer-bytes",
+    "4096",
+    "--stall-timeout-seconds",
+    "60",
+]
+
 
 def upstream_cancelled(upstream: ServerProcess) -> float:
     """Requests the upstream itself ended as cancelled (its client, the gateway, went

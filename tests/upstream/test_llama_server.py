@@ -19,6 +19,7 @@ import pytest
 from sluicegate.bench.raw_client import event_text, open_stream
 from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.support.servers import ServerProcess, start_server
+from tests.upstream.conftest import PAUSE
 from tests.upstream.test_peers import MODEL, QUESTION, Peer, gateway_args, stream_text
 
 pytestmark = pytest.mark.slow
@@ -110,20 +111,7 @@ def test_a_paused_reader_on_llama_server_continues_token_identically(
         [(llama_server.base_url, llama_server.model)],
         "llama-pause",
         tmp_path,
-        "--pause-preempt-seconds",
-        "0.5",
-        "--high-water-tokens",
-        "32",
-        "--low-water-tokens",
-        "8",
-        "--flush-interval-ms",
-        "0",
-        "--socket-send-buffer-bytes",
-        "4096",
-        "--transport-write-buffer-bytes",
-        "4096",
-        "--stall-timeout-seconds",
-        "60",
+        *PAUSE,
     )
     try:
         port = int(gateway.base_url.rsplit(":", 1)[1])

@@ -20,7 +20,7 @@ import pytest
 from sluicegate.bench.raw_client import event_text, open_stream
 from tests.support import plain_http
 from tests.support.servers import ServerProcess, start_servers
-from tests.upstream.conftest import GATEWAY, SLOW_SIM, upstream_cancelled
+from tests.upstream.conftest import GATEWAY, PAUSE, SLOW_SIM, upstream_cancelled
 from tests.upstream.test_failover import BYTES, MODEL, port_of, wait_for
 
 pytestmark = pytest.mark.slow
@@ -96,25 +96,6 @@ class Stalls:
     hang: ServerProcess
     #: In front of ``busy`` (weight 100, 8 places), then ``good``.
     pushback: ServerProcess
-
-
-#: The paused reader's gateway: small buffers, so a reader that stops is seen at once.
-PAUSE = [
-    "--pause-preempt-seconds",
-    "0.5",
-    "--high-water-tokens",
-    "32",
-    "--low-water-tokens",
-    "8",
-    "--flush-interval-ms",
-    "0",
-    "--socket-send-buffer-bytes",
-    "4096",
-    "--transport-write-buffer-bytes",
-    "4096",
-    "--stall-timeout-seconds",
-    "60",
-]
 
 
 @pytest.fixture(scope="module")
