@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.support import order, slow_rule
-from tests.support.model_server import READY_TIMEOUT_SECONDS, awake, model_server_args
+from tests.support.model_server import (
+    READY_TIMEOUT_SECONDS,
+    awake,
+    model_server_args,
+    wait_calibrated,
+)
 from tests.support.servers import ServerProcess, start_server
 
 _guard = slow_rule.ProcessGuard()
@@ -147,6 +152,7 @@ def model_server_process(
     server = start_server(
         model_server_args(torch_cache_dir, journal), "smollm2", ready_timeout=READY_TIMEOUT_SECONDS
     )
+    wait_calibrated(server)
     yield server
     server.process.send_signal(signal.SIGCONT)  # paused, it would not hear SIGTERM
     server.stop()

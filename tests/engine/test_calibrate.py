@@ -158,3 +158,102 @@ def test_when_every_shape_costs_alike_two_are_checked(
     again = ScriptedEngine(base=0.05, per_token=0.0)
     saved_warm_up(monkeypatch, again, path)
     assert len(again.steps) == 2 * 4 + 1
+
+
+def started(
+    monkeypatch: pytest.MonkeyPatch, engine: ScriptedEngine, path: Path | None
+) -> tuple[list[tuple[int, int, int, float]], calibrate.Remaining | None]:
+    monkeypatch.setattr(calibrate.time, "perf_counter", engine.clock)
+    first, remaining = calibrate.start_calibration(cast(Engine, engine), 16, 1024, 512, saved=path)
+    rows = [(s.num_seqs, s.num_batched_tokens, s.num_context_tokens, t) for s, t in first]
+    return rows, remaining
+
+
+def test_a_cold_start_serves_on_three_shapes_and_runs_the_warm_up_step_by_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "engine.json"
+    engine = ScriptedEngine(base=0.01)
+    first, remaining = started(monkeypatch, engine, path)
+    # Before serving: one decode of one sequence at the short context, sixteen at the
+    # long one, and the 64-token prompt, each once unmeasured and once measured; the fit
+    # starts from their times and a margin.
+    assert [(s, n, c) for s, n, c, _ in first] == [(1, 1, 65), (16, 16, 8208), (1, 64, 64)]
+    expected = [calibrate.COLD_CAUTION * (0.01 + 0.001 * n) for _, n, _, _ in first]
+    assert [t for *_, t in first] == pytest.approx(expected)
+    assert len(engine.steps) == 3 * 2 + 1 and not path.exists()
+    assert remaining is not None and remaining.snapshot() == {
+        "shapes_measured": 0,
+        "shapes_left": 9,
+    }
+    steps = 0
+    while not remaining.done:  # the engine thread's idle moments, one step each
+        remaining.step(cast(Engine, engine), list(range(16)))
+        steps += 1
+    assert steps == 9 * 4  # every shape once unmeasured, three times measured
+    assert engine.steps[-1].freed_kv_slots == list(range(16))
+    # Then every shape, as the blocking warm-up gives them, and saved for the next start.
+    whole = remaining.observations()
+    blocking = saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), tmp_path / "x")
+    assert [(s.num_seqs, s.num_batched_tokens, s.num_context_tokens) for s, _ in whole] == [
+        row[:3] for row in blocking
+    ]
+    assert [t for _, t in whole] == pytest.approx([t for *_, t in blocking])
+    assert [row[3] for row in json.loads(path.read_text())["observations"]] == [t for _, t in whole]
+
+
+def test_a_warm_start_that_agrees_leaves_nothing_to_measure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "engine.json"
+    saved = saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), path)
+    again = ScriptedEngine(base=0.015, per_token=0.0015)  # 1.5x slower on every shape
+    first, remaining = started(monkeypatch, again, path)
+    assert remaining is None
+    assert len(again.steps) == 3 * 2 + 1
+    assert [t for *_, t in first] == pytest.approx([1.5 * t for *_, t in saved])
+
+
+def test_a_warm_start_that_disagrees_scales_by_the_largest_move_until_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "engine.json"
+    saved = saved_warm_up(monkeypatch, ScriptedEngine(base=0.01), path)
+    changed = ScriptedEngine(base=0.01, per_token=0.002)  # 64-token prompt 1.9x, decode 1.1x
+    first, remaining = started(monkeypatch, changed, path)
+    assert len(changed.steps) == 3 * 2 + 1
+    largest = (0.01 + 0.002 * 64) / (0.01 + 0.001 * 64)
+    # The three shapes as measured now, the others saved and scaled by the most any of
+    # the three moved (an overestimate where a shape moved less: the safe side).
+    measured = {(1, 1, 65), (16, 16, 8208), (1, 64, 64)}
+    for (s, n, c, t), (*_, before) in zip(first, saved, strict=True):
+        assert t == pytest.approx(0.01 + 0.002 * n if (s, n, c) in measured else before * largest)
+    assert remaining is not None and remaining.snapshot()["shapes_left"] == 9
+    while not remaining.done:
+        remaining.step(cast(Engine, changed), list(range(16)))
+    assert [t for _, t in remaining.observations()] == pytest.approx(
+        [0.01 + 0.002 * n for _, n, _, _ in first]
+    )
+
+
+def test_the_steps_left_use_only_empty_slots_and_wait_for_enough_of_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = ScriptedEngine(base=0.01)
+    _, remaining = started(monkeypatch, engine, None)
+    assert remaining is not None
+    empty = [3, 5, 6, 7, 9]  # the others are held or cached
+    assert remaining.fits(len(empty)) and not remaining.fits(0)
+    before = len(engine.steps)
+    while remaining.fits(len(empty)):
+        remaining.step(cast(Engine, engine), empty)
+    # The shapes of at most five sequences, in those slots only; the others wait.
+    written = {seq.kv_slot for plan in engine.steps[before:] for seq in plan.sequences}
+    assert written <= set(empty)
+    assert [len(plan.sequences) for plan in remaining.plans] == [16, 16, 9, 16]
+    assert not remaining.done and remaining.snapshot()["shapes_measured"] == 5
+    # Given up there: the measured shapes and the first fit's others count.
+    observations = dict(remaining.observations())
+    assert len(observations) == 5 + 1  # the first fit's 16-sequence decode at 512
+    remaining.release(cast(Engine, engine))
+    assert engine.steps[-1].freed_kv_slots == sorted(written) == [3, 5, 6, 7]

@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from sluicegate.engine.base import CoreHooks, StepStats
-from sluicegate.engine.embedded import EmbeddedCore
+from sluicegate.engine.calibrate import start_calibration
+from sluicegate.engine.embedded import EmbeddedCore, WarmUp
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.sim import SimEngine, sim_text_bytes
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+from sluicegate.scheduler.step import StepPlan, StepResult
 
 
 class Recorder:
@@ -179,3 +181,98 @@ async def test_stats_show_an_abort_at_once_when_no_step_follows(
     stats = engine_core.stats()
     assert stats.kv_cache is not None and stats.kv_cache.num_used_blocks == 0
     assert stats.num_throttled == 0
+
+
+class WatchedSim(SimEngine):
+    """The sim, noting for every step whether it was a calibration step (its sequences
+    are the warm-up's) and which requests the scheduler held then."""
+
+    def __init__(self, held: Callable[[], list[str]]) -> None:
+        super().__init__(step_base_ms=1.0, step_per_token_ms=0.0)
+        self.held = held
+        self.log: list[tuple[bool, list[str], list[int]]] = []
+
+    def step(self, plan: StepPlan) -> StepResult:
+        if plan.sequences:
+            warm = any(s.request_id.startswith("warm-up") for s in plan.sequences)
+            self.log.append((warm, self.held(), [s.kv_slot for s in plan.sequences]))
+        return super().step(plan)
+
+
+async def test_the_calibration_left_runs_only_while_nothing_is_held() -> None:
+    """With ``WarmUp(background=True)`` the core serves on a first fit, then measures the
+    rest one step at a time while no request is held, in slots the prefix cache does not
+    keep; what does not fit before its deadline is given up, and the core refits from
+    what it measured."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, prefix_caching=True
+        ),
+        eos_token_ids=SimEngine().eos_token_ids,
+    )
+    sim = WatchedSim(lambda: sorted(scheduler.requests))
+    engine_core = EmbeddedCore(
+        sim,
+        sim.tokenizer,
+        scheduler,
+        asyncio.get_running_loop(),
+        warm=WarmUp(repeats=1, background=True),
+    )
+    # Before the thread runs (start() would start it): the first fit, and steps left.
+    observations, engine_core._calibrating = start_calibration(sim, 4, 512, 256, repeats=1)
+    scheduler.calibrate(observations)
+    left = engine_core._calibrating
+    assert left is not None and not left.done
+    # Never emptying cached slots, and given up after a second.
+    engine_core._calibration_evicts_at = float("inf")
+    engine_core._calibration_ends_at = time.monotonic() + 1.0
+    # A request comes first, and is held until its end: no calibration step meanwhile.
+    stream = RequestStream("a")
+    prompt = "a prompt long enough for a cached block " * 2
+    engine_core.add_request(request("a", prompt, 30), stream)
+    engine_core.start_thread()
+    try:
+        _, last = await drain(stream)
+        assert last.finish_reason == FinishReason.LENGTH
+        await wait_until(lambda: engine_core.stats().sections["calibration"] == {"complete": True})
+    finally:
+        await engine_core.close()
+    assert all(not held for warm, held, _ in sim.log if warm)
+    assert any(held == ["a"] for warm, held, _ in sim.log if not warm)
+    # Its slot stayed cached, and no calibration step wrote it: the shapes of four
+    # sequences never fitted in the three empty slots, and were given up at the deadline.
+    assert scheduler.kv.prefix is not None and scheduler.kv.prefix.num_cached_slots == 1
+    served = next(i for i, (warm, _, _) in enumerate(sim.log) if not warm)
+    cached = {slot for warm, _, slots in sim.log if not warm for slot in slots}
+    written = {slot for warm, _, slots in sim.log[served:] if warm for slot in slots}
+    assert len(cached) == 1 and written and not written & cached
+    assert not left.done and 0 < len(left.measured) < len(left.shapes)
+    assert scheduler.cost.num_observations >= len(observations) + len(left.measured)
+
+
+async def test_after_its_patience_the_calibration_empties_cached_slots_and_finishes() -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, prefix_caching=True
+        ),
+        eos_token_ids=SimEngine().eos_token_ids,
+    )
+    sim = WatchedSim(lambda: sorted(scheduler.requests))
+    engine_core = EmbeddedCore(sim, sim.tokenizer, scheduler, asyncio.get_running_loop())
+    observations, engine_core._calibrating = start_calibration(sim, 4, 512, 256, repeats=1)
+    scheduler.calibrate(observations)
+    left = engine_core._calibrating
+    assert left is not None
+    engine_core._calibration_evicts_at = time.monotonic() + 0.3
+    engine_core._calibration_ends_at = time.monotonic() + 60.0
+    stream = RequestStream("a")
+    engine_core.add_request(request("a", "a prompt long enough for a cached block " * 2, 8), stream)
+    engine_core.start_thread()
+    try:
+        await drain(stream)
+        await wait_until(lambda: engine_core.stats().sections["calibration"] == {"complete": True})
+    finally:
+        await engine_core.close()
+    assert left.done  # every shape, the four-slot ones after the patience
+    assert scheduler.kv.prefix is not None and scheduler.kv.prefix.num_cached_slots == 0
+    assert scheduler.kv.prefix.stats.evictions == 1

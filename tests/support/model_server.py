@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +82,13 @@ def awake(server: ServerProcess) -> Iterator[ServerProcess]:
         yield server
     finally:
         server.process.send_signal(signal.SIGSTOP)
+
+
+def wait_calibrated(server: ServerProcess) -> None:
+    """Until the calibration the server finishes while idle is done (before any test asks
+    it anything: a step of it taken later, between two turns of a conversation, could
+    empty the slot that keeps the first turn's prefix)."""
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    while not server.stats()["calibration"].get("complete"):
+        assert time.monotonic() < deadline, "the server's calibration did not finish"
+        time.sleep(0.1)

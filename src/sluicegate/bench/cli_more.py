@@ -167,6 +167,21 @@ def hostile_command(
         typer.echo(line)
 
 
+def startup_command(
+    out: OutOption = Path("bench-startup"),
+) -> None:
+    """How long the embedded engine takes to serve after launch: cold and warm cache,
+    quiet and with one core kept busy by a CPU-bound process (four starts)."""
+    from sluicegate.bench.startup import startup
+
+    try:
+        runs = startup(out)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for run in runs:
+        typer.echo(run.line())
+
+
 def register_more(app: typer.Typer) -> None:
     """Add this module's commands to ``sluicegate bench``."""
     app.command("speculative")(speculative_command)
@@ -177,3 +192,4 @@ def register_more(app: typer.Typer) -> None:
     app.command("engine-peer")(engine_peer_command)
     app.command("resume")(resume_command)
     app.command("hostile")(hostile_command)
+    app.command("startup")(startup_command)

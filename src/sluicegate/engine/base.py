@@ -50,12 +50,19 @@ class Engine(Protocol):
         ``building``, ``loading``, ``ready`` or ``failed``."""
         ...
 
+    @property
+    def stats_sections(self) -> dict[str, object]:
+        """The engine's own sections of ``/v1/stats`` (the torch engine's share of the
+        CPUs; none for the sim)."""
+        ...
+
     def step(self, plan: StepPlan) -> StepResult: ...
 
     def warmed_up(self) -> None:
-        """The start-up calibration is over (:func:`~sluicegate.engine.calibrate.warm_up`):
-        background work that would skew its timings may begin (the torch engine's build or
-        load of its compiled decode step).  Called once, before the first request's step."""
+        """The start-up calibration is over (:func:`~sluicegate.engine.calibrate.warm_up`,
+        or the rest of it, measured while idle): background work that would skew its
+        timings may begin (the torch engine's build or load of its compiled decode step).
+        Called once, from the engine thread or before it starts."""
         ...
 
     def close(self) -> None: ...

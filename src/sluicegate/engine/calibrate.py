@@ -20,6 +20,20 @@ factor; if not (a busier machine that slows some shapes more than others, anothe
 build, a corrupt file) the whole warm-up runs and its result replaces the file.  The
 full-batch shape alone costs ~2.4 s of the ~4.5 s warm-up on SmolLM2, so this is most of
 a warm start.
+
+**Or serve first and finish in the background** (:func:`start_calibration`, what the
+torch engine does): before serving, three cheap shapes are timed once each (the smallest
+and the largest decode batch, the shortest prompt chunk: six steps).  A warm start whose
+three shapes moved alike reuses the saved calibration scaled as they moved, as above; a
+cold start fits on the three (times :data:`COLD_CAUTION`), and a warm start that does
+not agree serves on the saved times scaled by the largest move; either way
+:class:`Remaining` then runs the whole warm-up one step at a time while the engine has
+no request, in slots that nothing holds (the prefix cache's are kept: a shape that needs
+more waits for them, or from 20 s after the start empties cached ones, least recently
+used first; what is not measured within two minutes is given up), and its fit replaces
+the first.  A
+machine busy with other work delays the start by six steps, not by a warm-up, and the
+live fit refines the model from real steps meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import json
 import logging
 import statistics
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sluicegate.engine.base import Engine
@@ -82,6 +97,153 @@ def warm_up(
     return observations
 
 
+#: A cold start's first fit is made of single steps: its times are this much longer than
+#: measured, on the safe side (fewer seats, later promises) until the full warm-up is in.
+COLD_CAUTION = 1.25
+
+
+def start_calibration(
+    engine: Engine,
+    num_slots: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    repeats: int = 3,
+    saved: Path | None = None,
+) -> tuple[Observations, Remaining | None]:
+    """What the cost model starts from, measured now on three cheap shapes, and the warm-up
+    left to run in the background (None: nothing; see the module docstring)."""
+    plans = _plans(num_slots, max_model_len, max_num_batched_tokens)
+    shapes = [_shape(plan) for plan in plans]
+    first = _first_plans(plans)
+    now = dict(_medians(_time(engine, first, repeats=1)))
+    engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
+    before = _read_saved(saved, shapes) if saved is not None else None
+    remaining = Remaining(list(plans), repeats, [], shapes, saved)
+    if before is None:
+        logger.info(
+            "serving on a first fit of %d shapes, each timed once; the warm-up runs while "
+            "the engine is idle",
+            len(now),
+        )
+        remaining.first = [(shape, seconds * COLD_CAUTION) for shape, seconds in now.items()]
+        return remaining.first, remaining
+    moved = {shape: seconds / before[shape][1] for shape, seconds in now.items()}
+    low, high = min(moved.values()), max(moved.values())
+    if high <= CHECK_SPREAD * low:
+        factor, remaining_or_none = statistics.median(moved.values()), None
+        logger.info("saved calibration reused, scaled by %.2f (%.2f-%.2fx)", factor, low, high)
+    else:
+        # Until the warm-up is in: the saved times scaled as the shape that moved most.
+        factor, remaining_or_none = high, remaining
+        logger.info(
+            "saved calibration: the cheap shapes moved by %.2f-%.2fx: serving on it scaled "
+            "by %.2f; the warm-up runs while the engine is idle",
+            low,
+            high,
+            high,
+        )
+    remaining.first = [(s, now.get(s, before[s][0] * factor)) for s in shapes]
+    return remaining.first, remaining_or_none
+
+
+def _first_plans(plans: list[StepPlan]) -> list[StepPlan]:
+    """The shapes of a first fit: the smallest and the largest decode batch (at the short
+    and the long context), and the first prompt chunk (the shortest)."""
+    decodes = [plan for plan in plans if plan.num_batched_tokens == len(plan.sequences)]
+    prompts = [plan for plan in plans if plan.num_batched_tokens > len(plan.sequences)]
+    return [*decodes[:1], *decodes[1:][-1:], *prompts[:1]]
+
+
+@dataclass(slots=True)
+class Remaining:
+    """The shapes still to measure, one engine step at a time (:meth:`step`, each shape
+    once unmeasured, then ``repeats`` times measured), in the slots nothing holds: a
+    slot the prefix cache keeps is never overwritten for a calibration step, so a shape
+    that needs more slots than are free waits.  Every shape's timings are saved when all
+    are measured, as a full warm-up's would be."""
+
+    plans: list[StepPlan]
+    repeats: int
+    #: The shapes measured so far, and their timings.
+    measured: Timings
+    #: Every shape, in the warm-up's order.
+    shapes: list[StepShape]
+    saved: Path | None
+    #: What the cost model started from (kept for the shapes never measured here).
+    first: Observations = field(default_factory=list)
+    _runs: int = 0
+    _current: list[float] = field(default_factory=list)
+    _used: set[int] = field(default_factory=set)
+
+    @property
+    def done(self) -> bool:
+        return not self.plans
+
+    def fits(self, num_free_slots: int) -> bool:
+        """Can a step be taken in this many free slots?"""
+        if self._runs:  # a shape under way goes on
+            return len(self.plans[0].sequences) <= num_free_slots
+        return any(len(plan.sequences) <= num_free_slots for plan in self.plans)
+
+    def slots_needed(self) -> int:
+        """The slots of the next step: the shape under way's, else the smallest left."""
+        if self._runs:
+            return len(self.plans[0].sequences)
+        return min(len(plan.sequences) for plan in self.plans)
+
+    def step(self, engine: Engine, free_slots: list[int]) -> None:
+        """Run one step of the next shape that fits in ``free_slots`` (see :meth:`fits`),
+        its sequences placed in those slots."""
+        if not self._runs:  # choose the next shape: the first that fits
+            fitting = next(p for p in self.plans if len(p.sequences) <= len(free_slots))
+            self.plans.remove(fitting)
+            self.plans.insert(0, fitting)
+        plan = _placed(self.plans[0], free_slots)
+        self._used.update(seq.kv_slot for seq in plan.sequences)
+        started = time.perf_counter()
+        engine.step(plan)
+        if self._runs:  # the first step of a shape pays its one-off costs: not a sample
+            self._current.append(time.perf_counter() - started)
+        self._runs += 1
+        if self._runs > self.repeats:
+            self.measured.append((_shape(plan), self._current))
+            self.plans.pop(0)
+            self._runs, self._current = 0, []
+        if self.done:
+            self.release(engine)
+            if self.saved is not None:
+                _save(self.saved, self.timings())
+
+    def release(self, engine: Engine) -> None:
+        """Hand back the slots the steps wrote (clean, as a warm-up leaves them)."""
+        if self._used:
+            engine.step(StepPlan(freed_kv_slots=sorted(self._used)))
+            self._used.clear()
+
+    def timings(self) -> Timings:
+        by_shape = dict(self.measured)
+        return [(shape, by_shape[shape]) for shape in self.shapes if shape in by_shape]
+
+    def observations(self) -> Observations:
+        """Every shape measured here, and the first fit's others."""
+        measured = dict(_medians(self.timings()))
+        first = dict(self.first)
+        return [
+            (shape, measured.get(shape, first.get(shape, 0.0)))
+            for shape in self.shapes
+            if shape in measured or shape in first
+        ]
+
+    def snapshot(self) -> dict[str, int]:
+        return {"shapes_measured": len(self.measured), "shapes_left": len(self.plans)}
+
+
+def _placed(plan: StepPlan, free_slots: list[int]) -> StepPlan:
+    """``plan`` with its sequences moved to the first of ``free_slots``."""
+    slots = {seq.kv_slot: free_slots[i] for i, seq in enumerate(plan.sequences)}
+    return StepPlan(sequences=[replace(seq, kv_slot=slots[seq.kv_slot]) for seq in plan.sequences])
+
+
 def _plans(num_slots: int, max_model_len: int, max_num_batched_tokens: int) -> list[StepPlan]:
     longest = max(1, max_model_len - 1)
     contexts = sorted({min(64, longest), min(512, longest)})
@@ -134,6 +296,37 @@ def _medians(timings: Timings) -> Observations:
 def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> Observations | None:
     """The saved calibration, scaled to what the cheap shapes measure now; None when there
     is none for these shapes or the cheap shapes do not agree on a factor."""
+    shapes = [_shape(plan) for plan in plans]
+    before = _read_saved(saved, shapes)
+    if before is None:
+        return None
+    cheap = _cheapest(plans, {shape: fastest for shape, (_, fastest) in before.items()})
+    last, moved = _check(engine, cheap, before, repeats, CHECK_ATTEMPTS)
+    low, high = min(moved.values()), max(moved.values())
+    if high > CHECK_SPREAD * low:
+        logger.info("saved calibration not reused: measuring every shape")
+        return None
+    factor = statistics.median(moved.values())
+    logger.info(
+        "saved calibration reused: %d of %d shapes measured (%.2f-%.2fx the saved "
+        "times), the rest scaled by %.2f",
+        len(moved),
+        len(shapes),
+        low,
+        high,
+        factor,
+    )
+    now = dict(_medians(last))  # the check that agreed
+    return [(shape, now.get(shape, before[shape][0] * factor)) for shape in shapes]
+
+
+#: A saved calibration: each shape's median and fastest step.
+Saved = dict[StepShape, tuple[float, float]]
+
+
+def _read_saved(saved: Path, shapes: list[StepShape]) -> Saved | None:
+    """Each saved shape's median and fastest step; None when there is no file, or it is
+    unreadable or of other shapes."""
     try:
         rows = json.loads(saved.read_text(encoding="utf-8"))["observations"]
         # shape, median and fastest step
@@ -143,13 +336,25 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         logger.info("saved calibration not usable (%s): measuring every shape", exc)
         return None
-    shapes = [_shape(plan) for plan in plans]
     if set(shapes) != set(before):
         logger.info("saved calibration is of other shapes: measuring every shape")
         return None
-    cheap = _cheapest(plans, {shape: fastest for shape, (_, fastest) in before.items()})
+    return before
+
+
+def _check(
+    engine: Engine,
+    cheap: list[StepPlan],
+    before: Saved,
+    repeats: int,
+    attempts: int,
+) -> tuple[Timings, dict[StepShape, float]]:
+    """Time the cheap shapes (again, up to ``attempts`` times, while they disagree): the
+    last check's timings, and how far each shape moved from its saved fastest step."""
     timings: dict[StepShape, list[float]] = {_shape(plan): [] for plan in cheap}
-    for attempt in range(1, CHECK_ATTEMPTS + 1):
+    last: Timings = []
+    moved: dict[StepShape, float] = {}
+    for attempt in range(1, attempts + 1):
         last = _time(engine, cheap, repeats)
         for shape, seconds in last:
             timings[shape] += seconds
@@ -165,23 +370,9 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
             low,
             high,
             attempt,
-            CHECK_ATTEMPTS,
+            attempts,
         )
-    else:
-        logger.info("saved calibration not reused: measuring every shape")
-        return None
-    factor = statistics.median(moved.values())
-    logger.info(
-        "saved calibration reused: %d of %d shapes measured (%.2f-%.2fx the saved "
-        "times), the rest scaled by %.2f",
-        len(moved),
-        len(shapes),
-        low,
-        high,
-        factor,
-    )
-    now = dict(_medians(last))  # the check that agreed
-    return [(shape, now.get(shape, before[shape][0] * factor)) for shape in shapes]
+    return last, moved
 
 
 def _cheapest(plans: list[StepPlan], fastest: dict[StepShape, float]) -> list[StepPlan]:

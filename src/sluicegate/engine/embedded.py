@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluicegate.engine.base import CoreFeatures, CoreHooks, CoreStats, Engine, StepStats
-from sluicegate.engine.calibrate import warm_up
+from sluicegate.engine.calibrate import Remaining, start_calibration, warm_up
 from sluicegate.engine.deliveries import Deliveries, Delivery
 from sluicegate.engine.output import RequestStream
 from sluicegate.engine.tokenizer import TextTokenizer
@@ -71,6 +71,18 @@ class WarmUp:
 
     repeats: int = 3
     saved: Path | None = None
+    #: Serve on the cheap shapes' measurements and measure the rest while idle
+    #: (:func:`~sluicegate.engine.calibrate.start_calibration`), rather than all first.
+    background: bool = False
+
+
+#: Seconds after the start from which the calibration left may empty slots the prefix
+#: cache keeps, least recently used first, for a shape that needs them (until then it waits
+#: for empty ones: a conversation's next turn soon after the start keeps its prefix).
+CALIBRATION_PATIENCE_SECONDS = 20.0
+#: Seconds after the start at which the calibration left ends with what it has measured
+#: if it has found no idle time to finish in; the live fit goes on from real steps.
+CALIBRATION_WITHIN_SECONDS = 120.0
 
 
 class EmbeddedCore:
@@ -102,6 +114,11 @@ class EmbeddedCore:
         self._batch_size = 0
         #: The engine's compiled decode step as last seen.
         self._compile_status = engine.compile_status
+        #: Shapes the calibration still measures while the engine is idle (None: none).
+        self._calibrating: Remaining | None = None
+        #: When the calibration left may empty cached slots, and when it ends regardless.
+        self._calibration_evicts_at = 0.0
+        self._calibration_ends_at = 0.0
         self.engine_up = True
         self._stats_lock = threading.Lock()
         self._stats = self._make_stats()
@@ -134,24 +151,32 @@ class EmbeddedCore:
         raise APIError(404, f"The model '{model}' is not an embedding model here.", param="model")
 
     async def start(self, on_measured: Callable[[], None] | None = None) -> None:
-        """Calibrate the cost model with warm-up steps (off the event loop), then start
-        the engine thread."""
+        """Calibrate the cost model with warm-up steps (off the event loop; with
+        ``WarmUp.background``, only the cheap shapes now and the rest while idle), then
+        start the engine thread."""
         config = self.scheduler.config
+        shape = (config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens)
+        warm = self._warm
         started = time.monotonic()
-        observations = await asyncio.to_thread(
-            warm_up,
-            self.engine,
-            config.max_num_seqs,
-            config.max_model_len,
-            config.max_num_batched_tokens,
-            self._warm.repeats,
-            self._warm.saved,
-        )
+        if warm.background:
+            observations, self._calibrating = await asyncio.to_thread(
+                start_calibration, self.engine, *shape, warm.repeats, warm.saved
+            )
+        else:
+            observations = await asyncio.to_thread(
+                warm_up, self.engine, *shape, warm.repeats, warm.saved
+            )
         self.scheduler.calibrate(observations)
+        # The compiled decode step may build now: the calibration left waits for it (a
+        # build beside its steps would slow them and skew it).
         await asyncio.to_thread(self.engine.warmed_up)
+        now = time.monotonic()
+        self._calibration_evicts_at = now + CALIBRATION_PATIENCE_SECONDS
+        self._calibration_ends_at = now + CALIBRATION_WITHIN_SECONDS
         logger.info(
-            "cost model calibrated in %.2fs: %s; seat limit %d",
+            "cost model calibrated in %.2fs%s: %s; seat limit %d",
             time.monotonic() - started,
+            "" if self._calibrating is None else " (a first fit)",
             self.scheduler.cost.snapshot(),
             self.scheduler.seats.limit,
         )
@@ -206,7 +231,18 @@ class EmbeddedCore:
             # Nothing to compute (idle, or every sequence paused or throttled): sleep until a
             # command, a long pause due for preemption, or a throttled sequence's next token.
             block = not self.scheduler.has_schedulable_work
+            if self._calibrating is not None and time.monotonic() >= self._calibration_ends_at:
+                self._end_calibration()
+            if block and self._idle_calibration_fits():
+                # Idle: measure the next calibration step, unless a command came.
+                running = self._drain_commands(block=False)
+                if running and self._idle_calibration_fits():
+                    self._calibrate()
+                continue
             timeout = self.scheduler.seconds_until_wake() if block else None
+            if block and self._calibrating is not None:  # a due step, or its end
+                due = 0.5 if time.monotonic() < self._calibration_ends_at else 0.0
+                timeout = due if timeout is None else min(timeout, due)
             running = self._drain_commands(block, timeout)
             if not running or not self.scheduler.has_schedulable_work:
                 self._batch_size = 0
@@ -240,6 +276,56 @@ class EmbeddedCore:
                 )
             self._publish_stats()
         self._fail_batch(list(self.scheduler.requests), reason="server shutting down")
+
+    def _idle_calibration_fits(self) -> bool:
+        """Is there a calibration step to take now: no request held, the compiled step
+        not building or loading, and enough slots that nothing holds for the next shape
+        (the prefix cache's count too once it may empty them)?"""
+        remaining = self._calibrating
+        if (
+            remaining is None
+            or self.scheduler.requests
+            or self.engine.compile_status in ("building", "loading")
+        ):
+            return False
+        kv = self.scheduler.kv
+        if time.monotonic() >= self._calibration_evicts_at:
+            return remaining.fits(kv.num_free_slots)
+        return remaining.fits(len(kv.empty_slots()))
+
+    def _calibrate(self) -> None:
+        """One step of the calibration left, in empty slots (emptying cached ones, least
+        recently used first, when it may and must)."""
+        remaining = self._calibrating
+        assert remaining is not None
+        kv = self.scheduler.kv
+        try:
+            if not remaining.fits(len(kv.empty_slots())):
+                kv.evict_cached(remaining.slots_needed())
+            remaining.step(self.engine, kv.empty_slots())
+        except Exception:
+            logger.exception("a calibration step failed; the live fit goes on alone")
+            self._end_calibration()
+            return
+        if remaining.done:
+            self._end_calibration()
+
+    def _end_calibration(self) -> None:
+        """The calibration left is over (done, or given up: its measured shapes count)."""
+        remaining = self._calibrating
+        assert remaining is not None
+        self._calibrating = None
+        remaining.release(self.engine)
+        self.scheduler.calibrate(remaining.observations())
+        logger.info(
+            "calibration %s while idle (%d of %d shapes): %s; seat limit %d",
+            "finished" if remaining.done else "ended",
+            len(remaining.measured),
+            len(remaining.shapes),
+            self.scheduler.cost.snapshot(),
+            self.scheduler.seats.limit,
+        )
+        self._publish_stats()
 
     def _stop_string(self, request: Request) -> None:
         if not request.status.is_finished:
@@ -339,6 +425,12 @@ class EmbeddedCore:
             sections={
                 "seats": self.scheduler.seats.snapshot(),
                 "cost_model": self.scheduler.cost.snapshot(),
+                **self.engine.stats_sections,
+                "calibration": (
+                    {"complete": True}
+                    if self._calibrating is None
+                    else {"complete": False, **self._calibrating.snapshot()}
+                ),
             },
         )
 

@@ -154,9 +154,14 @@ def build_core(
         loop,
         hooks,
         model_name=loaded.model_name,
-        # The sim's steps follow its own law (a sleep), so one timed pass is enough; a
-        # real engine's vary with the machine's load, and the median of three counts.
-        warm=WarmUp(1 if settings.engine == "sim" else 3, loaded.calibration_path),
+        # The sim's steps follow its own law (a sleep), so one timed pass is enough, made
+        # before serving; a real engine's vary with the machine's load: the median of
+        # three counts, and it serves on the cheap shapes while measuring the rest.
+        warm=WarmUp(
+            1 if settings.engine == "sim" else 3,
+            loaded.calibration_path,
+            background=settings.engine != "sim",
+        ),
         features=features,
     )
 

@@ -135,6 +135,10 @@ class SimEngine:
     def compile_status(self) -> str:
         return "off"
 
+    @property
+    def stats_sections(self) -> dict[str, object]:
+        return {}
+
     def step_seconds(self, num_batched_tokens: int) -> float:
         return self.step_base_seconds + self.step_per_token_seconds * num_batched_tokens
 

@@ -69,6 +69,19 @@ class KVCacheManager:
             return self._free_slots.pop()
         return prefix.evict()
 
+    def evict_cached(self, num_slots: int) -> None:
+        """Empty cached slots, least recently used first, until ``num_slots`` are empty
+        (or none is cached)."""
+        while len(self._free_slots) < num_slots and self.prefix is not None:
+            slot = self.prefix.evict()
+            if slot is None:
+                return
+            self._free_slots.append(slot)
+
+    def empty_slots(self) -> list[int]:
+        """Slots nothing holds or keeps (cached slots not included), lowest first."""
+        return sorted(self._free_slots)
+
     def ensure_capacity(self, request_id: str, num_tokens: int) -> bool:
         """Grow ``request_id``'s reservation to hold ``num_tokens``; False if the pool is dry."""
         have = self._blocks_by_request.get(request_id, 0)

@@ -58,6 +58,10 @@ class LogprobsRecorder:
     def compile_status(self) -> str:
         return self.engine.compile_status
 
+    @property
+    def stats_sections(self) -> dict[str, object]:
+        return self.engine.stats_sections
+
     def warmed_up(self) -> None:
         pass
 

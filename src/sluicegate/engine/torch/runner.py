@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from sluicegate.engine.base import Engine, EngineLimits
+from sluicegate.engine.cpu_share import CpuShare
 from sluicegate.engine.grammar import GrammarError
 from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
@@ -179,6 +180,8 @@ class TorchEngine:
         compile: str,
     ) -> None:
         self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
+        #: Fewer threads while other processes use the CPUs (``num_threads`` at most).
+        self.cpu_share = CpuShare(self.num_threads)
         # On two cores the event loop competes with these threads; the caller decides.
         torch.set_num_threads(self.num_threads)
         self.model_path = model_path if model_path is not None else default_model_path()
@@ -282,18 +285,25 @@ class TorchEngine:
         """The compiled decode step: ``off``, ``building``, ``loading``, ``ready``, ``failed``."""
         return "off" if self.compiled is None else self.compiled.status
 
+    @property
+    def stats_sections(self) -> dict[str, object]:
+        return {"cpu": self.cpu_share.snapshot()}
+
     def _share_cores(self) -> None:
-        """One intra-op thread while the compiled step builds or loads, every thread after.
+        """One intra-op thread while the compiled step builds or loads; else as many as
+        other processes leave room for (:mod:`~sluicegate.engine.cpu_share`).
 
         Measured here on two cores: beside a process that wants a core (even one that runs
         only on idle CPU time), the engine's two threads wait on each other and a step takes
-        3-5x longer; one thread leaves the build its core and takes ~1.4x.  Results are
-        bit-identical at any thread count (the GEMMs split rows, not sums)."""
+        3-6x longer; one thread leaves the other process its core and takes ~1.4x.  Results
+        are bit-identical at any thread count (the GEMMs split rows, not sums)."""
         compiled = self.compiled
-        if compiled is None:
-            return
-        compiled.poll()  # every step, whatever its rows, follows the build and the load
-        wanted = 1 if compiled.status in ("building", "loading") else self.num_threads
+        if compiled is not None:
+            compiled.poll()  # every step, whatever its rows, follows the build and the load
+        if compiled is not None and compiled.status in ("building", "loading"):
+            wanted = 1
+        else:
+            wanted = self.cpu_share.poll()
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 
