@@ -31,9 +31,13 @@ ESTIMATE = ServiceEstimate(
 )
 
 
-def predictor() -> tuple[TTFTPredictor, FakeClock]:
+def predictor(return_prior: float = 1.0) -> tuple[TTFTPredictor, FakeClock]:
+    """Holding a seat for every promise (until some lapse), unless told otherwise."""
     clock = FakeClock()
-    return TTFTPredictor(lambda: ESTIMATE, clock, max_retry_after_seconds=30.0), clock
+    p = TTFTPredictor(
+        lambda: ESTIMATE, clock, max_retry_after_seconds=30.0, return_prior=return_prior
+    )
+    return p, clock
 
 
 def request(produced: int = 0, max_tokens: int = 20, ignore_eos: bool = True) -> Request:
@@ -119,61 +123,89 @@ def test_the_automatic_ttft_objective_is_twice_an_idle_256_token_prompt() -> Non
     assert auto_ttft_seconds(fast) == AUTO_TTFT_FLOOR_SECONDS
 
 
+def client(i: int) -> bytes:
+    """A request's fingerprint (what a refused client sends again)."""
+    return b"client-%d" % i
+
+
 def test_refusals_hold_seats_in_order_and_new_arrivals_do_not_take_them() -> None:
     p, clock = predictor()
     holders = [request(produced=19)]  # one seat, free in 50 ms
     queued = [request() for _ in range(3)]  # then busy for 3 s
     objective = 0.4
-    retry_afters = [p.refuse(holders, queued, 0, objective, 10) for _ in range(4)]
+    refusals = [p.refuse(holders, queued, 0, objective, 10, client(i)) for i in range(4)]
+    retry_afters = [r.retry_after_seconds for r in refusals]
+    assert all(r.held for r in refusals)
     # Spread a seat's release apart (1 s: one seat, 1 s a request), not a herd, and come
     # back half the objective before the held seat frees.
     assert all(b - a == pytest.approx(1.0) for a, b in itertools.pairwise(retry_afters))
     assert retry_afters[0] == pytest.approx(0.05 + 3.0 - objective / 2)
-    # Half a second before the first refused client comes back, the seat is free; a new
-    # request would take it for a second and make that client wait past its objective.
-    clock.advance(retry_afters[0] - 0.5)
-    fresh = p.predict([], [], 1, 10, objective)
+    # Waiting behind the queue, the first would have seen its first token in 3.05 s.
+    assert refusals[0].ttft_behind_seconds == pytest.approx(3.05)
+    # Just before the first refused client comes back, the seat is free; a new request
+    # would take it for a second and make that client wait past its objective (and past
+    # the 1.5x a client back at its time is held to).
+    clock.advance(retry_afters[0] - 0.1)
+    fresh = p.predict([], [], 1, 10, objective, client(99))
     assert fresh.wait_seconds == 0 and fresh.harms_promised and fresh.misses(objective)
+    assert fresh.num_promised >= 1
     # Long before, a new request finishes in time: it may run.
-    assert not p.predict([], [], 1, 10, 5.0).harms_promised
-    # The refused client, back at its time, is not refused for its own seat.
-    clock.advance(0.51)
-    assert not p.predict([], [], 1, 10, objective).misses(objective)
+    assert not p.predict([], [], 1, 10, 5.0, client(99)).harms_promised
+    # The refused client, back at its time, is not refused for its own seat; a stranger
+    # arriving at the same moment is not taken for it.
+    clock.advance(0.11)
+    assert not p.predict([], [], 1, 10, objective, client(0)).misses(objective)
+    assert p.predict([], [], 1, 10, objective, client(99)).harms_promised
 
 
 def test_a_returning_client_is_not_held_back_for_the_clients_refused_after_it() -> None:
     p, clock = predictor()
     objective = 0.4
-    retry_afters = [p.refuse([], [request() for _ in range(2)], 1, objective, 10) for _ in range(3)]
+    queued = [request() for _ in range(2)]
+    retry_afters = [
+        p.refuse([], queued, 1, objective, 10, client(i)).retry_after_seconds for i in range(3)
+    ]
     # The engine ran slower than booked: when the first comes back, one seat is free, and
     # the two refused after it are due while it would hold that seat.  Before its time, a
     # new arrival would push them past their objective; the first, back on time, is first
     # in line among the promised, and takes it.
-    clock.advance(retry_afters[0] - 0.01)
-    assert p.predict([], [], 1, 10, objective).harms_promised
-    clock.advance(0.02)
-    back = p.predict([], [], 1, 10, objective)
-    assert not back.harms_promised and not back.misses(objective)
+    clock.advance(retry_afters[0] - 0.3)
+    assert p.predict([], [], 1, 10, objective, client(0)).harms_promised  # too early
+    clock.advance(0.31)
+    back = p.predict([], [], 1, 10, objective, client(0))
+    assert back.claims_promise and not back.harms_promised and not back.misses(objective)
 
 
-def test_an_admission_uses_the_due_promise_and_old_promises_lapse() -> None:
+def test_an_admission_uses_its_own_promise_and_unclaimed_promises_lapse() -> None:
     p, clock = predictor()
     queued = [request() for _ in range(8)]
-    first = p.refuse([], queued, 1, 1.0, 10)
-    p.refuse([], queued, 1, 1.0, 10)
+    first = p.refuse([], queued, 1, 1.0, 10, client(1)).retry_after_seconds
+    p.refuse([], queued, 1, 1.0, 10, client(2))
     assert p.snapshot()["promised_seats"] == 2
     clock.advance(first)
-    p.admitted()  # the client came back: its seat is used
-    assert p.snapshot()["promised_seats"] == 1
+    p.admitted(client(3))  # a stranger: no promise is used
+    assert p.snapshot()["promised_seats"] == 2
+    p.admitted(client(1))  # the client came back: its seat is used
+    assert p.snapshot()["promised_seats"] == 1 and p.snapshot()["promises_claimed"] == 1
     clock.advance(60.0)  # nobody came for the other one
     p.predict([], [], 1, 10, 1.0)
-    assert p.snapshot()["promised_seats"] == 0
+    assert p.snapshot()["promised_seats"] == 0 and p.snapshot()["promises_lapsed"] == 1
+    assert p.return_rate < 1.0
+
+
+def test_a_client_refused_again_keeps_one_promise() -> None:
+    p, _ = predictor()
+    queued = [request() for _ in range(8)]
+    p.refuse([], queued, 1, 1.0, 10, client(1))
+    p.refuse([], queued, 1, 1.0, 10, client(1))
+    assert p.snapshot()["promised_seats"] == 1
 
 
 def test_retry_after_is_capped_and_holds_no_seat_that_far() -> None:
     p, _ = predictor()
-    for _ in range(3):
-        assert p.refuse([], [request() for _ in range(500)], 1, 1.0, 10) == pytest.approx(30.0)
+    for i in range(3):
+        refusal = p.refuse([], [request() for _ in range(500)], 1, 1.0, 10, client(i))
+        assert refusal.retry_after_seconds == pytest.approx(30.0) and not refusal.held
     assert p.snapshot()["promised_seats"] == 0  # not three clients booked at the cap
 
 
@@ -213,15 +245,45 @@ def test_a_client_back_at_its_time_is_refused_only_past_the_late_tolerance() -> 
     p, clock = predictor()
     slo = SLOAdmission(p, {PriorityClass.INTERACTIVE: Objectives(0.4, 0.1)})
     holders = [request(produced=10)]  # the only seat frees in 0.5 s
-    retry_after = p.refuse(holders, [], 0, 0.4, 10)
+    retry_after = p.refuse(holders, [], 0, 0.4, 10, client(1)).retry_after_seconds
     clock.advance(retry_after + 0.01)
     # It is back, and its seat frees 0.1 s later than booked: 0.6 s from now, past the
     # 0.4 s objective but within 1.5x of it.  A stranger would be refused; it is not.
     late_seat = [request(produced=8)]
-    back = p.predict(late_seat, [], 0, 10, 0.4)
+    back = p.predict(late_seat, [], 0, 10, 0.4, client(1))
     assert back.claims_promise and back.ttft_seconds == pytest.approx(0.6)
     assert not slo.refuses(PriorityClass.INTERACTIVE, back)
     stranger = replace(back, claims_promise=False)
     assert slo.refuses(PriorityClass.INTERACTIVE, stranger)
     # Past 1.5x, it is refused again.
     assert slo.refuses(PriorityClass.INTERACTIVE, replace(back, ttft_seconds=0.7))
+
+
+def test_seats_are_held_for_the_share_of_clients_that_come_back() -> None:
+    p, clock = predictor(return_prior=0.8)
+    assert p.return_rate == pytest.approx(0.8)  # before any promise is due
+    queued = [request() for _ in range(4)]
+    for i in range(10):
+        p.refuse([], queued, 1, 1.0, 10, client(i))
+    clock.advance(40.0)  # none came back
+    p.snapshot()
+    assert p.snapshot()["promises_lapsed"] == 10
+    assert p.return_rate == pytest.approx(1.6 / 12)
+    for i in range(10):  # then every one does
+        retry = p.refuse([], queued, 1, 1.0, 10, client(100 + i)).retry_after_seconds
+        clock.advance(retry)
+        p.admitted(client(100 + i))
+        clock.advance(-retry)
+    assert p.return_rate == pytest.approx(11.6 / 22)
+
+
+def test_a_newcomer_may_delay_a_promised_client_within_its_late_tolerance() -> None:
+    p, clock = predictor()
+    holders = [request(produced=10)]  # the only seat frees in 0.5 s
+    retry = p.refuse(holders, [], 0, 0.4, 10, client(1)).retry_after_seconds
+    # 0.1 s before that client is due, one seat is free: a newcomer taking it for 1 s
+    # delays the client by 0.9 s: past 1.5 x 0.4 s.  Refused, and told why.
+    clock.advance(retry - 0.1)
+    assert p.predict([], [], 1, 10, 0.4, client(2)).harms_promised
+    # With a 0.8 s objective the delay is within 1.5x of it: admitted.
+    assert not p.predict([], [], 1, 10, 0.8, client(2)).harms_promised

@@ -32,6 +32,9 @@ class Outcome:
     ttft: float | None = None
     retry_after_ms: float | None = None
     code: str | None = None
+    #: ``x-sluicegate-refusal``: a seat held (``slo_unreachable``) or not (``overloaded``).
+    refusal: str | None = None
+    message: str = ""
 
 
 async def stream_once(client: httpx.AsyncClient, prompt: str, max_tokens: int = 64) -> Outcome:
@@ -46,8 +49,15 @@ async def stream_once(client: httpx.AsyncClient, prompt: str, max_tokens: int = 
     response = await client.post("/v1/completions", json=body)
     if response.status_code != 200:
         retry = response.headers.get("retry-after-ms")
-        code = response.json()["error"]["code"]
-        return Outcome(response.status_code, None, float(retry) if retry else None, code)
+        error = response.json()["error"]
+        return Outcome(
+            response.status_code,
+            None,
+            float(retry) if retry else None,
+            error["code"],
+            response.headers.get("x-sluicegate-refusal"),
+            error["message"],
+        )
     usage: dict[str, Any] | None = None
     for line in response.text.splitlines():
         if line.startswith('data: {"error"'):
@@ -82,6 +92,7 @@ async def test_overload_is_refused_at_once_and_what_is_admitted_meets_its_object
         assert admitted and refused
         assert {o.status for o in refused} == {429}
         assert {o.code for o in refused} == {"slo_unreachable"}
+        assert {o.refusal for o in refused} <= {"slo_unreachable", "overloaded"}
         assert all(o.retry_after_ms is not None and o.retry_after_ms > 0 for o in refused)
         ttfts = sorted(o.ttft for o in admitted if o.ttft is not None)
         assert len(ttfts) == len(admitted)
@@ -104,7 +115,8 @@ async def test_clients_that_come_back_at_the_advertised_time_are_admitted() -> N
             retry_after_ms = outcomes[-1].retry_after_ms
             assert retry_after_ms is not None and 0 < retry_after_ms <= 60_000, outcomes
             await asyncio.sleep(retry_after_ms / 1000.0)
-            outcomes.append(await stream_once(http, f"retry {i}", max_tokens=16))
+            # The same request again, as clients retry: recognised, it takes its seat.
+            outcomes.append(await stream_once(http, f"burst {i}", max_tokens=16))
         return outcomes
 
     async with serve_in_process(**SLO) as app:
@@ -115,6 +127,18 @@ async def test_clients_that_come_back_at_the_advertised_time_are_admitted() -> N
     # the pace the cost model learnt: tests/admission/test_slo.py checks that, by the
     # fake clock, for a client back at its time).
     assert all(outcomes[-1].status == 200 for outcomes in clients), clients
+    # A refusal with a seat held says so, and shows a prediction past the objective (or
+    # names the promised clients it would make late).
+    for outcomes in clients:
+        for refused in outcomes[:-1]:
+            assert refused.refusal == "slo_unreachable", refused
+            assert "a seat is held for it" in refused.message
+            assert "promised to" in refused.message or predicted(refused) > TTFT_OBJECTIVE
+
+
+def predicted(outcome: Outcome) -> float:
+    """The predicted TTFT a refusal's message shows."""
+    return float(outcome.message.split("predicted ")[1].split("s")[0])
 
 
 async def test_stats_and_metrics_show_the_objectives_the_limit_and_the_cost_model() -> None:

@@ -129,6 +129,9 @@ class Rejection:
     rate_limits: RateLimitSnapshot | None = None
     #: OpenAI error ``code``; ``None`` means the default for ``reason``.
     code: str | None = None
+    #: ``x-sluicegate-refusal`` of a refusal by objective: ``slo_unreachable`` (a seat is
+    #: held at ``Retry-After``) or ``overloaded`` (none is); None for other rejections.
+    refusal: str | None = None
 
     @property
     def error_code(self) -> str:
@@ -150,6 +153,8 @@ class Rejection:
             # Exact, for clients that read it (OpenAI's SDKs prefer it to whole seconds).
             # Rounded up: a client that waits exactly this long is never early.
             out["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_seconds * 1000 - 1e-6)))
+        if self.refusal is not None:
+            out["x-sluicegate-refusal"] = self.refusal
         if self.reason is RejectReason.AUTH:
             out["www-authenticate"] = "Bearer"
         return out
@@ -195,14 +200,39 @@ def queue_timeout_rejection(
 
 
 def slo_rejection(
-    predicted_ttft_seconds: float, objective_seconds: float, retry_after_seconds: float
+    predicted_ttft_seconds: float,
+    objective_seconds: float,
+    retry_after_seconds: float,
+    *,
+    held: bool = True,
+    promised: int = 0,
 ) -> Rejection:
-    """Admitting it now would miss its time-to-first-token objective."""
-    return Rejection(
+    """Admitting it now would miss its time-to-first-token objective (or, with
+    ``promised``, make clients promised a seat miss theirs).  ``held``: a seat is held for
+    it at ``retry_after_seconds`` (else the server is overloaded past what it promises)."""
+    if promised:
+        why = (
+            f"the seats that free within it are promised to {promised} client(s) refused "
+            f"earlier (it would start in {predicted_ttft_seconds:.2f}s and make them late)"
+        )
+    else:
+        why = f"predicted {predicted_ttft_seconds:.2f}s"
+    if held:
+        when = (
+            f"Retry after {retry_after_seconds:.2f}s with the same request: a seat is held "
+            "for it then."
+        )
+    else:
+        when = (
+            f"The server is overloaded past what it can promise; retry after "
+            f"{retry_after_seconds:.2f}s (no seat is held)."
+        )
+    rejection = Rejection(
         RejectReason.SLO_UNREACHABLE,
         429,
         f"The server cannot start this request within its {objective_seconds:g}s "
-        f"time-to-first-token objective now (predicted {predicted_ttft_seconds:.2f}s). "
-        f"Retry after {retry_after_seconds:.2f}s, when it expects to have room.",
+        f"time-to-first-token objective now ({why}). {when}",
         retry_after_seconds,
     )
+    rejection.refusal = "slo_unreachable" if held else "overloaded"
+    return rejection

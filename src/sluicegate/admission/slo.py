@@ -19,12 +19,16 @@ that, so refused clients come back spread out, not as a herd.  Until they do, a 
 arrival is admitted only if it would not push any promised client past its objective:
 refused clients are served in the order they were refused (only clients due back while a
 new request would hold its seat are protected from it, and a client back at its time is
-not held back for those refused after it).  The first request to arrive
-after a promise's time is taken to be its client.  A client that comes back late loses
-its hold (it is then treated like any new request), and a promise not claimed within
-``promise_grace_seconds`` of its time lapses.  Not every refused client comes back, so
-seats are held like an airline overbooks: in proportion to the share of promises that
-were claimed lately, so that clients who never return cannot keep seats idle.
+not held back for those refused after it).  A returning client is recognised by its
+request's fingerprint (its tenant, prompt and output limit: what a client that retries
+sends again, as the OpenAI SDKs do at ``retry-after-ms``); a stranger never takes a
+promised seat.  A client that comes back late loses its hold (it is then treated like
+any new request), and a promise not claimed within ``promise_grace_seconds`` of its time
+lapses.  Not every refused client comes back, so seats are held like an airline
+overbooks: in proportion to the share of promises that were claimed lately, so that
+clients who never return cannot keep seats idle.  A burst larger than the seats that
+free within ``max_retry_after_seconds`` gets no promise: it is told the longest wait,
+as overloaded.
 
 Pure bookkeeping on a clock; the event loop owns it.
 """
@@ -32,6 +36,7 @@ Pure bookkeeping on a clock; the event loop owns it.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -64,6 +69,8 @@ class Prediction:
     claims_promise: bool = False
     #: The learned margin included in ``ttft_seconds`` (see :attr:`TTFTPredictor.margin`).
     margin_seconds: float = 0.0
+    #: Clients promised a seat that admitting it would harm (0 when it harms none).
+    num_promised: int = 0
 
     def misses(self, objective_seconds: float) -> bool:
         """Would admitting it now miss an objective?  (Its own is never missed when
@@ -75,6 +82,32 @@ class Prediction:
             late = self.ttft_seconds > objective_seconds
         return late or self.harms_promised
 
+
+@dataclass(slots=True, frozen=True)
+class Refusal:
+    """A refusal's answer: when to come back, and what it would have waited for."""
+
+    retry_after_seconds: float
+    #: Its predicted TTFT had it waited behind everything queued and promised.
+    ttft_behind_seconds: float
+    #: A seat is held for it (False: too far ahead, the server is overloaded).
+    held: bool
+
+
+#: Promises whose outcome (claimed or lapsed) sets the share of seats held, and the share
+#: assumed before any: most clients retry (the OpenAI SDKs do, twice, at the time told),
+#: and seats held for all would leave none for a newcomer while one refused client does
+#: not come back.
+_RETURN_WINDOW = 32
+RETURN_PRIOR = 0.8
+
+#: A refused client back at its time is admitted unless its predicted TTFT passes this
+#: multiple of its objective (its seat was booked on a prediction), and a newcomer is
+#: refused only if it would push a promised client past that.
+LATE_TOLERANCE = 1.5
+
+#: A returning client may come back this much before its time and still claim its seat.
+EARLY_SECONDS = 0.25
 
 #: Recent TTFT errors kept, the fewest that set a margin, and the quantile it is.
 _TTFT_ERROR_WINDOW = 200
@@ -92,17 +125,25 @@ class TTFTPredictor:
         *,
         max_retry_after_seconds: float = 60.0,
         promise_grace_seconds: float = 1.5,
+        return_prior: float = RETURN_PRIOR,
     ) -> None:
         self._estimate = estimate
         self._clock = clock
         self.max_retry_after_seconds = max_retry_after_seconds
         self.promise_grace_seconds = promise_grace_seconds
-        #: Times at which refused clients were told to come back (a min-heap).
-        self._promises: list[float] = []
+        #: When refused clients were told to come back, and their requests' fingerprints
+        #: (a min-heap of (time, sequence, fingerprint)).
+        self._promises: list[tuple[float, int, bytes | None]] = []
+        self._sequence = itertools.count()
         #: Measured over predicted queue wait (EWMA of the log ratio).
         self._log_ratio = 0.0
-        #: Share of promises whose client came back (EWMA; seats are held in this share).
-        self.return_rate = 1.0
+        #: Whether each of the last promises due was claimed (seats are held in the share
+        #: that was: :attr:`return_rate`).
+        self._outcomes: deque[bool] = deque(maxlen=_RETURN_WINDOW)
+        self._return_prior = return_prior
+        #: Promises claimed by their clients, and lapsed unclaimed, since the start.
+        self.num_claimed = 0
+        self.num_lapsed = 0
         #: Measured minus predicted TTFT of recent admitted requests (before the margin).
         self._ttft_errors: deque[float] = deque(maxlen=_TTFT_ERROR_WINDOW)
 
@@ -160,12 +201,16 @@ class TTFTPredictor:
         num_free_seats: int,
         prompt_tokens: int,
         objective_seconds: float,
+        fingerprint: bytes | None = None,
+        request: Request | None = None,
     ) -> Prediction:
         """A request arriving now: when it would start, and whether that harms a client
-        promised a seat (the earliest promise whose time has come is taken to be this
-        arrival's own)."""
+        promised a seat (a promise to this request's ``fingerprint`` whose time has come
+        is its own: it claims it).  ``request``: the arrival itself, whose expected output
+        is how long it would hold its seat (default: a typical answer's)."""
         now = self._clock()
         self._expire(now)
+        own = self._own_promise(fingerprint, now)
         seats = self._seats(holders, queued_ahead, num_free_seats)
         wait = seats[0]
         prefill = self.prefill_seconds(prompt_tokens)
@@ -181,18 +226,24 @@ class TTFTPredictor:
         # Only clients yet to come back hold seats (a late one lost its hold), only those
         # due back while this request would be in its seat, and only in the share of
         # clients that do come back.
-        horizon = now + wait + prefill + self._own_output_seconds()
-        promises = self._held(p for p in self._promises if now < p <= horizon)
+        held_for = self._own_output_seconds(request)
+        horizon = now + wait + prefill + held_for
+        # (A promise whose time has come is held through its grace: its client may be
+        # on its way, up to a second late with a whole-second Retry-After.)
+        promises = self._held(p[0] for p in self._promises if p[0] <= horizon and p != own)
         # A client whose promise has come is first in line among the promised (they are
         # served in the order they were refused): later promises do not hold it back.
-        claims = bool(self._promises) and self._promises[0] <= now
+        claims = own is not None
         harms = False
         if promises and not claims:
-            # Take the seat, then see that every promised client still starts in time.
+            # Take the seat, then see that every promised client still starts in time: in
+            # the time it is itself held to when back (the late tolerance).
             mean_prompt = int(self._estimate().mean_prompt_tokens)
-            budget = max(0.0, objective_seconds - self.prefill_seconds(mean_prompt))
+            budget = max(
+                0.0, LATE_TOLERANCE * objective_seconds - self.prefill_seconds(mean_prompt)
+            )
             start = heapq.heappop(seats)
-            heapq.heappush(seats, start + prefill + self._own_output_seconds())
+            heapq.heappush(seats, start + prefill + held_for)
             for promised in promises:
                 back = max(0.0, promised - now)
                 begins = max(heapq.heappop(seats), back)
@@ -207,6 +258,7 @@ class TTFTPredictor:
             alone_seconds=prefill + margin,
             claims_promise=claims,
             margin_seconds=margin,
+            num_promised=len(promises) if harms else 0,
         )
 
     def waits(
@@ -226,12 +278,15 @@ class TTFTPredictor:
 
     # --- answering ---
 
-    def admitted(self) -> None:
-        """A request was admitted: it uses the earliest promise whose time has come."""
+    def admitted(self, fingerprint: bytes | None = None) -> None:
+        """A request was admitted: if it was a refused client back at its time, its
+        promise is used."""
         now = self._clock()
         self._expire(now)
-        if self._promises and self._promises[0] <= now:
-            heapq.heappop(self._promises)
+        own = self._own_promise(fingerprint, now)
+        if own is not None:
+            self._promises.remove(own)
+            heapq.heapify(self._promises)
             self._returned(True)
 
     def refuse(
@@ -241,26 +296,33 @@ class TTFTPredictor:
         num_free_seats: int,
         objective_seconds: float,
         prompt_tokens: int,
-    ) -> float:
-        """Book the seat that frees after everything queued and promised; returns the
-        seconds until the client should come back to take it within its objective."""
+        fingerprint: bytes | None = None,
+    ) -> Refusal:
+        """Book the seat that frees after everything queued and promised for the client
+        of ``fingerprint``: the seconds until it should come back to take it within its
+        objective (or the longest wait, with no seat held, when that is too far)."""
         now = self._clock()
         self._expire(now)
+        if fingerprint is not None:  # refused again: its new promise replaces the old
+            self._promises = [p for p in self._promises if p[2] != fingerprint]
+            heapq.heapify(self._promises)
         seats = self._seats(holders, queued_ahead, num_free_seats)
-        for promised in self._held(p for p in self._promises if p > now):
+        for promised in self._held(p[0] for p in self._promises if p[0] > now):
             begins = max(heapq.heappop(seats), promised - now)
             heapq.heappush(seats, begins + self.mean_service_seconds())
         slot = now + seats[0]
-        budget = max(0.0, objective_seconds - self.prefill_seconds(prompt_tokens) - self.margin)
-        last = max(self._promises, default=now)
+        prefill = self.prefill_seconds(prompt_tokens)
+        budget = max(0.0, objective_seconds - prefill - self.margin)
+        last = max((p[0] for p in self._promises), default=now)
         spacing = self.mean_service_seconds() / max(1, self._estimate().seat_limit)
         come_back = max(slot - budget / 2.0, last + spacing, now + 0.05)
+        behind = slot - now + prefill + self.margin
         if come_back > now + self.max_retry_after_seconds:
             # Too far to hold a seat for: told the longest wait, with no seat held (clients
             # refused now would otherwise all be booked at the cap, a herd).
-            return self.max_retry_after_seconds
-        heapq.heappush(self._promises, come_back)
-        return come_back - now
+            return Refusal(self.max_retry_after_seconds, behind, held=False)
+        heapq.heappush(self._promises, (come_back, next(self._sequence), fingerprint))
+        return Refusal(come_back - now, behind, held=True)
 
     # --- learning ---
 
@@ -277,18 +339,21 @@ class TTFTPredictor:
         self._ttft_errors.append(measured_seconds - predicted_seconds)
 
     def snapshot(self) -> dict[str, float | int]:
+        self._expire(self._clock())
         return {
             "mean_service_seconds": round(self.mean_service_seconds(), 4),
             "wait_correction": round(self.correction, 3),
             "ttft_margin_seconds": round(self.margin, 4),
             "promised_seats": len(self._promises),
+            "promises_claimed": self.num_claimed,
+            "promises_lapsed": self.num_lapsed,
             "promise_return_rate": round(self.return_rate, 3),
         }
 
     def _held(self, promised: Iterable[float]) -> list[float]:
         """The promises that hold a seat: in time order, ``return_rate`` of them."""
         held: list[float] = []
-        credit = 0.0
+        credit = 1.0 - self.return_rate  # the first is always held
         for time in sorted(promised):
             credit += self.return_rate
             if credit >= 1.0 - 1e-9:
@@ -296,9 +361,30 @@ class TTFTPredictor:
                 held.append(time)
         return held
 
+    def _own_promise(
+        self, fingerprint: bytes | None, now: float
+    ) -> tuple[float, int, bytes | None] | None:
+        """The earliest promise to ``fingerprint`` whose time has come (or nearly: a
+        client may be early by :data:`EARLY_SECONDS`), if any."""
+        if fingerprint is None:
+            return None
+        due = [p for p in self._promises if p[2] == fingerprint and p[0] <= now + EARLY_SECONDS]
+        return min(due, default=None)
+
+    @property
+    def return_rate(self) -> float:
+        """Share of the last promises due whose client came back, with a prior of
+        :data:`RETURN_PRIOR` (as if that share of two had): at least 5%."""
+        claimed = sum(self._outcomes)
+        rate = (claimed + 2 * self._return_prior) / (len(self._outcomes) + 2)
+        return max(0.05, rate)
+
     def _returned(self, came_back: bool) -> None:
-        self.return_rate += 0.05 * ((1.0 if came_back else 0.0) - self.return_rate)
-        self.return_rate = max(0.05, self.return_rate)
+        if came_back:
+            self.num_claimed += 1
+        else:
+            self.num_lapsed += 1
+        self._outcomes.append(came_back)
 
     def _seats(
         self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
@@ -313,12 +399,17 @@ class TTFTPredictor:
             heapq.heappush(seats, start + self.service_seconds(request))
         return seats
 
-    def _own_output_seconds(self) -> float:
+    def _own_output_seconds(self, request: Request | None = None) -> float:
         estimate = self._estimate()
-        return estimate.mean_output_tokens * estimate.step_seconds * self.correction
+        tokens = (
+            estimate.mean_output_tokens
+            if request is None
+            else _expected_output(request, estimate, produced=0)
+        )
+        return tokens * estimate.step_seconds * self.correction
 
     def _expire(self, now: float) -> None:
-        while self._promises and self._promises[0] < now - self.promise_grace_seconds:
+        while self._promises and self._promises[0][0] < now - self.promise_grace_seconds:
             heapq.heappop(self._promises)
             self._returned(False)
 
@@ -365,7 +456,7 @@ class SLOAdmission:
     #: A queued request is refused once its predicted TTFT passes this multiple of its
     #: objective (predictions err; a request close to its objective is still served), and
     #: so is a refused client back at its time (its seat was booked on a prediction too).
-    late_tolerance: float = 1.5
+    late_tolerance: float = LATE_TOLERANCE
 
     def refuses(self, priority_class: PriorityClass, prediction: Prediction) -> bool:
         """Is a new arrival of this class with this prediction refused?"""

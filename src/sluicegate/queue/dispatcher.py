@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
+from array import array
 from collections.abc import Callable, Mapping
 
 from sluicegate.admission.breaker import CircuitBreaker
@@ -157,11 +159,22 @@ class Dispatcher:
         request = ticket.request
         prompt = request.num_prompt_tokens - (peek(request) if peek else 0)
         objective = slo.objectives[pc].ttft_seconds
-        prediction = predictor.predict(holders, ahead, free, prompt, objective)
+        fingerprint = request_fingerprint(ticket)
+        prediction = predictor.predict(
+            holders, ahead, free, prompt, objective, fingerprint, request
+        )
         if slo.refuses(pc, prediction):
-            retry_after = predictor.refuse(holders, ahead, free, objective, prompt)
-            return slo_rejection(prediction.ttft_seconds, objective, retry_after)
-        predictor.admitted()
+            refusal = predictor.refuse(holders, ahead, free, objective, prompt, fingerprint)
+            return slo_rejection(
+                max(prediction.ttft_seconds, refusal.ttft_behind_seconds)
+                if not prediction.num_promised
+                else prediction.ttft_seconds,
+                objective,
+                refusal.retry_after_seconds,
+                held=refusal.held,
+                promised=prediction.num_promised,
+            )
+        predictor.admitted(fingerprint)
         ticket.predicted_wait_seconds = prediction.wait_seconds
         ticket.predicted_ttft_seconds = prediction.ttft_seconds
         ticket.ttft_margin_seconds = prediction.margin_seconds
@@ -196,14 +209,18 @@ class Dispatcher:
                     late.append((ticket, expected))
             for ticket, expected in late:
                 self.queue.remove(ticket.request_id)
-                retry_after = predictor.refuse(
+                refusal = predictor.refuse(
                     holders,
                     self._queued_ahead(pc),
                     free,
                     objective,
                     ticket.request.num_prompt_tokens,
+                    request_fingerprint(ticket),
                 )
-                self._refuse_with(ticket, slo_rejection(expected, objective, retry_after))
+                rejection = slo_rejection(
+                    expected, objective, refusal.retry_after_seconds, held=refusal.held
+                )
+                self._refuse_with(ticket, rejection)
 
     def position(self, ticket: Ticket) -> tuple[int, float]:
         """(0-based position, expected wait in seconds) of a queued request."""
@@ -352,3 +369,14 @@ def _request(item: QueueItem) -> Request:
     ticket = item.payload
     assert isinstance(ticket, Ticket)
     return ticket.request
+
+
+def request_fingerprint(ticket: Ticket) -> bytes:
+    """What recognises a refused client when it sends its request again: its tenant, its
+    prompt and its output limit (a retry sends the same body)."""
+    request = ticket.request
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(ticket.tenant.name.encode())
+    digest.update(b"\0%d\0%d\0" % (request.sampling.max_tokens, len(ticket.requests)))
+    digest.update(array("l", request.prompt_token_ids).tobytes())
+    return digest.digest()

@@ -40,6 +40,11 @@ class SeatLimitConfig:
     update_interval_seconds: float = 0.5
     #: Measured steps that count for feedback.
     feedback_window_seconds: float = 3.0
+    #: Never fewer seats than this (or ``max_num_seqs``): a second client arriving on an
+    #: idle server is served beside the first, not refused for the TPOT objective (on a
+    #: CPU a decode step of two costs about what a step of one does: it reads every
+    #: weight once whatever the batch).
+    min_seats: int = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -152,7 +157,8 @@ class SeatLimiter:
             ):
                 self.correction = min(1.5, self.correction * 1.05)
             target = math.floor(self.model_limit * self.correction)
-            self.limit = max(1, min(self.config.max_num_seqs, target))
+            floor = max(1, min(self.config.min_seats, self.config.max_num_seqs))
+            self.limit = max(floor, min(self.config.max_num_seqs, target))
         self.estimate = self._estimate()
         return self.limit != before
 
