@@ -123,6 +123,12 @@ def test_the_automatic_ttft_objective_is_twice_an_idle_256_token_prompt() -> Non
     assert auto_ttft_seconds(fast) == AUTO_TTFT_FLOOR_SECONDS
 
 
+def busy() -> list[Request]:
+    """Two requests far from done (20 s each): the engine is not idle, and their seats
+    free after anything these tests look at."""
+    return [request(max_tokens=400), request(max_tokens=400)]
+
+
 def client(i: int) -> bytes:
     """A request's fingerprint (what a refused client sends again)."""
     return b"client-%d" % i
@@ -146,16 +152,16 @@ def test_refusals_hold_seats_in_order_and_new_arrivals_do_not_take_them() -> Non
     # would take it for a second and make that client wait past its objective (and past
     # the 1.5x a client back at its time is held to).
     clock.advance(retry_afters[0] - 0.1)
-    fresh = p.predict([], [], 1, 10, objective, client(99))
+    fresh = p.predict(busy(), [], 1, 10, objective, client(99))
     assert fresh.wait_seconds == 0 and fresh.harms_promised and fresh.misses(objective)
     assert fresh.num_promised >= 1
     # Long before, a new request finishes in time: it may run.
-    assert not p.predict([], [], 1, 10, 5.0, client(99)).harms_promised
+    assert not p.predict(busy(), [], 1, 10, 5.0, client(99)).harms_promised
     # The refused client, back at its time, is not refused for its own seat; a stranger
     # arriving at the same moment is not taken for it.
     clock.advance(0.11)
-    assert not p.predict([], [], 1, 10, objective, client(0)).misses(objective)
-    assert p.predict([], [], 1, 10, objective, client(99)).harms_promised
+    assert not p.predict(busy(), [], 1, 10, objective, client(0)).misses(objective)
+    assert p.predict(busy(), [], 1, 10, objective, client(99)).harms_promised
 
 
 def test_a_returning_client_is_not_held_back_for_the_clients_refused_after_it() -> None:
@@ -170,9 +176,9 @@ def test_a_returning_client_is_not_held_back_for_the_clients_refused_after_it() 
     # new arrival would push them past their objective; the first, back on time, is first
     # in line among the promised, and takes it.
     clock.advance(retry_afters[0] - 0.3)
-    assert p.predict([], [], 1, 10, objective, client(0)).harms_promised  # too early
+    assert p.predict(busy(), [], 1, 10, objective, client(0)).harms_promised  # too early
     clock.advance(0.31)
-    back = p.predict([], [], 1, 10, objective, client(0))
+    back = p.predict(busy(), [], 1, 10, objective, client(0))
     assert back.claims_promise and not back.harms_promised and not back.misses(objective)
 
 
@@ -188,7 +194,7 @@ def test_an_admission_uses_its_own_promise_and_unclaimed_promises_lapse() -> Non
     p.admitted(client(1))  # the client came back: its seat is used
     assert p.snapshot()["promised_seats"] == 1 and p.snapshot()["promises_claimed"] == 1
     clock.advance(60.0)  # nobody came for the other one
-    p.predict([], [], 1, 10, 1.0)
+    p.predict(busy(), [], 1, 10, 1.0)
     assert p.snapshot()["promised_seats"] == 0 and p.snapshot()["promises_lapsed"] == 1
     assert p.return_rate < 1.0
 
@@ -284,6 +290,17 @@ def test_a_newcomer_may_delay_a_promised_client_within_its_late_tolerance() -> N
     # 0.1 s before that client is due, one seat is free: a newcomer taking it for 1 s
     # delays the client by 0.9 s: past 1.5 x 0.4 s.  Refused, and told why.
     clock.advance(retry - 0.1)
-    assert p.predict([], [], 1, 10, 0.4, client(2)).harms_promised
+    assert p.predict(busy(), [], 1, 10, 0.4, client(2)).harms_promised
     # With a 0.8 s objective the delay is within 1.5x of it: admitted.
-    assert not p.predict([], [], 1, 10, 0.8, client(2)).harms_promised
+    assert not p.predict(busy(), [], 1, 10, 0.8, client(2)).harms_promised
+
+
+def test_an_idle_engine_admits_a_newcomer_whatever_is_promised() -> None:
+    p, clock = predictor()
+    holders = [request(produced=10)]  # the only seat frees in 0.5 s
+    retry = p.refuse(holders, [], 0, 0.4, 10, client(1)).retry_after_seconds
+    clock.advance(retry - 0.1)
+    # One request held, or none, and nothing queued: not refused for the promise.
+    assert not p.predict([], [], 1, 10, 0.4, client(2)).harms_promised
+    assert not p.predict([request(max_tokens=400)], [], 1, 10, 0.4, client(2)).harms_promised
+    assert p.predict(busy(), [], 1, 10, 0.4, client(2)).harms_promised

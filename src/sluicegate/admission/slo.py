@@ -106,6 +106,10 @@ RETURN_PRIOR = 0.8
 #: refused only if it would push a promised client past that.
 LATE_TOLERANCE = 1.5
 
+#: Fewer requests held than this, and none queued: a newcomer is admitted whatever is
+#: promised (two clients at once on an idle server are never refused).
+IDLE_BELOW = 2
+
 #: A returning client may come back this much before its time and still claim its seat.
 EARLY_SECONDS = 0.25
 
@@ -235,7 +239,11 @@ class TTFTPredictor:
         # served in the order they were refused): later promises do not hold it back.
         claims = own is not None
         harms = False
-        if promises and not claims:
+        # An engine holding fewer than two requests, with none queued, is idle enough
+        # that a newcomer is never refused for promises: the seats promised are for
+        # clients not back yet, and work it could start at once is not turned away.
+        idle = len(holders) < IDLE_BELOW and not queued_ahead
+        if promises and not claims and not idle:
             # Take the seat, then see that every promised client still starts in time: in
             # the time it is itself held to when back (the late tolerance).
             mean_prompt = int(self._estimate().mean_prompt_tokens)
