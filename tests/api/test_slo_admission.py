@@ -128,12 +128,14 @@ async def test_clients_that_come_back_at_the_advertised_time_are_admitted() -> N
     # fake clock, for a client back at its time).
     assert all(outcomes[-1].status == 200 for outcomes in clients), clients
     # A refusal with a seat held says so, and shows a prediction past the objective (or
-    # names the promised clients it would make late).
+    # names the promised clients it would make late); the client back at its time with
+    # the same request takes that seat: admitted at its first retry.
     for outcomes in clients:
         for refused in outcomes[:-1]:
             assert refused.refusal == "slo_unreachable", refused
             assert "a seat is held for it" in refused.message
             assert "promised to" in refused.message or predicted(refused) > TTFT_OBJECTIVE
+        assert len(outcomes) <= 2, outcomes
 
 
 def predicted(outcome: Outcome) -> float:

@@ -200,3 +200,36 @@ async def test_a_queued_request_whose_deadline_slips_is_told_at_once() -> None:
     assert h.refused == [waiting] and waiting.rejection is not None
     assert waiting.rejection.reason.value == "slo_unreachable"
     assert waiting.rejection.http_status == 429
+
+
+async def test_a_client_back_at_its_time_takes_its_seat_even_after_the_limit_is_cut() -> None:
+    clock = FakeClock()
+    h = slo_harness(clock)
+    h.capacity = DispatchCapacity(3, 1 << 20, 16)  # three slots, a seat limit of one
+    h.dispatcher.capacity = h.capacity
+    h.capacity.set_seat_limit(1)
+
+    def ticket(rid: str, prompt: list[int]) -> Ticket:
+        admitted = h.admission.admit(TENANT, PriorityClass.INTERACTIVE, 3, 8)
+        assert isinstance(admitted, Admitted)
+        request = Request(rid, prompt, SamplingParams(max_tokens=8, seed=1))
+        return Ticket(request, TENANT, PriorityClass.INTERACTIVE, admitted, clock())
+
+    await h.dispatcher.enqueue(ticket("running", [9]))
+    await h.dispatcher.enqueue(ticket("queued-1", [8]))
+    await h.dispatcher.enqueue(ticket("queued-2", [7]))
+    with pytest.raises(APIError) as info:
+        await h.dispatcher.enqueue(ticket("client", [1, 2, 3]))
+    assert info.value.headers["x-sluicegate-refusal"] == "slo_unreachable"
+    clock.advance(float(info.value.headers["retry-after-ms"]) / 1000.0)
+    # It comes back at its time with the same request; the queue is still ahead of it
+    # (the engine ran slower than booked).  It takes its seat at once, above the limit.
+    back = ticket("client-again", [1, 2, 3])
+    await h.dispatcher.enqueue(back)
+    assert back.booked and back.state is TicketState.DISPATCHED
+    assert h.submitted == ["running", "client-again"]
+    # A stranger at the same moment is not taken for it: it waits behind the queue.
+    stranger = ticket("stranger", [4, 5, 6])
+    await h.dispatcher.enqueue(stranger)
+    assert not stranger.booked and stranger.state is TicketState.QUEUED
+    assert h.submitted == ["running", "client-again"]

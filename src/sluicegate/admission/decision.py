@@ -236,3 +236,23 @@ def slo_rejection(
     )
     rejection.refusal = "slo_unreachable" if held else "overloaded"
     return rejection
+
+
+def deadline_rejection(predicted_seconds: float | None, deadline_in_seconds: float) -> Rejection:
+    """Its answer would not be done by the deadline it stated (``x-sluicegate-deadline``):
+    predicted at admission, or the deadline passed while it was queued (None).  No
+    ``Retry-After``: coming back later cannot meet an absolute deadline."""
+    if predicted_seconds is None:
+        why = "its deadline (x-sluicegate-deadline) passed while it waited for the engine"
+    else:
+        why = (
+            f"it would finish in about {predicted_seconds:.1f}s, after its deadline "
+            f"(x-sluicegate-deadline) {max(0.0, deadline_in_seconds):.1f}s from now"
+        )
+    return Rejection(
+        RejectReason.SLO_UNREACHABLE,
+        429,
+        f"The server cannot finish this request in time: {why}.",
+        None,
+        code="deadline_unreachable",
+    )

@@ -466,11 +466,21 @@ class SLOAdmission:
     #: so is a refused client back at its time (its seat was booked on a prediction too).
     late_tolerance: float = LATE_TOLERANCE
 
-    def refuses(self, priority_class: PriorityClass, prediction: Prediction) -> bool:
-        """Is a new arrival of this class with this prediction refused?"""
-        if priority_class not in self.enforced:
+    def refuses(
+        self,
+        priority_class: PriorityClass,
+        prediction: Prediction,
+        stated_seconds: float | None = None,
+    ) -> bool:
+        """Is a new arrival of this class with this prediction refused?  A request that
+        stated its own objective (``stated_seconds``) is held to it whatever its class."""
+        if stated_seconds is None and priority_class not in self.enforced:
             return False
-        objective = self.objectives[priority_class].ttft_seconds
+        objective = (
+            stated_seconds
+            if stated_seconds is not None
+            else self.objectives[priority_class].ttft_seconds
+        )
         if prediction.claims_promise:
             objective *= self.late_tolerance
         return prediction.misses(objective)

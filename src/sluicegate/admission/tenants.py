@@ -63,6 +63,12 @@ class TenantConfig(BaseModel):
         description="The pace its readers read at, declared (QoE, qoe scheduling; None: "
         "the server's reading_tokens_per_second, until a client shows its own).",
     )
+    ttft_slo_ms_range: tuple[float, float] | None = Field(
+        None,
+        description="The TTFT objectives (ms) its requests may state for themselves "
+        "(x-sluicegate-ttft-slo-ms), as [lowest, highest] (None: from 50 ms to 10x its "
+        "class's objective).",
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +84,7 @@ class Tenant:
     max_concurrent: int | None = None
     max_tokens_per_second: float | None = None
     reading_tokens_per_second: float | None = None
+    ttft_slo_ms_range: tuple[float, float] | None = None
 
     @classmethod
     def from_config(cls, config: TenantConfig) -> Tenant:
@@ -91,6 +98,7 @@ class Tenant:
             max_concurrent=config.max_concurrent,
             max_tokens_per_second=config.max_tokens_per_second,
             reading_tokens_per_second=config.reading_tokens_per_second,
+            ttft_slo_ms_range=config.ttft_slo_ms_range,
         )
 
 

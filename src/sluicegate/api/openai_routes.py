@@ -9,6 +9,8 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from starlette.responses import Response
 
+from sluicegate.admission.request_objective import RequestObjective, request_objective
+from sluicegate.admission.tenants import Tenant
 from sluicegate.api import prefill
 from sluicegate.api.access import not_found, owner_admits, presented_resume_token
 from sluicegate.api.body import parse_json, read_body
@@ -22,6 +24,7 @@ from sluicegate.errors import APIError, invalid_param
 from sluicegate.pipeline.embedding import embedding_available
 from sluicegate.service.collect import collect
 from sluicegate.service.service import Service
+from sluicegate.types import PriorityClass
 
 router = APIRouter()
 
@@ -120,8 +123,9 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
         )
         return json_response(job_view(record), status_code=202)
     req = prepared.req
+    objective = stated_objective(service, request, tenant, req.priority)
     prefill.supersede(state, service, tenant.name, req.user or "")
-    generation = await submit_prepared(service, tenant, prepared, arrival)
+    generation = await submit_prepared(service, tenant, prepared, arrival, objective)
     if req.stream:
         # A resumable stream: logged event by event, it survives its connection.
         session = await ready.sessions.open(
@@ -134,6 +138,17 @@ async def handle(request: HTTPRequest, kind: Kind) -> Response:
     return json_response(
         response_body(service, prepared, generation, output, answer), headers=generation.headers
     )
+
+
+def stated_objective(
+    service: Service, request: HTTPRequest, tenant: Tenant, priority: str | None
+) -> RequestObjective:
+    """What the request's headers state for it (its own TTFT objective, its deadline),
+    checked against its tenant's range; raises the 400 that names a bad header."""
+    priority_class = PriorityClass(priority) if priority else tenant.priority_class
+    slo = service.slo
+    class_ttft = slo.objectives[priority_class].ttft_seconds if slo is not None else None
+    return request_objective(request.headers, tenant, class_ttft)
 
 
 def parse_and_prepare(service: Service, kind: Kind, raw: bytes) -> tuple[bool, Prepared]:

@@ -3,6 +3,7 @@ stages it is submitted with (``docs/pipelines.md``)."""
 
 from __future__ import annotations
 
+from sluicegate.admission.request_objective import RequestObjective
 from sluicegate.admission.tenants import Tenant
 from sluicegate.api.prepare import Prepared
 from sluicegate.errors import APIError
@@ -44,10 +45,14 @@ async def open_stages(service: Service, prepared: Prepared) -> StageChain | None
 
 
 async def submit_prepared(
-    service: Service, tenant: Tenant, prepared: Prepared, arrival: float
+    service: Service,
+    tenant: Tenant,
+    prepared: Prepared,
+    arrival: float,
+    objective: RequestObjective | None = None,
 ) -> Generation:
     """Submit a prepared request (a pipeline's: checked, with its output stages, timed
-    from ``arrival``, before its retrieval)."""
+    from ``arrival``, before its retrieval), with what it stated for itself."""
     req = prepared.req
     chain = await open_stages(service, prepared)
     try:
@@ -62,6 +67,7 @@ async def submit_prepared(
             upstream_call=prepared.upstream_call,
             chain=chain,
             arrival_time=None if prepared.pipeline is None else arrival,
+            objective=objective,
         )
     except BaseException:
         if chain is not None:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,29 +92,31 @@ def startup(out: Path, extra_args: list[str] | None = None) -> list[StartRun]:
     """Cold then warm, quiet then with a busy core (four starts)."""
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for busy in (False, True):
-        cache = out / ("cache-busy" if busy else "cache-quiet")
-        for kind in ("cold", "warm"):
-            label = f"{kind}, {'one core busy' if busy else 'quiet'}"
-            run = StartRun(label, kind, busy)
-            with busy_core(busy):
-                _start(run, cache, out, extra_args or [])
-            runs.append(run)
+    # The cache directories and job journals are the servers' scratch: not results.
+    with tempfile.TemporaryDirectory(prefix="sluicegate-startup-") as scratch:
+        for busy in (False, True):
+            cache = Path(scratch) / ("cache-busy" if busy else "cache-quiet")
+            for kind in ("cold", "warm"):
+                label = f"{kind}, {'one core busy' if busy else 'quiet'}"
+                run = StartRun(label, kind, busy)
+                with busy_core(busy):
+                    _start(run, cache, out, Path(scratch), extra_args or [])
+                runs.append(run)
     document = [dataclasses.asdict(run) for run in runs]
     (out / "results.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     return runs
 
 
-def _start(run: StartRun, cache: Path, out: Path, extra_args: list[str]) -> None:
+def _start(run: StartRun, cache: Path, out: Path, scratch: Path, extra_args: list[str]) -> None:
+    name = run.label.replace(", ", "-").replace(" ", "-")
     args = [
         "--cache-dir",
         str(cache),
         "--journal-path",
-        str(out / f"jobs-{run.label}"),
+        str(scratch / f"jobs-{name}.sqlite3"),
         *extra_args,
     ]
     launched = time.monotonic()
-    name = run.label.replace(", ", "-").replace(" ", "-")
     server = start_server_with_args(args, out / f"{name}.log", ready_timeout_seconds=600)
     run.ready_seconds = time.monotonic() - launched
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import time
 from array import array
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from sluicegate.admission.breaker import CircuitBreaker
 from sluicegate.admission.decision import (
     Rejection,
     RejectReason,
+    deadline_rejection,
     queue_timeout_rejection,
     slo_rejection,
 )
@@ -75,6 +77,8 @@ class Dispatcher:
         self._submit = submit
         self._on_refused = on_refused
         self._wake = asyncio.Event()
+        #: (deadline, request id) of queued requests that stated one (a min-heap).
+        self._deadlines: list[tuple[float, str]] = []
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -111,6 +115,11 @@ class Dispatcher:
             enqueued_at=ticket.enqueued_at,
             payload=ticket,
         )
+        if ticket.booked and self.capacity.try_reserve_all(ticket.requests, booked=True):
+            self._dispatch(ticket, time.monotonic())  # its promised seat, ahead of the queue
+            return
+        if ticket.objective.deadline is not None:
+            heapq.heappush(self._deadlines, (ticket.objective.deadline, request.request_id))
         deadline = ticket.enqueued_at + self.max_queue_wait_seconds
         while True:
             result = self.queue.offer(item)
@@ -158,12 +167,26 @@ class Dispatcher:
         peek = self.capacity.cached_prefix
         request = ticket.request
         prompt = request.num_prompt_tokens - (peek(request) if peek else 0)
-        objective = slo.objectives[pc].ttft_seconds
+        stated = ticket.objective
+        objective = (
+            stated.ttft_seconds
+            if stated.ttft_seconds is not None
+            else slo.objectives[pc].ttft_seconds
+        )
         fingerprint = request_fingerprint(ticket)
         prediction = predictor.predict(
             holders, ahead, free, prompt, objective, fingerprint, request
         )
-        if slo.refuses(pc, prediction):
+        if stated.deadline is not None:
+            now = time.monotonic()
+            finish = prediction.wait_seconds + predictor.service_seconds(request)
+            if now + finish > stated.deadline:
+                return deadline_rejection(finish, stated.deadline - now)
+        if prediction.claims_promise:
+            # Back at its time for the seat it was promised: it takes it, whatever the
+            # prediction says now (the seats may have been cut since the booking).
+            ticket.booked = True
+        elif slo.refuses(pc, prediction, stated.ttft_seconds):
             refusal = predictor.refuse(holders, ahead, free, objective, prompt, fingerprint)
             return slo_rejection(
                 max(prediction.ttft_seconds, refusal.ttft_behind_seconds)
@@ -175,7 +198,8 @@ class Dispatcher:
                 promised=prediction.num_promised,
             )
         predictor.admitted(fingerprint)
-        ticket.predicted_wait_seconds = prediction.wait_seconds
+        # A booked request starts at once: its predicted wait says nothing of the queue's.
+        ticket.predicted_wait_seconds = None if ticket.booked else prediction.wait_seconds
         ticket.predicted_ttft_seconds = prediction.ttft_seconds
         ticket.ttft_margin_seconds = prediction.margin_seconds
         return None
@@ -205,7 +229,8 @@ class Dispatcher:
                 assert isinstance(ticket, Ticket)
                 prompt = ticket.request.num_prompt_tokens
                 expected = now - ticket.enqueued_at + wait + predictor.prefill_seconds(prompt)
-                if expected > objective * slo.late_tolerance:
+                own = ticket.objective.ttft_seconds
+                if expected > (objective if own is None else own) * slo.late_tolerance:
                     late.append((ticket, expected))
             for ticket, expected in late:
                 self.queue.remove(ticket.request_id)
@@ -217,8 +242,12 @@ class Dispatcher:
                     ticket.request.num_prompt_tokens,
                     request_fingerprint(ticket),
                 )
+                own = ticket.objective.ttft_seconds
                 rejection = slo_rejection(
-                    expected, objective, refusal.retry_after_seconds, held=refusal.held
+                    expected,
+                    objective if own is None else own,
+                    refusal.retry_after_seconds,
+                    held=refusal.held,
                 )
                 self._refuse_with(ticket, rejection)
 
@@ -328,8 +357,21 @@ class Dispatcher:
             now = time.monotonic()
             for expired in self.queue.expire(now, self.max_queue_wait_seconds):
                 self._refuse(expired, "timeout")
+            self._refuse_past_deadlines(now)
             self._pump(now)
             self._refuse_unreachable(now)
+
+    def _refuse_past_deadlines(self, now: float) -> None:
+        """Refuse the queued requests whose stated deadline has passed."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            item = self.queue.get(request_id)
+            if item is None:
+                continue  # started, or gone
+            self.queue.remove(request_id)
+            ticket = item.payload
+            assert isinstance(ticket, Ticket)
+            self._refuse_with(ticket, deadline_rejection(None, 0.0))
 
     def _pump(self, now: float) -> None:
         while (item := self.queue.peek_next()) is not None:

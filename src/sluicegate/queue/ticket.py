@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluicegate.admission.controller import Admitted
 from sluicegate.admission.decision import Rejection
+from sluicegate.admission.request_objective import RequestObjective
 from sluicegate.admission.tenants import Tenant
 from sluicegate.scheduler.request import Request
 from sluicegate.types import PriorityClass
@@ -45,6 +46,11 @@ class Ticket:
     #: The other choices' sequences of a request for ``n`` > 1 on the embedded core
     #: (``request`` is the first): dispatched together, each with a seat of its own.
     siblings: tuple[Request, ...] = ()
+    #: A refused client back at its time: it takes the seat promised to it, ahead of
+    #: new arrivals.
+    booked: bool = False
+    #: What the request stated for itself (its own TTFT objective, its deadline).
+    objective: RequestObjective = field(default_factory=RequestObjective)
 
     @property
     def request_id(self) -> str:

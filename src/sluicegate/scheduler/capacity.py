@@ -72,18 +72,20 @@ class DispatchCapacity:
             self._kv_tokens += kv
             return True
 
-    def try_reserve_all(self, requests: Sequence[Request]) -> bool:
+    def try_reserve_all(self, requests: Sequence[Request], *, booked: bool = False) -> bool:
         """Reserve a seat and the worst-case KV of each request, all or none: the choices
         of one answer (``n`` > 1) start together.  Choices that need more seats than are
         open now still start on an engine that holds nothing else (they can never fit
-        otherwise), as long as ``max_num_seqs`` has room for them."""
+        otherwise), as long as ``max_num_seqs`` has room for them.  A ``booked`` request
+        (a refused client back at the time its seat was promised) takes a seat above the
+        seat limit too, within ``max_num_seqs``: the limit may have been cut since."""
         kv = [self.kv_tokens_for(r.max_total_tokens) for r in requests]
         with self._lock:
             if any(r.request_id in self._holding for r in requests):
                 return False
             num_seats = self._num_seats + len(requests)
             seats = num_seats <= self.seat_limit or (
-                self._num_seats == 0 and num_seats <= self.max_num_seqs
+                (self._num_seats == 0 or booked) and num_seats <= self.max_num_seqs
             )
             if not seats or self._kv_tokens + sum(kv) > self.kv_capacity_tokens:
                 return False

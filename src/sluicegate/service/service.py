@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from sluicegate.admission.controller import Admitted
 from sluicegate.admission.decision import Rejection, RejectReason
 from sluicegate.admission.limits import BucketFactory
+from sluicegate.admission.request_objective import RequestObjective
 from sluicegate.admission.tenants import AuthError, Tenant
 from sluicegate.config import Settings
 from sluicegate.engine.base import CoreHooks, EngineCore, StepStats
@@ -191,6 +192,7 @@ class Service:
         upstream_call: UpstreamCall | None = None,
         chain: StageChain | None = None,
         arrival_time: float | None = None,
+        objective: RequestObjective | None = None,
     ) -> Generation:
         """Admit and queue a request; it reaches the engine when the dispatcher has room.
 
@@ -202,6 +204,8 @@ class Service:
         submission.  Raises the :class:`APIError` that refuses it.  A pipeline's request
         comes with its output stages (``chain``: the engine writes its head; the caller
         closes it if this raises) and arrived before its retrieval (``arrival_time``).
+        ``objective``: what the request stated for itself (its own TTFT objective, its
+        deadline: :mod:`~sluicegate.admission.request_objective`).
         """
         request = Request(
             request_id=request_id,
@@ -227,7 +231,13 @@ class Service:
             request_charged=request_charged,
         )
         ticket = Ticket(
-            request, tenant, priority_class, admitted, time.monotonic(), siblings=siblings
+            request,
+            tenant,
+            priority_class,
+            admitted,
+            time.monotonic(),
+            siblings=siblings,
+            objective=objective or RequestObjective(),
         )
         token = new_resume_token() if resume_token_sha256 is None else None
         digest = resume_token_digest(token) if token is not None else resume_token_sha256 or ""
