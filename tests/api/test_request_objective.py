@@ -13,7 +13,7 @@ import httpx
 from tests.support.inprocess import serve_in_process
 
 MODEL = "sluicegate-sim"
-#: Two seats at 20 ms a step: two 100-token answers hold the engine for about 2 s.
+#: Two seats at 20 ms a step: two 60-token answers hold the engine for about 1.2 s.
 SIM = {"sim_step_base_ms": 20, "sim_step_per_token_ms": 0.0, "max_num_seqs": 2}
 
 
@@ -22,12 +22,12 @@ def body(prompt: str, max_tokens: int = 8) -> dict[str, object]:
 
 
 async def occupy(client: httpx.AsyncClient) -> list[asyncio.Task[httpx.Response]]:
-    """Both seats, for about 2 s; returns once they are taken."""
+    """Both seats, for about 1.2 s; returns once they are taken."""
     tasks = [
-        asyncio.create_task(client.post("/v1/completions", json=body(f"long {i}", 100)))
+        asyncio.create_task(client.post("/v1/completions", json=body(f"long {i}", 60)))
         for i in range(2)
     ]
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.2)
     return tasks
 
 
@@ -35,7 +35,7 @@ async def test_a_looser_objective_is_admitted_where_the_class_would_refuse() -> 
     async with serve_in_process(**SIM, ttft_slo_ms=500, tpot_slo_ms=1000) as app:
         busy = await occupy(app.client)
         refused = await app.client.post("/v1/completions", json=body("class"))
-        assert refused.status_code == 429  # ~1.7 s to a seat: past 0.5 s
+        assert refused.status_code == 429  # ~0.9 s to a seat: past 0.5 s
         loose = await app.client.post(
             "/v1/completions", json=body("loose"), headers={"x-sluicegate-ttft-slo-ms": "5000"}
         )

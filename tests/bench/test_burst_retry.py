@@ -107,7 +107,12 @@ def test_every_refused_client_retries_once_at_the_advertised_time(
 
     # The summary counts what the samples show.
     tolerance = load_scenario("burst-retry").retry_after.on_time_tolerance_seconds
-    on_time = [s for s in retried if abs(s["retry_lateness_seconds"]) <= tolerance]
+    # A refusal that held a seat says so; one that did not (overloaded) is counted apart.
+    assert {s["attempts"][0]["refusal"] for s in refused} <= {"slo_unreachable", "overloaded"}
+    held = [s for s in retried if s["attempts"][0]["refusal"] == "slo_unreachable"]
+    unheld = [s for s in retried if s["attempts"][0]["refusal"] == "overloaded"]
+    assert summary["num_retries_unheld"] == len(unheld)
+    on_time = [s for s in held if abs(s["retry_lateness_seconds"]) <= tolerance]
     # Admitted: taken (200) and not refused later in the stream (a busy machine's retry
     # may be refused by an error event after its 200).
     admitted = [
@@ -122,7 +127,7 @@ def test_every_refused_client_retries_once_at_the_advertised_time(
     else:
         assert fraction is None
     (check,) = summary["targets"]
-    assert check["name"] == "retries at the advertised time admitted"
+    assert check["name"] == "retries at the advertised time admitted (a seat held)"
     assert check["value"] == (None if fraction is None else pytest.approx(fraction))
     # Per stage: the burst (3x) is where the refusals are.
     burst, calm = summary["stages"]

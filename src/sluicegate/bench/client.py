@@ -235,6 +235,7 @@ def _read_refusal(stream: RawStream, attempt: Attempt, sent: float, head_at: flo
     attempt.error = _error_message(raw.strip(), error) or f"HTTP {attempt.status}"
     attempt.error_code = _error_code(error)
     attempt.retry_after_seconds = retry_after_seconds(stream.headers)
+    attempt.refusal = stream.headers.get("x-sluicegate-refusal")
     if attempt.retry_after_seconds is not None:
         attempt.refused_after_seconds = head_at - sent
 

@@ -41,6 +41,9 @@ class Attempt:
     #: When to come back: ``retry-after-ms``, else ``Retry-After``, else an error event's
     #: ``retry_after_ms``.
     retry_after_seconds: float | None = None
+    #: ``x-sluicegate-refusal`` of a refusal by objective: ``slo_unreachable`` (a seat is
+    #: held at its Retry-After) or ``overloaded`` (none is); None for other servers.
+    refusal: str | None = None
     #: Seconds since sent when the refusal arrived (the response head, or the error
     #: event); a retry is due this long plus ``retry_after_seconds`` after sending.
     refused_after_seconds: float | None = None
@@ -102,6 +105,7 @@ class Attempt:
             "error": self.error,
             "error_code": self.error_code,
             "retry_after_seconds": self.retry_after_seconds,
+            "refusal": self.refusal,
             "refused_after_seconds": self.refused_after_seconds,
             "refused_in_stream": self.refused_in_stream,
             "prompt_tokens": self.prompt_tokens,

@@ -60,6 +60,8 @@ def headline(stats: GroupStats) -> dict[str, Any]:
         "refusal_p99_seconds": pct("refusal_latency", "p99"),
         "num_retries_on_time": stats.num_retries_on_time,
         "retry_on_time_admitted_fraction": stats.retry_on_time_admitted_fraction,
+        "num_retries_unheld": stats.num_retries_unheld,
+        "num_retries_unheld_admitted": stats.num_retries_unheld_admitted,
         "retry_lateness_p99_seconds": pct("retry_lateness", "p99"),
     }
 

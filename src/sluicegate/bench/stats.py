@@ -24,7 +24,9 @@ reported separately (how often it then succeeded).  With admission control, thre
   counts with the time it waited, a lower bound, so a stalled queue cannot hide.
 - *refusal latency*: sent (just before connect) to the complete 429/503 response.
 - *retries at the advertised time*: retries sent within ``on_time_tolerance_seconds``
-  of the refusal's arrival plus its advertised wait, and the fraction of them admitted.
+  of the refusal's arrival plus its advertised wait, and the fraction of them admitted;
+  retries of refusals that said no seat was held (``x-sluicegate-refusal: overloaded``)
+  are counted apart.
 """
 
 from __future__ import annotations
@@ -102,6 +104,10 @@ class GroupStats:
     refusal_latency: Percentiles | None = None
     num_retries_on_time: int = 0
     num_retries_on_time_admitted: int = 0
+    #: Retries of refusals that said no seat was held (``x-sluicegate-refusal:
+    #: overloaded``), and those admitted: not counted among the retries on time.
+    num_retries_unheld: int = 0
+    num_retries_unheld_admitted: int = 0
     retry_on_time_admitted_fraction: float | None = None
     retry_lateness: Percentiles | None = None
     prompt_tokens: int = 0
@@ -248,7 +254,11 @@ def _admission_figures(stats: GroupStats, samples: Sequence[Sample], policy: Ret
         if late is None or retry is None:
             continue
         lateness.append(late)
-        if abs(late) <= policy.on_time_tolerance_seconds:
+        if attempt.refusal == "overloaded":
+            # Told that no seat was held for it: its retry is counted apart.
+            stats.num_retries_unheld += 1
+            stats.num_retries_unheld_admitted += retry.admitted
+        elif abs(late) <= policy.on_time_tolerance_seconds:
             stats.num_retries_on_time += 1
             if retry.admitted:
                 stats.num_retries_on_time_admitted += 1

@@ -232,9 +232,14 @@ def check_targets(
                 f"{value:.0%} ({everything.num_retries_on_time_admitted}"
                 f"/{everything.num_retries_on_time})"
             )
+        if everything is not None and everything.num_retries_unheld:
+            shown += (
+                f"; told no seat was held: {everything.num_retries_unheld}, of which "
+                f"{everything.num_retries_unheld_admitted} admitted later"
+            )
         checks.append(
             TargetCheck(
-                "retries at the advertised time admitted",
+                "retries at the advertised time admitted (a seat held)",
                 f"≥ {goal:.0%}",
                 value,
                 shown,
