@@ -18,8 +18,8 @@ import pytest
 
 #: Files of more than ~5 s of tests each in one ``make test``, longest first.
 LONGEST_FIRST = (
-    "tests/engine/torch/test_compiled.py",
     "tests/engine/torch/test_smollm2.py",
+    "tests/engine/torch/test_compiled.py",
     "tests/tools/test_model.py",
     "tests/clients/test_embedded_model.py",
     "tests/upstream/test_peers.py",
@@ -29,10 +29,13 @@ LONGEST_FIRST = (
     "tests/clients/test_openai_tools.py",
     "tests/engine/torch/test_sampling_surface_model.py",
     "tests/test_server.py",
+    "tests/api/test_idle_refusals.py",
     "tests/resume/test_replicas.py",
     "tests/engine/torch/test_grammar.py",
     "tests/reliability/test_hostile_upstream.py",
     "tests/upstream/test_gateway.py",
+    "tests/bench/test_startup.py",
+    "tests/api/test_request_objective.py",
     "tests/stream/test_flow_e2e.py",
     "tests/bench/test_compare.py",
     "tests/web/test_dashboard.py",
