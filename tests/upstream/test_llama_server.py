@@ -59,6 +59,8 @@ def test_llama_server_answers_pass_through_unchanged(llama_server: Peer, tmp_pat
         # Its /metrics are read: a line inside it would show as waiting there.
         upstream = next(iter(gateway.stats()["upstreams"].values()))
         assert upstream["healthy"]
+        # Its four slots (-np 4, its /props total_slots) are the most it is given.
+        assert upstream["limit"] == 4
     finally:
         gateway.stop()
 

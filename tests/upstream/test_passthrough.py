@@ -297,11 +297,11 @@ async def test_models_report_the_upstreams_context_and_requests_are_checked_by_i
 
 async def test_a_llama_cpp_upstream_reports_the_context_of_a_slot() -> None:
     """llama-server's /v1/models gives the model's training context; a request gets one
-    slot's (its /props)."""
+    slot's (its /props), and it runs as many at once as it has slots."""
     upstream = ScriptedUpstream(
         always(text("ok", 0, "stop")),
         model_entry={"id": MODEL, "object": "model", "meta": {"n_ctx_train": 8192}},
-        props={"default_generation_settings": {"n_ctx": 1024}},
+        props={"default_generation_settings": {"n_ctx": 1024}, "total_slots": 8},
     ).start()
     try:
         async with serve_in_process(
@@ -312,6 +312,10 @@ async def test_a_llama_cpp_upstream_reports_the_context_of_a_slot() -> None:
                 (MODEL, 1024),
                 (EMBEDDING_MODEL, 8192),
             ]
+            # Its eight slots are its limit (the configured default is higher), and the
+            # limit never grows past them.
+            (held,) = (await app.stats())["upstreams"].values()
+            assert held["limit"] == 8
     finally:
         upstream.stop()
 

@@ -372,15 +372,26 @@ class UpstreamPool:
 
     async def _slot_context(self, upstream: Upstream) -> int | None:
         """llama.cpp's context per slot (its /props), which is what one request gets:
-        its /v1/models gives the model's training context only."""
+        its /v1/models gives the model's training context only.  Its slots
+        (``total_slots``) are how many it runs at once: its limit is never more (an
+        8-slot llama-server given 10 queues two inside, where no promise sees them)."""
         try:
             response = await upstream.client.get(
                 "/props", timeout=self.settings.upstream_connect_timeout_seconds
             )
-            settings = response.json().get("default_generation_settings") or {}
+            props = response.json()
+            settings = props.get("default_generation_settings") or {}
             n_ctx = settings.get("n_ctx")
+            slots = props.get("total_slots")
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
+        if isinstance(slots, int) and slots > 0:
+            upstream.reported_seats = slots
+            if upstream.limit > slots:
+                logger.info(
+                    "upstream %s: limit %d -> %d (its slots)", upstream.name, upstream.limit, slots
+                )
+                upstream.limit = slots
         return n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
 
     async def _read_load(self, upstream: Upstream) -> None:
