@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from sluicegate.admission.controller import AdmissionController, Admitted
+from sluicegate.admission.request_objective import RequestObjective
 from sluicegate.admission.retry_after import ServiceRateEstimator
 from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor
 from sluicegate.admission.tenants import Tenant, TenantRegistry
@@ -233,3 +234,13 @@ async def test_a_client_back_at_its_time_takes_its_seat_even_after_the_limit_is_
     await h.dispatcher.enqueue(stranger)
     assert not stranger.booked and stranger.state is TicketState.QUEUED
     assert h.submitted == ["running", "client-again"]
+
+
+async def test_deadlines_of_requests_no_longer_queued_are_not_kept() -> None:
+    h = Harness(max_num_seqs=1000)
+    for i in range(500):  # each starts at once: nothing stays queued
+        ticket = h.ticket(f"r{i}")
+        ticket.objective = RequestObjective(deadline=time.monotonic() + 3600)
+        await h.dispatcher.enqueue(ticket)
+    assert len(h.submitted) == 500
+    assert len(h.dispatcher._deadlines) <= 64 + 1

@@ -120,6 +120,11 @@ class Dispatcher:
             return
         if ticket.objective.deadline is not None:
             heapq.heappush(self._deadlines, (ticket.objective.deadline, request.request_id))
+            if len(self._deadlines) > 2 * len(self.queue) + 64:
+                # Those that started or left: dropped, so that the heap stays the queue's
+                # size however many requests state a far deadline.
+                self._deadlines = [d for d in self._deadlines if d[1] in self.queue]
+                heapq.heapify(self._deadlines)
         deadline = ticket.enqueued_at + self.max_queue_wait_seconds
         while True:
             result = self.queue.offer(item)

@@ -37,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from sluicegate.config import Settings
 from sluicegate.engine.upstream.network import bounded_transport
+from sluicegate.engine.upstream.props import llama_props
 from sluicegate.engine.upstream.signals import Latency, context_length, load_signals, split_models
 from sluicegate.upstream_settings import ContinueStyle, UpstreamConfig
 
@@ -354,7 +355,13 @@ class UpstreamPool:
                 str(m["id"]): length for m in entries if (length := context_length(m)) is not None
             }
             if any("meta" in m for m in entries):  # llama.cpp: a slot holds less
-                slot = await self._slot_context(upstream)
+                props = await llama_props(
+                    upstream.client, self.settings.upstream_connect_timeout_seconds
+                )
+                if props.slots is not None:  # its slots: the most it runs at once
+                    upstream.reported_seats = props.slots
+                    upstream.limit = min(upstream.limit, props.slots)
+                slot = props.slot_context
                 if slot is not None:
                     lengths = {name: min(length, slot) for name, length in lengths.items()}
             return [str(m["id"]) for m in entries], lengths
@@ -369,30 +376,6 @@ class UpstreamPool:
             health = await upstream.client.get("/health", timeout=timeout)
         health.raise_for_status()
         return list(upstream.config.models.values()), {}
-
-    async def _slot_context(self, upstream: Upstream) -> int | None:
-        """llama.cpp's context per slot (its /props), which is what one request gets:
-        its /v1/models gives the model's training context only.  Its slots
-        (``total_slots``) are how many it runs at once: its limit is never more (an
-        8-slot llama-server given 10 queues two inside, where no promise sees them)."""
-        try:
-            response = await upstream.client.get(
-                "/props", timeout=self.settings.upstream_connect_timeout_seconds
-            )
-            props = response.json()
-            settings = props.get("default_generation_settings") or {}
-            n_ctx = settings.get("n_ctx")
-            slots = props.get("total_slots")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
-        if isinstance(slots, int) and slots > 0:
-            upstream.reported_seats = slots
-            if upstream.limit > slots:
-                logger.info(
-                    "upstream %s: limit %d -> %d (its slots)", upstream.name, upstream.limit, slots
-                )
-                upstream.limit = slots
-        return n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
 
     async def _read_load(self, upstream: Upstream) -> None:
         try:
