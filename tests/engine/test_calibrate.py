@@ -64,7 +64,10 @@ def saved_warm_up(
     monkeypatch: pytest.MonkeyPatch, engine: ScriptedEngine, path: Path, slots: int = 16
 ) -> list[tuple[int, int, int, float]]:
     monkeypatch.setattr(calibrate.time, "perf_counter", engine.clock)
-    observations = calibrate.warm_up(cast(Engine, engine), slots, 1024, 512, saved=path)
+    return rows(calibrate.warm_up(cast(Engine, engine), slots, 1024, 512, saved=path))
+
+
+def rows(observations: calibrate.Observations) -> list[tuple[int, int, int, float]]:
     return [(s.num_seqs, s.num_batched_tokens, s.num_context_tokens, t) for s, t in observations]
 
 
@@ -165,8 +168,7 @@ def started(
 ) -> tuple[list[tuple[int, int, int, float]], calibrate.Remaining | None]:
     monkeypatch.setattr(calibrate.time, "perf_counter", engine.clock)
     first, remaining = calibrate.start_calibration(cast(Engine, engine), 16, 1024, 512, saved=path)
-    rows = [(s.num_seqs, s.num_batched_tokens, s.num_context_tokens, t) for s, t in first]
-    return rows, remaining
+    return rows(first), remaining
 
 
 def test_a_cold_start_serves_on_three_shapes_and_runs_the_warm_up_step_by_step(

@@ -41,6 +41,10 @@ class RequestObjective:
     #: When its answer must be done, on the ``time.monotonic`` clock.
     deadline: float | None = None
 
+    def ttft_or(self, class_seconds: float) -> float:
+        """Its own TTFT objective, else its class's."""
+        return class_seconds if self.ttft_seconds is None else self.ttft_seconds
+
 
 def request_objective(
     headers: Mapping[str, str],

@@ -476,11 +476,8 @@ class SLOAdmission:
         stated its own objective (``stated_seconds``) is held to it whatever its class."""
         if stated_seconds is None and priority_class not in self.enforced:
             return False
-        objective = (
-            stated_seconds
-            if stated_seconds is not None
-            else self.objectives[priority_class].ttft_seconds
-        )
+        class_seconds = self.objectives[priority_class].ttft_seconds
+        objective = class_seconds if stated_seconds is None else stated_seconds
         if prediction.claims_promise:
             objective *= self.late_tolerance
         return prediction.misses(objective)

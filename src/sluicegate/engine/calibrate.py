@@ -114,36 +114,33 @@ def start_calibration(
     left to run in the background (None: nothing; see the module docstring)."""
     plans = _plans(num_slots, max_model_len, max_num_batched_tokens)
     shapes = [_shape(plan) for plan in plans]
-    first = _first_plans(plans)
-    now = dict(_medians(_time(engine, first, repeats=1)))
+    now = dict(_medians(_time(engine, _first_plans(plans), repeats=1)))
     engine.step(StepPlan(freed_kv_slots=list(range(num_slots))))
     before = _read_saved(saved, shapes) if saved is not None else None
-    remaining = Remaining(list(plans), repeats, [], shapes, saved)
     if before is None:
         logger.info(
             "serving on a first fit of %d shapes, each timed once; the warm-up runs while "
             "the engine is idle",
             len(now),
         )
-        remaining.first = [(shape, seconds * COLD_CAUTION) for shape, seconds in now.items()]
-        return remaining.first, remaining
+        first = [(shape, seconds * COLD_CAUTION) for shape, seconds in now.items()]
+        return first, Remaining(list(plans), repeats, [], shapes, saved, first)
     moved = {shape: seconds / before[shape][1] for shape, seconds in now.items()}
     low, high = min(moved.values()), max(moved.values())
-    if high <= CHECK_SPREAD * low:
-        factor, remaining_or_none = statistics.median(moved.values()), None
+    if _agreed(moved):
+        factor = statistics.median(moved.values())
         logger.info("saved calibration reused, scaled by %.2f (%.2f-%.2fx)", factor, low, high)
-    else:
-        # Until the warm-up is in: the saved times scaled as the shape that moved most.
-        factor, remaining_or_none = high, remaining
-        logger.info(
-            "saved calibration: the cheap shapes moved by %.2f-%.2fx: serving on it scaled "
-            "by %.2f; the warm-up runs while the engine is idle",
-            low,
-            high,
-            high,
-        )
-    remaining.first = [(s, now.get(s, before[s][0] * factor)) for s in shapes]
-    return remaining.first, remaining_or_none
+        return [(s, now.get(s, before[s][0] * factor)) for s in shapes], None
+    # Until the warm-up is in: the saved times scaled as the shape that moved most.
+    logger.info(
+        "saved calibration: the cheap shapes moved by %.2f-%.2fx: serving on it scaled "
+        "by %.2f; the warm-up runs while the engine is idle",
+        low,
+        high,
+        high,
+    )
+    first = [(s, now.get(s, before[s][0] * high)) for s in shapes]
+    return first, Remaining(list(plans), repeats, [], shapes, saved, first)
 
 
 def _first_plans(plans: list[StepPlan]) -> list[StepPlan]:
@@ -179,17 +176,16 @@ class Remaining:
     def done(self) -> bool:
         return not self.plans
 
-    def fits(self, num_free_slots: int) -> bool:
-        """Can a step be taken in this many free slots?"""
-        if self._runs:  # a shape under way goes on
-            return len(self.plans[0].sequences) <= num_free_slots
-        return any(len(plan.sequences) <= num_free_slots for plan in self.plans)
-
     def slots_needed(self) -> int:
-        """The slots of the next step: the shape under way's, else the smallest left."""
+        """The slots of the next step: the shape under way's (it goes on), else the
+        smallest left."""
         if self._runs:
             return len(self.plans[0].sequences)
         return min(len(plan.sequences) for plan in self.plans)
+
+    def fits(self, num_free_slots: int) -> bool:
+        """Can a step be taken in this many free slots?"""
+        return self.slots_needed() <= num_free_slots
 
     def step(self, engine: Engine, free_slots: list[int]) -> None:
         """Run one step of the next shape that fits in ``free_slots`` (see :meth:`fits`),
@@ -226,13 +222,8 @@ class Remaining:
 
     def observations(self) -> Observations:
         """Every shape measured here, and the first fit's others."""
-        measured = dict(_medians(self.timings()))
-        first = dict(self.first)
-        return [
-            (shape, measured.get(shape, first.get(shape, 0.0)))
-            for shape in self.shapes
-            if shape in measured or shape in first
-        ]
+        known = dict(self.first) | dict(_medians(self.timings()))
+        return [(shape, known[shape]) for shape in self.shapes if shape in known]
 
     def snapshot(self) -> dict[str, int]:
         return {"shapes_measured": len(self.measured), "shapes_left": len(self.plans)}
@@ -302,8 +293,7 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
         return None
     cheap = _cheapest(plans, {shape: fastest for shape, (_, fastest) in before.items()})
     last, moved = _check(engine, cheap, before, repeats, CHECK_ATTEMPTS)
-    low, high = min(moved.values()), max(moved.values())
-    if high > CHECK_SPREAD * low:
+    if not _agreed(moved):
         logger.info("saved calibration not reused: measuring every shape")
         return None
     factor = statistics.median(moved.values())
@@ -312,8 +302,8 @@ def _reuse(engine: Engine, plans: list[StepPlan], repeats: int, saved: Path) -> 
         "times), the rest scaled by %.2f",
         len(moved),
         len(shapes),
-        low,
-        high,
+        min(moved.values()),
+        max(moved.values()),
         factor,
     )
     now = dict(_medians(last))  # the check that agreed
@@ -362,17 +352,21 @@ def _check(
         # then: the others may have been slowed by something else on the machine (which
         # only ever adds time), and so may a saved median.
         moved = {shape: min(seconds) / before[shape][1] for shape, seconds in timings.items()}
-        low, high = min(moved.values()), max(moved.values())
-        if high <= CHECK_SPREAD * low:
+        if _agreed(moved):
             break
         logger.info(
             "saved calibration: the cheap shapes moved by %.2f-%.2fx (check %d of %d)",
-            low,
-            high,
+            min(moved.values()),
+            max(moved.values()),
             attempt,
             attempts,
         )
     return last, moved
+
+
+def _agreed(moved: dict[StepShape, float]) -> bool:
+    """Did every shape move by the same factor (within :data:`CHECK_SPREAD`)?"""
+    return max(moved.values()) <= CHECK_SPREAD * min(moved.values())
 
 
 def _cheapest(plans: list[StepPlan], fastest: dict[StepShape, float]) -> list[StepPlan]:

@@ -300,8 +300,7 @@ class EmbeddedCore:
         assert remaining is not None
         kv = self.scheduler.kv
         try:
-            if not remaining.fits(len(kv.empty_slots())):
-                kv.evict_cached(remaining.slots_needed())
+            kv.evict_cached(remaining.slots_needed())  # nothing when enough are empty
             remaining.step(self.engine, kv.empty_slots())
         except Exception:
             logger.exception("a calibration step failed; the live fit goes on alone")

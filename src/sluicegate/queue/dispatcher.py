@@ -173,11 +173,7 @@ class Dispatcher:
         request = ticket.request
         prompt = request.num_prompt_tokens - (peek(request) if peek else 0)
         stated = ticket.objective
-        objective = (
-            stated.ttft_seconds
-            if stated.ttft_seconds is not None
-            else slo.objectives[pc].ttft_seconds
-        )
+        objective = stated.ttft_or(slo.objectives[pc].ttft_seconds)
         fingerprint = request_fingerprint(ticket)
         prediction = predictor.predict(
             holders, ahead, free, prompt, objective, fingerprint, request
@@ -191,6 +187,7 @@ class Dispatcher:
             # Back at its time for the seat it was promised: it takes it, whatever the
             # prediction says now (the seats may have been cut since the booking).
             ticket.booked = True
+            predictor.admitted(fingerprint)
         elif slo.refuses(pc, prediction, stated.ttft_seconds):
             refusal = predictor.refuse(holders, ahead, free, objective, prompt, fingerprint)
             return slo_rejection(
@@ -202,7 +199,6 @@ class Dispatcher:
                 held=refusal.held,
                 promised=prediction.num_promised,
             )
-        predictor.admitted(fingerprint)
         # A booked request starts at once: its predicted wait says nothing of the queue's.
         ticket.predicted_wait_seconds = None if ticket.booked else prediction.wait_seconds
         ticket.predicted_ttft_seconds = prediction.ttft_seconds
@@ -234,8 +230,7 @@ class Dispatcher:
                 assert isinstance(ticket, Ticket)
                 prompt = ticket.request.num_prompt_tokens
                 expected = now - ticket.enqueued_at + wait + predictor.prefill_seconds(prompt)
-                own = ticket.objective.ttft_seconds
-                if expected > (objective if own is None else own) * slo.late_tolerance:
+                if expected > ticket.objective.ttft_or(objective) * slo.late_tolerance:
                     late.append((ticket, expected))
             for ticket, expected in late:
                 self.queue.remove(ticket.request_id)
@@ -247,10 +242,9 @@ class Dispatcher:
                     ticket.request.num_prompt_tokens,
                     request_fingerprint(ticket),
                 )
-                own = ticket.objective.ttft_seconds
                 rejection = slo_rejection(
                     expected,
-                    objective if own is None else own,
+                    ticket.objective.ttft_or(objective),
                     refusal.retry_after_seconds,
                     held=refusal.held,
                 )
