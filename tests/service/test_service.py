@@ -139,6 +139,23 @@ async def test_a_request_refused_after_queueing_gets_the_reason(
     service.cancel(running)
 
 
+async def test_a_client_gone_before_reading_its_refusal_is_counted_once(
+    make_service: Callable[..., Awaitable[Service]],
+) -> None:
+    service = await make_service(
+        max_num_seqs=1, max_num_batched_tokens=64, max_queue_wait_seconds=0.1
+    )
+    running = await submit(service, "running", 2000)
+    late = await submit(service, "late", 5)
+    await until(lambda: late.ticket is not None and late.ticket.rejection is not None)
+    service.cancel(late)  # its client left before it read the refusal waiting for it
+    assert counter(service, "rejections_total", "queue_timeout") == 1
+    assert counter(service, "cancellations_total") == 0
+    assert late.life is Life.COMPLETED and counter(service, "requests_total", "refused") == 1
+    service.cancel(running)
+    assert counter(service, "cancellations_total") == 1
+
+
 async def test_a_client_gone_while_waiting_for_a_full_queue_leaves_nothing_behind(
     make_service: Callable[..., Awaitable[Service]],
 ) -> None:

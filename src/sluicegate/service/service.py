@@ -335,6 +335,11 @@ class Service:
         """The client went away or cancelled: abort the sequence before the next step."""
         if generation.ended:
             return
+        ticket = generation.ticket
+        if ticket is not None and ticket.rejection is not None:
+            # Refused from the queue, left before reading it: counted once, as refused.
+            self._end(generation, Life.COMPLETED, "refused")
+            return
         self._let_go(generation)
         self.metrics.cancellations_total.inc()
         self._end(generation, Life.CANCELLED, status)
