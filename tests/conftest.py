@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import order, slow_rule
+from tests.support import cpu_usage, order, slow_rule
 from tests.support.model_server import (
     READY_TIMEOUT_SECONDS,
     awake,
@@ -64,10 +64,18 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
     _guard.test = item.nodeid
+    if _cpu is not None:
+        _cpu.start()
     try:
         return (yield)
     finally:
         _guard.test = None
+        if _cpu is not None:
+            _cpu.stop(item.nodeid)
+
+
+#: ``SLUICEGATE_TEST_CPU=<file>``: each test's CPU, its servers' included (cpu_usage.py).
+_cpu = cpu_usage.recorder()
 
 
 @pytest.fixture(scope="session")
