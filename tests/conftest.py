@@ -12,6 +12,7 @@ import platform
 import signal
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,14 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_rule.mark(items)
+    order.check_groups(items)
     order.longest_files_first(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Files that share an expensive session fixture run on one worker (order.GROUPS)."""
+    return order.make_scheduler(config, log)
 
 
 def _fast_run(config: pytest.Config) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import time
 from pathlib import Path
 
 ENV = "SLUICEGATE_TEST_CPU"
@@ -54,19 +55,25 @@ def tree_cpu_seconds(root: int | None = None) -> float:
 
 
 class Recorder:
-    """Appends ``<seconds>\\t<nodeid>`` lines to the file named by :data:`ENV`."""
+    """Appends ``<cpu seconds>\\t<nodeid>\\t<worker>\\t<start>\\t<end>`` lines (times
+    since the epoch) to the file named by :data:`ENV`."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self._start = 0.0
+        self._started = 0.0
 
     def start(self) -> None:
         self._start = tree_cpu_seconds()
+        self._started = time.time()
 
     def stop(self, nodeid: str) -> None:
         used = tree_cpu_seconds() - self._start
         with open(self.path, "a") as out:
-            out.write(f"{used:.2f}\t{nodeid}\n")
+            out.write(
+                f"{used:.2f}\t{nodeid}\t{self.worker}\t{self._started:.2f}\t{time.time():.2f}\n"
+            )
 
 
 def recorder() -> Recorder | None:
@@ -76,9 +83,15 @@ def recorder() -> Recorder | None:
 
 def main(path: str) -> None:
     by_file: collections.Counter[str] = collections.Counter()
+    spans: dict[str, list[float]] = {}
     for line in Path(path).read_text().splitlines():
-        seconds, nodeid = line.split("\t", 1)
+        seconds, nodeid, worker, start, end = line.split("\t")
         by_file[nodeid.split("::", 1)[0]] += float(seconds)
+        span = spans.setdefault(worker, [float(start), float(end)])
+        span[0], span[1] = min(span[0], float(start)), max(span[1], float(end))
+    first = min(span[0] for span in spans.values())
+    for worker, (start, end) in sorted(spans.items()):
+        print(f"{worker}: tests from {start - first:.0f} s to {end - first:.0f} s")
     print(f"{sum(by_file.values()):.0f} s of CPU in {len(by_file)} files")
     for name, seconds in by_file.most_common():
         print(f"{seconds:8.1f}  {name}")
