@@ -3,8 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sluicegate-installed
-# The bytecode of what the tests import, written once after an install (below).
-WARM := $(VENV)/.sluicegate-bytecode
 # The CPU build of PyTorch that lies on this machine's disk; an unpinned torch pulls CUDA.
 # pyproject.toml's torch extra pins the same (tests/test_cli.py checks the two agree).
 TORCH_SPEC := torch==2.13.0
@@ -68,16 +66,8 @@ typecheck: $(STAMP)
 PYTEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 
-pytest: $(STAMP) $(WARM)
+pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
-
-# Once after an install: one collection of the suite, on one core, writes the bytecode of
-# every module the tests and the servers import and the tests' rewritten asserts.  Left to
-# the workers, each of the three compiled them at once: a fresh install's first
-# collection took 34 s of CPU, a later one 13 s (the workers' cost three times over).
-$(WARM): $(STAMP)
-	$(BIN)/python -m pytest --collect-only -q > /dev/null 2>&1 || true  # the run reports errors
-	touch $(WARM)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
 # Two workers, test by test (--dist load): the tests are short and many, and mostly
@@ -94,7 +84,7 @@ MYPY_LOG := $(VENV)/.mypy.log
 
 test: lint
 	$(BIN)/mypy > $(MYPY_LOG) 2>&1 & typing=$$!; \
-	$(MAKE) --no-print-directory $(WARM) && $(MAKE) --no-print-directory pytest; tests=$$?; \
+	$(MAKE) --no-print-directory pytest; tests=$$?; \
 	wait $$typing; typed=$$?; cat $(MYPY_LOG); \
 	test $$tests -eq 0 && test $$typed -eq 0
 

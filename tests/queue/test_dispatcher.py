@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -244,3 +245,27 @@ async def test_deadlines_of_requests_no_longer_queued_are_not_kept() -> None:
         await h.dispatcher.enqueue(ticket)
     assert len(h.submitted) == 500
     assert len(h.dispatcher._deadlines) <= 64 + 1
+
+
+async def test_the_loop_ticks_only_while_requests_are_queued() -> None:
+    """Queued requests expire with time, so the loop looks every tick while any is queued;
+    with none, only an event wakes it (an idle server does not wake 20 times a second)."""
+    h = Harness(max_num_seqs=1, wait_seconds=30.0)
+    ticks: list[float] = []
+    expire = h.dispatcher.queue.expire
+
+    def counted(now: float, max_wait: float) -> Any:
+        ticks.append(now)
+        return expire(now, max_wait)
+
+    h.dispatcher.queue.expire = counted  # type: ignore[method-assign]
+    h.dispatcher.start()
+    await asyncio.sleep(0.3)  # six ticks
+    assert ticks == []
+    await h.dispatcher.enqueue(h.ticket("running"))
+    await h.dispatcher.enqueue(h.ticket("queued"))
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while len(ticks) < 3:
+        assert time.monotonic() < deadline, "the loop does not tick while a request waits"
+        await asyncio.sleep(0.01)
+    await h.dispatcher.stop()

@@ -6,6 +6,7 @@ The fake scheduler plays the pause state's owner: flow control only asks it.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.scheduler.request import Request, SamplingParams
@@ -145,3 +146,40 @@ def test_unregistering_a_paused_stream_resumes_it() -> None:
     assert scheduler.calls[-1] == ("resume", "r")
     produce(flow, 50)  # no longer watched
     assert scheduler.calls.count(("pause", "r")) == 1
+
+
+async def test_the_monitor_wakes_only_while_a_stream_is_registered(monkeypatch: Any) -> None:
+    """An idle server's flow monitor sleeps until a stream comes (it polled every 20 ms)."""
+    import asyncio
+
+    from sluicegate.stream import flow as flow_module
+
+    sleeps: list[float] = []
+
+    class CountedSleeps:
+        """The flow module's ``asyncio``, its sleeps counted."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(asyncio, name)
+
+        async def sleep(self, seconds: float) -> None:
+            sleeps.append(seconds)
+            await asyncio.sleep(seconds)
+
+    monkeypatch.setattr(flow_module, "asyncio", CountedSleeps())
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=1000, seed=1))
+    controller = FlowController(FlowConfig(check_interval_seconds=0.01), FakeScheduler({}))
+    controller.start()
+    await asyncio.sleep(0.2)  # twenty of its intervals
+    assert sleeps == []
+    controller.register(StreamFlow(RequestStream("r"), request))
+    deadline = time.monotonic() + 30
+    while not sleeps:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    controller.unregister("r")
+    await asyncio.sleep(0.1)
+    polled = len(sleeps)
+    await asyncio.sleep(0.2)
+    assert len(sleeps) == polled
+    await controller.stop()

@@ -3,6 +3,8 @@ concurrent writer: another replica on the machine) never sees a half-written one
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -24,3 +26,20 @@ def atomic_path(target: Path, suffix: str = ".tmp") -> Iterator[Path]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextmanager
+def one_at_a_time(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock`` (created if need be) for the block: processes
+    that would make the same cache entry make it one after another, and the later ones
+    find it made.  Where the lock cannot be created (a read-only cache), no lock."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock, "a")  # noqa: SIM115 - held for the block, closed below
+    except OSError:
+        yield
+        return
+    with handle:
+        with contextlib.suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield

@@ -157,6 +157,7 @@ class Dispatcher:
         for victim in result.evicted:
             self._refuse(victim, "drop-oldest: a newer request took its place in the full queue")
         self._pump(time.monotonic())  # straight to the engine when it has room
+        self._wake.set()  # the loop ticks while anything is queued
 
     def _predict(self, ticket: Ticket) -> Rejection | None:
         """Under admission by objective: its predicted TTFT, or the refusal that it misses."""
@@ -349,8 +350,12 @@ class Dispatcher:
 
     async def _dispatch_loop(self) -> None:
         while True:
+            # Queued requests expire, and their objectives become unreachable, with time:
+            # looked at every tick.  With none queued only an event can change anything
+            # (an idle server does not wake up).
+            tick = _TICK_SECONDS if len(self.queue) else None
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_TICK_SECONDS):
+                async with asyncio.timeout(tick):
                     await self._wake.wait()
             self._wake.clear()
             now = time.monotonic()

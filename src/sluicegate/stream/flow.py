@@ -235,6 +235,8 @@ class FlowController:
         #: Told the stage that held the backlog of each pause it asks for.
         self.on_pause = on_pause
         self._flows: dict[str, StreamFlow] = {}
+        #: Set while a stream is registered: the monitor polls only then.
+        self._watching = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -277,6 +279,7 @@ class FlowController:
 
     def register(self, flow: StreamFlow) -> None:
         self._flows[flow.stream.request_id] = flow
+        self._watching.set()
         flow.produced.on_put = lambda _stream: self.check(flow)
 
     def unregister(self, request_id: str) -> None:
@@ -343,6 +346,9 @@ class FlowController:
         # A reader that catches up gives no event (the kernel drains its queue silently),
         # so paused and lagging streams are polled.
         while True:
+            if not self._flows:  # nothing to watch: no wake-ups (an idle server sleeps)
+                self._watching.clear()
+                await self._watching.wait()
             await asyncio.sleep(self.config.check_interval_seconds)
             now = time.monotonic()
             for flow in list(self._flows.values()):

@@ -86,3 +86,50 @@ def test_hf_config_parsing() -> None:
         hf_model_args(LLAMA_CONFIG | {"model_type": "qwen2"})
     with pytest.raises(ValueError, match="rope scaling"):
         hf_model_args(LLAMA_CONFIG | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_loads_of_one_model_at_once_convert_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache miss waits for whoever holds the entry's lock, then reads what it wrote."""
+    import threading
+
+    from sluicegate.engine.files import one_at_a_time
+
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF")
+    written: dict[Path, str] = {}
+    missed = threading.Semaphore(0)
+    converted: list[str] = []
+
+    def read(entry: Path, weights_file: Path) -> object:
+        if weights_file not in written:
+            missed.release()
+        return written.get(weights_file)
+
+    def convert(path: Path, dtype: torch.dtype, entry: Path, weights_file: Path) -> object:
+        converted.append(threading.current_thread().name)
+        return "converted here"
+
+    monkeypatch.setattr(loader, "_read_cached_checkpoint", read)
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    entry = loader._cache_entry(model, tmp_path / "cache")
+    weights_file = entry / "model-float32.safetensors"
+    results: list[object] = []
+    with one_at_a_time(weights_file.with_suffix(".lock")):  # another process converting
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(
+                    loader._load_gguf_cached(model, torch.float32, tmp_path / "cache")
+                )
+            )
+            for _ in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for _ in threads:
+            assert missed.acquire(timeout=30)  # both found nothing cached
+        written[weights_file] = "converted elsewhere"
+    for thread in threads:
+        thread.join(30)
+    assert converted == [] and results == ["converted elsewhere"] * 2

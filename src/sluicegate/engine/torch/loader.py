@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from sluicegate.engine.files import atomic_path
+from sluicegate.engine.files import atomic_path, one_at_a_time
 from sluicegate.engine.sampling_defaults import RecommendedSampling
 from sluicegate.engine.tokenizer import CHATML_TEMPLATE, ChatTemplate, TextTokenizer
 from sluicegate.engine.torch.convert import fuse_layer_weights, hf_model_args
@@ -259,22 +259,35 @@ def _load_gguf_cached(
 ) -> Checkpoint:
     entry = _cache_entry(path, cache_dir)
     weights_file = entry / f"model-{dtype_name(dtype)}.safetensors"
-    meta = _read_cached_meta(entry)
-    if meta is not None and weights_file.is_file():
-        try:
-            state_dict = _read_safetensors([weights_file])
-        except Exception:  # a corrupt cache file: rebuild it below
-            state_dict = None
-        if state_dict is not None:
-            tok = Tokenizer.from_file(str(entry / "tokenizer.json"))
-            return Checkpoint(
-                name=meta["name"],
-                args=ModelArgs.from_dict(meta["args"]),
-                state_dict=state_dict,
-                tokenizer=_text_tokenizer_from_meta(tok, meta),
-                sampling=RecommendedSampling.from_json(meta.get("sampling") or {}),
-            )
+    cached = _read_cached_checkpoint(entry, weights_file)
+    if cached is not None:
+        return cached
+    # Replicas (or test workers) starting together on one machine convert once: the
+    # others wait, then read what the first wrote.
+    with one_at_a_time(weights_file.with_suffix(".lock")):
+        cached = _read_cached_checkpoint(entry, weights_file)
+        return cached if cached is not None else _convert_gguf(path, dtype, entry, weights_file)
 
+
+def _read_cached_checkpoint(entry: Path, weights_file: Path) -> Checkpoint | None:
+    meta = _read_cached_meta(entry)
+    if meta is None or not weights_file.is_file():
+        return None
+    try:
+        state_dict = _read_safetensors([weights_file])
+    except Exception:  # a corrupt cache file: rebuilt by the caller
+        return None
+    tok = Tokenizer.from_file(str(entry / "tokenizer.json"))
+    return Checkpoint(
+        name=meta["name"],
+        args=ModelArgs.from_dict(meta["args"]),
+        state_dict=state_dict,
+        tokenizer=_text_tokenizer_from_meta(tok, meta),
+        sampling=RecommendedSampling.from_json(meta.get("sampling") or {}),
+    )
+
+
+def _convert_gguf(path: Path, dtype: torch.dtype, entry: Path, weights_file: Path) -> Checkpoint:
     gguf = read_gguf(path, with_tensors=True)
     args = gguf_model_args(gguf)
     tok, meta = _gguf_tokenizer_and_meta(gguf.metadata, path)
