@@ -64,13 +64,17 @@ class APIError(Exception):
 
     def event_body(self) -> dict[str, Any]:
         """The body as a stream's final event, which has no headers to say when to retry:
-        ``retry_after_ms`` carries it instead."""
+        ``retry_after_ms`` carries it instead (and ``refusal`` the
+        ``x-sluicegate-refusal`` header)."""
         body = self.body()
         retry_ms = self.headers.get("retry-after-ms")
         if retry_ms is None and "retry-after" in self.headers:
             retry_ms = str(int(self.headers["retry-after"]) * 1000)
         if retry_ms is not None:
             body["error"]["retry_after_ms"] = int(retry_ms)
+        # And x-sluicegate-refusal: whether a seat is held at that time.
+        if (refusal := self.headers.get("x-sluicegate-refusal")) is not None:
+            body["error"]["refusal"] = refusal
         return body
 
     def to_response(self) -> Response:

@@ -9,6 +9,7 @@ from sluicegate.admission.decision import (
     format_reset_duration,
     queue_full_rejection,
     queue_timeout_rejection,
+    slo_rejection,
 )
 
 
@@ -109,3 +110,14 @@ def test_reason_values_are_the_metric_labels() -> None:
         "auth",
         "store_unavailable",
     ]
+
+
+def test_a_refusal_in_a_stream_says_what_its_headers_would() -> None:
+    """A streamed request refused after its 200 (from the queue) gets the headers'
+    contents in its final error event: when to come back, and whether a seat is held."""
+    for held, refusal in ((True, "slo_unreachable"), (False, "overloaded")):
+        error = slo_rejection(2.0, 1.0, 1.5, held=held).to_error()
+        event = error.event_body()["error"]
+        assert event["retry_after_ms"] == 1500 and event["refusal"] == refusal
+        assert event["code"] == "slo_unreachable"
+    assert "refusal" not in queue_full_rejection("full", 1.0).to_error().event_body()["error"]

@@ -63,7 +63,14 @@ async def stream_once(client: httpx.AsyncClient, prompt: str, max_tokens: int = 
         if line.startswith('data: {"error"'):
             # Admitted, then told in the stream that its objective became unreachable.
             error = orjson.loads(line[6:])["error"]
-            return Outcome(429, None, error.get("retry_after_ms"), error["code"])
+            return Outcome(
+                429,
+                None,
+                error.get("retry_after_ms"),
+                error["code"],
+                error.get("refusal"),
+                error["message"],
+            )
         if line.startswith("data: {"):
             usage = orjson.loads(line[6:]).get("usage") or usage
     assert usage is not None, response.text

@@ -59,6 +59,7 @@ def slo_error(retry_after_ms: float | None) -> dict[str, object]:
     }
     if retry_after_ms is not None:
         error["retry_after_ms"] = retry_after_ms
+        error["refusal"] = "slo_unreachable"
     return {"error": error}
 
 
@@ -178,7 +179,7 @@ def test_a_final_error_event_with_retry_after_ms_is_a_refusal() -> None:
         assert first.status == 200 and first.outcome is Outcome.REJECTED
         assert first.refused_in_stream and not first.refused_by_status and not first.admitted
         assert sample.rejected
-        assert first.error_code == "slo_unreachable"
+        assert first.error_code == "slo_unreachable" and first.refusal == "slo_unreachable"
         assert first.retry_after_seconds == pytest.approx(0.12)
         assert sample.retry_lateness_seconds is not None
         assert 0.0 <= sample.retry_lateness_seconds < WAKE_UP_SECONDS

@@ -358,6 +358,9 @@ def _read_error_event(
     attempt.error = _error_message(data, payload) or "error event"
     attempt.error_code = _error_code(payload)
     attempt.retry_after_seconds = refusal_from_event(payload)
+    error = payload.get("error")
+    refusal = error.get("refusal") if isinstance(error, dict) else None
+    attempt.refusal = refusal if isinstance(refusal, str) else None  # the header's, in an event
     attempt.e2e_seconds = received_seconds
     if attempt.retry_after_seconds is not None:
         attempt.refused_after_seconds = received_seconds
