@@ -174,3 +174,26 @@ async def test_a_client_gone_while_waiting_for_a_full_queue_leaves_nothing_behin
     assert service.admission.in_flight == 2  # the blocked one's admission was given back
     for generation in list(service.generations.values()):
         service.cancel(generation)
+
+
+async def test_only_steps_in_which_a_sequence_decoded_count_for_the_breaker(
+    make_service: Callable[..., Awaitable[Service]],
+) -> None:
+    """Long prefill steps on an idle server (a first prompt, ``/v1/prefill`` warm-ups)
+    keep no stream waiting: the breaker's step signal leaves them out, and does not shed
+    the warm-ups; the same steps beside decoding streams count."""
+    from sluicegate.admission.breaker import BreakerState
+    from sluicegate.engine.base import StepStats
+
+    service = await make_service()
+    breaker = service.dispatcher.breaker
+    assert breaker is not None
+    for _ in range(2 * breaker.config.min_samples):
+        service._on_step(StepStats(3.0, 1, 512, num_decoding=0))
+    await asyncio.sleep(0)  # the steps reach the event loop
+    assert breaker.snapshot().p95_step_seconds is None
+    assert breaker.evaluate() is BreakerState.CLOSED
+    for _ in range(2 * breaker.config.min_samples):
+        service._on_step(StepStats(3.0, 2, 513, num_decoding=1))
+    await until(lambda: breaker.snapshot().p95_step_seconds == 3.0)
+    assert breaker.evaluate() is not BreakerState.CLOSED

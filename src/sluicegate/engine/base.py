@@ -75,6 +75,8 @@ class StepStats:
     step_seconds: float
     num_seqs: int
     num_batched_tokens: int
+    #: Sequences that decoded a token in it (0: a step of prompts alone).
+    num_decoding: int = 0
 
 
 @dataclass(slots=True)

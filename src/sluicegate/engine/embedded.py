@@ -272,7 +272,9 @@ class EmbeddedCore:
                 self._post(outputs)
             if self._hooks.on_step is not None:
                 self._hooks.on_step(
-                    StepStats(elapsed, len(plan.sequences), plan.num_batched_tokens)
+                    StepStats(
+                        elapsed, len(plan.sequences), plan.num_batched_tokens, plan.num_decoding
+                    )
                 )
             self._publish_stats()
         self._fail_batch(list(self.scheduler.requests), reason="server shutting down")

@@ -491,8 +491,9 @@ class Service:
         self.metrics.engine_step_seconds.observe(step.step_seconds)
         self.metrics.batch_size.observe(step.num_seqs)
         self.metrics.batch_tokens.observe(step.num_batched_tokens)
-        with contextlib.suppress(RuntimeError):  # the loop is closing
-            self._loop.call_soon_threadsafe(self.dispatcher.record_step, step.step_seconds)
+        if step.num_decoding:  # prompts alone (a first prefill, a warm-up) hold no stream up
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                self._loop.call_soon_threadsafe(self.dispatcher.record_step, step.step_seconds)
 
     def _capacity_changed(self) -> None:  # the engine thread, or the event loop
         with contextlib.suppress(RuntimeError):
