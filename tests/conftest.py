@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import signal
+import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,17 @@ _guard = slow_rule.ProcessGuard()
 # same cores slowed the model's tests several times over.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("SLUICEGATE_TORCH_THREADS", "1")
+
+# Torch Inductor's cache (the compiled decode step's build, ~230 MB a run) in a directory
+# of this process's own, removed at its end: in its default place
+# (/tmp/torchinductor_<user>) every run left its build behind for good (28 GB here), and
+# a later run found a warm cache that CI's fresh machine never has.
+_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="sluicegate-test-inductor-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
