@@ -82,6 +82,10 @@ def pytest_configure(config: pytest.Config) -> None:
         _guard.install()
 
 
+#: ``SLUICEGATE_TEST_CPU=<file>``: each test's CPU, its servers' included (cpu_usage.py).
+_cpu = cpu_usage.recorder()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
     _guard.test = item.nodeid
@@ -93,10 +97,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _guard.test = None
         if _cpu is not None:
             _cpu.stop(item.nodeid)
-
-
-#: ``SLUICEGATE_TEST_CPU=<file>``: each test's CPU, its servers' included (cpu_usage.py).
-_cpu = cpu_usage.recorder()
 
 
 @pytest.fixture(scope="session")

@@ -123,14 +123,23 @@ async def test_a_stopped_request_is_told_to_retry_elsewhere(
     assert counter(service, "cancellations_total") == 0
 
 
-async def test_a_request_refused_after_queueing_gets_the_reason(
+async def one_running_one_to_expire(
     make_service: Callable[..., Awaitable[Service]],
-) -> None:
+) -> tuple[Service, Generation, Generation]:
+    """One seat, held by a long answer; a second request queued behind it, refused once
+    it has waited 0.1 s."""
     service = await make_service(
         max_num_seqs=1, max_num_batched_tokens=64, max_queue_wait_seconds=0.1
     )
     running = await submit(service, "running", 2000)
     late = await submit(service, "late", 5)
+    return service, running, late
+
+
+async def test_a_request_refused_after_queueing_gets_the_reason(
+    make_service: Callable[..., Awaitable[Service]],
+) -> None:
+    service, running, late = await one_running_one_to_expire(make_service)
     with pytest.raises(APIError) as info:
         await collect(service, late, None)
     assert info.value.status_code == 503 and "retry-after" in info.value.headers
@@ -142,11 +151,7 @@ async def test_a_request_refused_after_queueing_gets_the_reason(
 async def test_a_client_gone_before_reading_its_refusal_is_counted_once(
     make_service: Callable[..., Awaitable[Service]],
 ) -> None:
-    service = await make_service(
-        max_num_seqs=1, max_num_batched_tokens=64, max_queue_wait_seconds=0.1
-    )
-    running = await submit(service, "running", 2000)
-    late = await submit(service, "late", 5)
+    service, running, late = await one_running_one_to_expire(make_service)
     await until(lambda: late.ticket is not None and late.ticket.rejection is not None)
     service.cancel(late)  # its client left before it read the refusal waiting for it
     assert counter(service, "rejections_total", "queue_timeout") == 1

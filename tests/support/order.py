@@ -134,15 +134,15 @@ def longest_files_first(items: list[pytest.Item]) -> None:
 
 def check_groups(items: list[pytest.Item]) -> None:
     """Fail the run when a file uses a shared fixture outside the group that shares it."""
-    wrong = sorted(
+    wrong = {
         f"{path} uses {name}: list it in tests/support/order.py GROUPS[{group!r}]"
         for item in items
         for name, group in SHARED_FIXTURES.items()
         if name in getattr(item, "fixturenames", ())
         and _GROUP_OF.get(path := item.nodeid.split("::", 1)[0]) != group
-    )
+    }
     if wrong:
-        raise pytest.UsageError("\n".join(dict.fromkeys(wrong)))
+        raise pytest.UsageError("\n".join(sorted(wrong)))
 
 
 def make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -101,6 +101,10 @@ class Tenant:
             ttft_slo_ms_range=config.ttft_slo_ms_range,
         )
 
+    def class_for(self, priority: str | None) -> PriorityClass:
+        """The class of a request that asked for ``priority`` (None: the tenant's)."""
+        return PriorityClass(priority) if priority else self.priority_class
+
 
 class TenantConfigError(ValueError):
     """The ``tenants`` list is inconsistent (duplicate names or keys)."""

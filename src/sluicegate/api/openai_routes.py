@@ -24,7 +24,6 @@ from sluicegate.errors import APIError, invalid_param
 from sluicegate.pipeline.embedding import embedding_available
 from sluicegate.service.collect import collect
 from sluicegate.service.service import Service
-from sluicegate.types import PriorityClass
 
 router = APIRouter()
 
@@ -145,9 +144,8 @@ def stated_objective(
 ) -> RequestObjective:
     """What the request's headers state for it (its own TTFT objective, its deadline),
     checked against its tenant's range; raises the 400 that names a bad header."""
-    priority_class = PriorityClass(priority) if priority else tenant.priority_class
     slo = service.slo
-    class_ttft = slo.objectives[priority_class].ttft_seconds if slo is not None else None
+    class_ttft = slo.objectives[tenant.class_for(priority)].ttft_seconds if slo else None
     return request_objective(request.headers, tenant, class_ttft)
 
 

@@ -217,7 +217,7 @@ class Service:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         apply_pace(self.settings, tenant, request, max_tokens_per_second)
-        priority_class = PriorityClass(priority) if priority else tenant.priority_class
+        priority_class = tenant.class_for(priority)
         request.priority = priority_class.rank
         # n > 1 on the embedded core: a sequence per choice (an upstream is sent n).
         siblings = () if self.core.features.relays else sibling_requests(request)
@@ -338,7 +338,7 @@ class Service:
         ticket = generation.ticket
         if ticket is not None and ticket.rejection is not None:
             # Refused from the queue, left before reading it: counted once, as refused.
-            self._end(generation, Life.COMPLETED, "refused")
+            self.complete(generation, "refused")
             return
         self._let_go(generation)
         self.metrics.cancellations_total.inc()
