@@ -31,7 +31,7 @@ LAYERS = [
     ("engine",),
     ("tools",),
     ("config",),
-    ("upstream_settings", "flow_settings", "pipeline_settings"),
+    ("upstream_settings", "flow_settings", "pipeline_settings", "prefill_settings"),
     ("admission",),
     ("scheduler", "store", "metrics"),
     ("errors", "types", "sizes"),

@@ -1,7 +1,5 @@
 """One typed settings object: YAML file, ``SLUICEGATE_*`` env vars and CLI flags map to it.
-
-Precedence, highest first: CLI flags, environment, config file, defaults.
-"""
+Precedence, highest first: CLI flags, environment, config file, defaults."""
 
 from __future__ import annotations
 
@@ -20,15 +18,16 @@ from pydantic_settings import (
 from sluicegate.admission.tenants import TenantConfig, validate_tenants
 from sluicegate.flow_settings import FlowSettings
 from sluicegate.pipeline_settings import PipelineSettings, validate_pipelines
+from sluicegate.prefill_settings import PrefillSettings
 from sluicegate.sizes import parse_memory_size
 from sluicegate.upstream_settings import UpstreamConfig
 
 EngineKind = Literal["torch", "sim", "upstream"]
 
 
-class Settings(FlowSettings, BaseSettings):
+class Settings(FlowSettings, PrefillSettings, BaseSettings):
     """Every knob of the server, with a default that works on a laptop (flow control and
-    pace-aware scheduling: :class:`~sluicegate.flow_settings.FlowSettings`)."""
+    pacing, prefill: the :class:`FlowSettings` and :class:`PrefillSettings` it inherits)."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICEGATE_", extra="forbid")
 

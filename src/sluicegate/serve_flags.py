@@ -37,6 +37,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("Latency objectives (docs/admission.md)", "admission"),
     ("Queues and limits of the front door", "max_queued_requests"),
     ("Circuit breaker", "breaker"),
+    ("Prefill: stall-free chunks, length-aware lanes (docs/stall-free.md)", "stall_free_prefill"),
     ("Flow control: slow readers and stalled clients", "pause"),
     ("Pace-aware scheduling (docs/pace-aware-scheduling.md)", "scheduling"),
     ("Resumable streams and the shared store (docs/resume.md)", "store"),

@@ -27,7 +27,7 @@ ESTIMATE = ServiceEstimate(
     mean_prompt_tokens=0.0,
     mean_output_tokens=20.0,
     max_num_batched_tokens=512,
-    cost=(0.0, 0.0, 0.0, 0.0),
+    cost=(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
 )
 
 
@@ -77,7 +77,7 @@ def test_the_wait_is_when_a_seat_frees_after_the_queue_ahead_takes_theirs() -> N
 
 
 def test_a_request_that_would_start_at_once_is_never_refused() -> None:
-    long_prompt = ServiceEstimate(4, 0.05, 0, 20, 64, (0.5, 0.0, 0.0, 0.0))
+    long_prompt = ServiceEstimate(4, 0.05, 0, 20, 64, (0.5, 0.0, 0.0, 0.0, 0.0, 0.0))
     slow = TTFTPredictor(lambda: long_prompt, FakeClock())
     prediction = slow.predict([], [], 1, prompt_tokens=4000, objective_seconds=1.0)
     assert prediction.ttft_seconds > 5 and not prediction.misses(1.0)
@@ -97,7 +97,7 @@ def test_a_prompt_longer_than_the_objective_may_wait_half_of_it() -> None:
 def test_prompts_still_prefilling_delay_a_burst_that_finds_free_seats() -> None:
     # 10 ms a step plus 1 ms a token, chunks of 64 tokens, nothing decoding beside the
     # prompts (a seat limit of 1 in the estimate): a 64-token prompt takes 74 ms.
-    engine = ServiceEstimate(1, 0.05, 0, 20, 64, (0.01, 0.0, 0.001, 0.0))
+    engine = ServiceEstimate(1, 0.05, 0, 20, 64, (0.01, 0.0, 0.001, 0.0, 0.0, 0.0))
     p = TTFTPredictor(lambda: engine, FakeClock())
     alone = p.predict([], [], 8, prompt_tokens=64, objective_seconds=0.2)
     assert alone.ttft_seconds == pytest.approx(0.074) and not alone.misses(0.2)
@@ -108,18 +108,20 @@ def test_prompts_still_prefilling_delay_a_burst_that_finds_free_seats() -> None:
     assert crowded.wait_seconds == 0.0
     assert crowded.ttft_seconds == pytest.approx(4 * 0.074)
     assert crowded.misses(0.2) and not crowded.misses(0.3)
-    # Once their prompts are computed, they no longer stand in its way.
+    # Once their prompts are computed, they no longer stand in its way; they decode beside
+    # it, a token each in every step, which leaves 61 tokens of a step for its prompt: two
+    # steps of 13 ms, and its 64 tokens.
     for r in burst:
         r.num_computed_tokens = r.num_prompt_tokens
-    assert p.predict(burst, [], 5, 64, 0.2).ttft_seconds == pytest.approx(0.074)
+    assert p.predict(burst, [], 5, 64, 0.2).ttft_seconds == pytest.approx(0.090)
 
 
 def test_the_automatic_ttft_objective_is_twice_an_idle_256_token_prompt() -> None:
     # 40 ms a step, 1 ms a token, chunks of 512: a 256-token prompt alone takes 296 ms,
     # whatever the batch beside it would be.
-    engine = ServiceEstimate(16, 0.05, 128, 64, 512, (0.04, 0.0, 0.001, 0.0))
+    engine = ServiceEstimate(16, 0.05, 128, 64, 512, (0.04, 0.0, 0.001, 0.0, 0.0, 0.0))
     assert auto_ttft_seconds(engine) == pytest.approx(0.6)  # 592 ms, up to 10 ms
-    fast = ServiceEstimate(16, 0.001, 128, 64, 512, (0.001, 0.0, 0.00001, 0.0))
+    fast = ServiceEstimate(16, 0.001, 128, 64, 512, (0.001, 0.0, 0.00001, 0.0, 0.0, 0.0))
     assert auto_ttft_seconds(fast) == AUTO_TTFT_FLOOR_SECONDS
 
 

@@ -33,6 +33,9 @@ ALLOWED_LABELS = {
     "pipeline",
     "check",
     "where",
+    # Stall-free prefill: prefill or decode; the short or long lane.
+    "phase",
+    "lane",
 }
 TENANTS = [
     # A burst of 5, then one request every 100 s: nothing refills while a test runs.

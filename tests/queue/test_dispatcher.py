@@ -151,7 +151,7 @@ ESTIMATE = ServiceEstimate(
     mean_prompt_tokens=0.0,
     mean_output_tokens=10.0,
     max_num_batched_tokens=512,
-    cost=(0.0, 0.0, 0.0, 0.0),
+    cost=(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
 )
 
 

@@ -186,7 +186,7 @@ def test_waiting_work_takes_the_slot_of_a_paused_sequence() -> None:
     sched.add_request(fresh)
     plan = sched.schedule()
     assert [s.request_id for s in plan.sequences] == ["fresh"]
-    assert slow.num_preemptions == 1 and slow.request_id in sched.parked
+    assert slow.num_preemptions == 1 and slow.request_id in sched.idle.parked
     while not fresh.status.is_finished:
         sched.update_from_output(plan, engine.step(plan))
         plan = sched.schedule()
@@ -393,7 +393,7 @@ def test_throttled_sequences_lend_their_seats_and_slots_to_queued_work() -> None
         )
         assert all(r.num_output_tokens == 2 + second for r in paced)
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in paced)
-    assert capacity.num_holding == 0 and not sched.throttled
+    assert capacity.num_holding == 0 and not sched.idle.throttled
 
 
 def test_a_pace_faster_than_a_step_keeps_its_seat() -> None:

@@ -170,8 +170,9 @@ class TTFTPredictor:
         ordered = sorted(self._ttft_errors)
         return max(0.0, ordered[int(_TTFT_ERROR_QUANTILE * (len(ordered) - 1))])
 
-    def prefill_seconds(self, prompt_tokens: int) -> float:
-        return self._estimate().prefill_seconds(prompt_tokens) * self.correction
+    def prefill_seconds(self, prompt_tokens: int, num_decoding: int | None = None) -> float:
+        """Its prompt's prefill beside ``num_decoding`` streams (default: a full batch)."""
+        return self._estimate().prefill_seconds(prompt_tokens, num_decoding) * self.correction
 
     def service_seconds(self, request: Request) -> float:
         """A queued request's time in a seat: its prefill, then its expected output."""
@@ -217,14 +218,19 @@ class TTFTPredictor:
         own = self._own_promise(fingerprint, now)
         seats = self._seats(holders, queued_ahead, num_free_seats)
         wait = seats[0]
-        prefill = self.prefill_seconds(prompt_tokens)
+        # Beside the streams decoding in their seats (none free: beside a full batch).
+        decoding: int | None = None
+        if num_free_seats > 0:
+            decoding = sum(1 for r in holders if r.num_computed_tokens >= r.num_prompt_tokens)
+        prefill = self.prefill_seconds(prompt_tokens, decoding)
         # Prompts admitted just before it are still being prefilled: the engine shares its
-        # token budget between them first-come first-served, so a burst of arrivals that
-        # all find a free seat still wait for each other's prefill.
-        backlog = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in holders)
+        # token budget between them first-come first-served in their lane (a short prompt
+        # goes ahead of long ones), so a burst of arrivals that all find a free seat
+        # still wait for each other's prefill.
+        backlog = sum(_ahead_in_lane(r, prompt_tokens, self._estimate()) for r in holders)
         ttft = wait + prefill
         if backlog:
-            ttft = max(ttft, self.prefill_seconds(backlog + prompt_tokens))
+            ttft = max(ttft, self.prefill_seconds(backlog + prompt_tokens, decoding))
         margin = self.margin
         ttft += margin
         # Only clients yet to come back hold seats (a late one lost its hold), only those
@@ -436,6 +442,16 @@ def auto_ttft_seconds(estimate: ServiceEstimate) -> float:
     idle = replace(estimate, seat_limit=1)  # nothing else decoding beside the prompt
     seconds = AUTO_TTFT_MULTIPLE * idle.prefill_seconds(AUTO_TTFT_PROMPT_TOKENS)
     return max(AUTO_TTFT_FLOOR_SECONDS, math.ceil(seconds * 100.0) / 100.0)
+
+
+def _ahead_in_lane(holder: Request, prompt_tokens: int, estimate: ServiceEstimate) -> int:
+    """The prompt tokens a holder still has to prefill ahead of a new prompt of
+    ``prompt_tokens``: all of them, unless the new one is short and the holder's long."""
+    left = max(0, holder.num_prompt_tokens - holder.num_computed_tokens)
+    threshold = estimate.long_prompt_tokens
+    if threshold is not None and prompt_tokens <= threshold < left:
+        return 0
+    return left
 
 
 def _expected_output(request: Request, estimate: ServiceEstimate, produced: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 from fastapi import APIRouter
@@ -13,6 +14,7 @@ from starlette.responses import Response
 from sluicegate.api.access import StatsViewer, require_admin, stats_viewer, visible_streams
 from sluicegate.api.state import AppState, Ready, app_state, not_ready, store_down
 from sluicegate.engine.base import CoreStats
+from sluicegate.metrics.registry import Metrics
 from sluicegate.types import PriorityClass
 
 router = APIRouter()
@@ -115,6 +117,9 @@ def refresh_state_metrics(state: AppState) -> None:
         if delta > 0:
             metrics.yielded_sequence_steps_total.inc(delta)
             state.counters_seen["yielded"] = pacing["yielded_sequence_steps"]
+    prefill = sched.sections.get("prefill")
+    if isinstance(prefill, dict):
+        count_prefill(metrics, prefill, state.counters_seen)
     metrics.engine_up.labels(metrics.engine).set(1 if sched.engine_up else 0)
     # A copy first: the engine thread adds a reason the first time it preempts for it.
     for reason, count in dict(sched.preemptions_by_reason).items():
@@ -122,6 +127,32 @@ def refresh_state_metrics(state: AppState) -> None:
         if count > seen:
             metrics.preemptions_total.labels(reason).inc(count - seen)
             state.preemptions_seen[reason] = count
+
+
+def count_prefill(metrics: Metrics, prefill: dict[str, Any], seen: dict[str, float]) -> None:
+    """The stall-free prefill counters of ``/v1/stats`` into Prometheus (``seen``: what
+    was counted at the last scrape)."""
+    totals = {"promoted": prefill["long_promoted"], "limited": prefill["budget_limited_steps"]}
+    for lane, counts in prefill["lanes"].items():
+        totals[f"lane:{lane}"] = counts["tokens"]
+    for phase, by_class in prefill["tokens_by_phase"].items():
+        for priority, tokens in by_class.items():
+            totals[f"phase:{phase}:{priority}"] = tokens
+    for key, value in totals.items():
+        delta = value - seen.get(key, 0)
+        if delta <= 0:
+            continue
+        seen[key] = value
+        kind, _, rest = key.partition(":")
+        if kind == "promoted":
+            metrics.prefill_long_promoted_total.inc(delta)
+        elif kind == "limited":
+            metrics.prefill_budget_limited_steps_total.inc(delta)
+        elif kind == "lane":
+            metrics.prefill_lane_tokens_total.labels(rest).inc(delta)
+        else:
+            phase, _, priority = rest.partition(":")
+            metrics.scheduled_tokens_total.labels(phase, priority).inc(delta)
 
 
 def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, object]:

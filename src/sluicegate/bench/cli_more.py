@@ -182,6 +182,41 @@ def startup_command(
         typer.echo(run.line())
 
 
+def long_prompts_command(
+    seconds: Annotated[float, typer.Option("--seconds", help="Length of each phase.")] = 40.0,
+    streams: Annotated[int, typer.Option("--streams", min=1, help="Streams decoding.")] = 4,
+    long_interval: Annotated[
+        float, typer.Option("--long-interval", help="Seconds between long prompts.")
+    ] = 8.0,
+    config: Annotated[
+        list[str] | None,
+        typer.Option("--config", help="stall-free and/or 'one budget' (default: both)."),
+    ] = None,
+    out: OutOption = Path("bench-long-prompts"),
+) -> None:
+    """Running streams' pace, short prompts' TTFT and long prompts' TTFT (predicted and
+    measured) while 1,500-4,000-token prompts arrive: stall-free prefill, then one token
+    budget a step (a server each, in turn)."""
+    from sluicegate.bench.long_prompts import CONFIGS, run, table
+
+    chosen = config or list(CONFIGS)
+    unknown = [c for c in chosen if c not in CONFIGS]
+    if unknown:
+        fail(f"unknown --config {unknown}: use {list(CONFIGS)}")
+    try:
+        results = run(
+            out,
+            configs=chosen,
+            phase_seconds=seconds,
+            streams=streams,
+            long_interval_seconds=long_interval,
+        )
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    for line in table(results):
+        typer.echo(line)
+
+
 def register_more(app: typer.Typer) -> None:
     """Add this module's commands to ``sluicegate bench``."""
     app.command("speculative")(speculative_command)
@@ -193,3 +228,4 @@ def register_more(app: typer.Typer) -> None:
     app.command("resume")(resume_command)
     app.command("hostile")(hostile_command)
     app.command("startup")(startup_command)
+    app.command("long-prompts")(long_prompts_command)

@@ -247,7 +247,10 @@ def _plans(num_slots: int, max_model_len: int, max_num_batched_tokens: int) -> l
     mixed = min(8, num_slots - 1)
     chunk = min(256, max_num_batched_tokens - mixed, longest)
     if mixed > 0 and chunk > 0:
-        plans.append(_prefill(mixed, chunk, mixed, contexts[0]))
+        # Deep into its prompt: its attention over the positions before it is what makes
+        # a late chunk dear, and what stall-free prefill sizes chunks by.
+        deep = max(0, min(768, longest - chunk))
+        plans.append(_prefill(mixed, chunk, mixed, contexts[0], start=deep))
     # The largest step the scheduler can plan: every other slot decoding at the longer
     # context beside a prompt chunk that fills the token budget, so that the first fit
     # spans the shapes of a full batch rather than extrapolating to them.
@@ -259,7 +262,7 @@ def _plans(num_slots: int, max_model_len: int, max_num_batched_tokens: int) -> l
 
 
 def _shape(plan: StepPlan) -> StepShape:
-    return StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens)
+    return StepShape.of(plan)
 
 
 Timings = list[tuple[StepShape, list[float]]]
@@ -319,8 +322,8 @@ def _read_saved(saved: Path, shapes: list[StepShape]) -> Saved | None:
     unreadable or of other shapes."""
     try:
         rows = json.loads(saved.read_text(encoding="utf-8"))["observations"]
-        # shape, median and fastest step
-        before = {StepShape(*row[:3]): (float(row[3]), float(row[4])) for row in rows}
+        # shape (its chunks last, when saved), median and fastest step
+        before = {StepShape(*row[:3], *row[5:7]): (float(row[3]), float(row[4])) for row in rows}
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -385,7 +388,10 @@ def _cheapest(plans: list[StepPlan], fastest: dict[StepShape, float]) -> list[St
 
 def _save(path: Path, timings: Timings) -> None:
     rows = [
-        [s.num_seqs, s.num_batched_tokens, s.num_context_tokens, statistics.median(t), min(t)]
+        [
+            *(s.num_seqs, s.num_batched_tokens, s.num_context_tokens),
+            *(statistics.median(t), min(t), s.num_chunks, s.num_chunk_pairs),
+        ]
         for s, t in timings
     ]
     try:
@@ -399,9 +405,13 @@ def _decode(num_seqs: int, context: int) -> StepPlan:
     return StepPlan(sequences=[_sequence(slot, context, 1) for slot in range(num_seqs)])
 
 
-def _prefill(slot: int, num_tokens: int, num_decoding: int, context: int) -> StepPlan:
+def _prefill(
+    slot: int, num_tokens: int, num_decoding: int, context: int, start: int = 0
+) -> StepPlan:
+    """``num_decoding`` sequences decoding beside a prompt chunk from ``start``."""
     decoding = [_sequence(s, context, 1) for s in range(num_decoding)]
-    return StepPlan(sequences=[*decoding, _sequence(slot, 0, num_tokens, prompt=num_tokens)])
+    chunk = _sequence(slot, start, num_tokens, prompt=start + num_tokens)
+    return StepPlan(sequences=[*decoding, chunk])
 
 
 def _sequence(slot: int, start: int, num_new: int, prompt: int = 1) -> ScheduledSequence:

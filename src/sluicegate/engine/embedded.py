@@ -426,6 +426,7 @@ class EmbeddedCore:
             sections={
                 "seats": self.scheduler.seats.snapshot(),
                 "cost_model": self.scheduler.cost.snapshot(),
+                "prefill": self.scheduler.prefill.snapshot(),
                 **self.engine.stats_sections,
                 "calibration": (
                     {"complete": True}

@@ -18,6 +18,7 @@ from sluicegate.engine.tokenizer import TextTokenizer, byte_level_tokenizer
 from sluicegate.engine.upstream.core import UpstreamCore
 from sluicegate.engine.upstream.pool import PoolCollector, UpstreamPool
 from sluicegate.scheduler.pacing import PacingConfig, seat_objective_seconds
+from sluicegate.scheduler.prefill import PrefillConfig
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -189,8 +190,24 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
             pause_preempt_seconds=pause_preempt_seconds(settings),
             pacing=pacing,
             tpot_objective_seconds=seat_objective_seconds(tpot, pacing),
+            prefill=prefill_config(settings),
         ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
+    )
+
+
+def prefill_config(settings: Settings) -> PrefillConfig:
+    """Stall-free prefill and its lanes (docs/stall-free.md): the budget follows the TPOT
+    objectives whatever the admission mode (a stream's pace is worth keeping either way)."""
+    return PrefillConfig(
+        stall_free=settings.stall_free_prefill,
+        tpot_objective_seconds=settings.tpot_slo_ms / 1000.0,
+        batch_tpot_objective_seconds=settings.batch_tpot_slo_ms / 1000.0,
+        headroom=settings.prefill_headroom,
+        min_chunk_tokens=settings.min_prefill_chunk_tokens,
+        long_prompt_tokens=settings.long_prompt_tokens,
+        long_prompt_seconds=settings.long_prompt_seconds,
+        max_pass_over_seconds=settings.long_prompt_max_pass_seconds,
     )
 
 

@@ -335,6 +335,30 @@ class Metrics:
             "(scheduling: qoe).",
             registry=r,
         )
+        self.scheduled_tokens_total = Counter(
+            p + "scheduled_tokens",
+            "Tokens the scheduler gave engine steps, by phase (prefill, decode) and class "
+            "(docs/stall-free.md).",
+            ["phase", "priority"],
+            registry=r,
+        )
+        self.prefill_lane_tokens_total = Counter(
+            p + "prefill_lane_tokens",
+            "Prompt tokens prefilled, by lane (short, long: more than long_prompt_tokens left).",
+            ["lane"],
+            registry=r,
+        )
+        self.prefill_long_promoted_total = Counter(
+            p + "prefill_long_promoted",
+            "Long prompts sent ahead of short ones after being passed over too long.",
+            registry=r,
+        )
+        self.prefill_budget_limited_steps_total = Counter(
+            p + "prefill_budget_limited_steps",
+            "Steps whose prompt tokens the decoders' TPOT objective cut short (stall-free "
+            "prefill).",
+            registry=r,
+        )
         self.speculative_tokens_total = Counter(
             p + "speculative_tokens",
             "Prompt-lookup draft tokens proposed (outcome=proposed) and accepted (accepted).",

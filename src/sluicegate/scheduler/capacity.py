@@ -31,6 +31,13 @@ class _Holding:
     #: The request itself, when given: how far along it is tells when its seat frees.
     request: Request | None = None
     idle: bool = False
+    #: Its long prompt is being prefilled: it lends its seat (not its KV) until its
+    #: prompt is nearly done.
+    prefilling: bool = False
+
+    @property
+    def holds_seat(self) -> bool:
+        return not self.idle and not self.prefilling
 
 
 class DispatchCapacity:
@@ -129,16 +136,30 @@ class DispatchCapacity:
 
     def set_idle(self, request_id: str, idle: bool) -> None:
         """The scheduler found a request idle (paused, or waiting for its pace) or busy
-        again: it lends out (or takes back) its seat.  Idempotent."""
+        again: it lends out (or takes back) its seat and its KV.  Idempotent."""
         with self._lock:
             holding = self._holding.get(request_id)
             if holding is None or holding.idle == idle:
                 return
+            seat = holding.holds_seat
             holding.idle = idle
-            sign = -1 if idle else 1
-            self._num_seats += sign
-            self._kv_tokens += sign * holding.kv_tokens
+            self._num_seats += holding.holds_seat - seat
+            self._kv_tokens += (-1 if idle else 1) * holding.kv_tokens
         if idle:
+            self._changed()
+
+    def set_prefilling(self, request_id: str, prefilling: bool) -> None:
+        """A long prompt is being prefilled (or is nearly done): its request lends out (or
+        takes back) its seat, so that short requests are not kept waiting for seats by
+        prompts that decode nothing yet (length-aware lanes).  Idempotent."""
+        with self._lock:
+            holding = self._holding.get(request_id)
+            if holding is None or holding.prefilling == prefilling:
+                return
+            seat = holding.holds_seat
+            holding.prefilling = prefilling
+            self._num_seats += holding.holds_seat - seat
+        if prefilling:
             self._changed()
 
     def release(self, request_id: str) -> None:
@@ -147,8 +168,8 @@ class DispatchCapacity:
             holding = self._holding.pop(request_id, None)
             if holding is None:
                 return
+            self._num_seats -= holding.holds_seat
             if not holding.idle:
-                self._num_seats -= 1
                 self._kv_tokens -= holding.kv_tokens
         self._changed()
 

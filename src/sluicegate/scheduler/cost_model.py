@@ -1,11 +1,18 @@
 """A cost model of the engine: how long a step takes, from the shape of its batch.
 
 ``seconds = fixed + per_seq · sequences + per_token · batched tokens + per_context ·
-context tokens`` (the context tokens are what attention reads: each sequence's position
-after the step).  Fitted by least squares of the relative error, with non-negative
-coefficients, over the most recent steps, so it follows the engine as the machine's load
-changes; seeded at start-up by a few warm-up steps of varied shapes, so it predicts
-before any request has run.
+context tokens + per_chunk · chunks + per_pair · chunk pairs``.  The context tokens are
+what attention reads: each sequence's position after the step.  A chunk is a sequence
+computing more than one position (a piece of a prompt, or drafts), which an engine runs
+through its prefill path: on the CPU engine each costs ~10-20 ms of its own beside a
+decode batch, and its attention compares each of its queries with every key before it
+(its pairs: ``length × position``), so 16 tokens at position 1,900 cost far more than
+16 at 0.  A stall-free chunk is sized by these terms.
+
+Fitted by least squares of the relative error, with non-negative coefficients, over the
+most recent steps, so it follows the engine as the machine's load changes; seeded at
+start-up by a few warm-up steps of varied shapes, so it predicts before any request has
+run.
 
 Written on the engine thread (:meth:`StepCostModel.observe`), read anywhere: the fitted
 coefficients are one immutable tuple, replaced whole.
@@ -13,16 +20,28 @@ coefficients are one immutable tuple, replaced whole.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-#: Coefficients: (fixed, per sequence, per batched token, per context token), in seconds.
-Coefficients = tuple[float, float, float, float]
+from sluicegate.scheduler.step import StepPlan
 
-_NAMES = ("fixed_seconds", "per_seq_seconds", "per_token_seconds", "per_context_token_seconds")
+#: Coefficients: (fixed, per sequence, per batched token, per context token, per chunk,
+#: per chunk pair), in seconds.
+Coefficients = tuple[float, float, float, float, float, float]
+Features = tuple[float, float, float, float, float, float]
+
+_NAMES = (
+    "fixed_seconds",
+    "per_seq_seconds",
+    "per_token_seconds",
+    "per_context_token_seconds",
+    "per_chunk_seconds",
+    "per_chunk_pair_seconds",
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,27 +51,72 @@ class StepShape:
     num_seqs: int
     num_batched_tokens: int
     num_context_tokens: int
+    #: Sequences computing more than one position (prompt chunks, drafts).
+    num_chunks: int = 0
+    #: Their attention's query-key pairs: each chunk's length times its end position.
+    num_chunk_pairs: int = 0
 
-    def features(self) -> tuple[float, float, float, float]:
+    @classmethod
+    def of(cls, plan: StepPlan) -> StepShape:
+        chunks = [s for s in plan.sequences if s.num_scheduled_tokens > 1]
+        pairs = sum(
+            s.num_scheduled_tokens * (s.start_position + s.num_scheduled_tokens) for s in chunks
+        )
+        return cls(
+            len(plan.sequences),
+            plan.num_batched_tokens,
+            plan.num_context_tokens,
+            len(chunks),
+            pairs,
+        )
+
+    def features(self) -> Features:
         return (
             1.0,
             float(self.num_seqs),
             float(self.num_batched_tokens),
             float(self.num_context_tokens),
+            float(self.num_chunks),
+            float(self.num_chunk_pairs),
         )
+
+
+def chunk_seconds(coefficients: Coefficients, start: int, num_tokens: int) -> float:
+    """What a sequence computing ``num_tokens`` positions from ``start`` adds to a step."""
+    _, per_seq, per_token, per_context, per_chunk, per_pair = coefficients
+    end = start + num_tokens
+    seconds = per_seq + per_token * num_tokens + per_context * end
+    if num_tokens > 1:
+        seconds += per_chunk + per_pair * num_tokens * end
+    return seconds
+
+
+def chunk_tokens(coefficients: Coefficients, start: int, seconds: float) -> int:
+    """The most positions from ``start`` a chunk can compute within ``seconds`` (0 when
+    not even its own overhead fits; a large number when tokens cost nothing)."""
+    _, per_seq, per_token, per_context, per_chunk, per_pair = coefficients
+    # per_pair·n² + (per_token + per_context + per_pair·start)·n + overhead ≤ seconds
+    a = per_pair
+    b = per_token + per_context + per_pair * start
+    c = per_seq + per_chunk + per_context * start - seconds
+    if c > 0.0:
+        return 0
+    if a <= 0.0:
+        return 1 << 30 if b <= 0.0 else int(-c / b)
+    return int((-b + math.sqrt(b * b - 4.0 * a * c)) / (2.0 * a))
 
 
 class StepCostModel:
     """Step time as a linear function of the batch's shape, refitted as steps come in."""
 
     def __init__(self, window: int = 2048, refit_every: int = 32) -> None:
-        self._window: deque[tuple[tuple[float, float, float, float], float]] = deque(maxlen=window)
+        self._window: deque[tuple[Features, float]] = deque(maxlen=window)
         #: Warm-up observations: kept, so the fit stays defined for shapes not seen lately.
-        self._anchors: list[tuple[tuple[float, float, float, float], float]] = []
+        self._anchors: list[tuple[Features, float]] = []
         self._refit_every = refit_every
         self._since_fit = 0
         self._lock = threading.Lock()
-        self.coefficients: Coefficients = (0.0, 0.0, 0.0, 0.0)
+        self.coefficients: Coefficients = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self.num_observations = 0
 
     @property
@@ -81,7 +145,7 @@ class StepCostModel:
         prefill and mixed steps keep their history."""
         with self._lock:
 
-            def prefill(row: tuple[tuple[float, float, float, float], float]) -> bool:
+            def prefill(row: tuple[Features, float]) -> bool:
                 return row[0][2] != row[0][1]  # more batched tokens than sequences
 
             self._anchors = [r for r in self._anchors if prefill(r)]
@@ -117,7 +181,8 @@ class StepCostModel:
         # every TPOT prediction are made of, and drag their fit wherever it suits them.
         weight = 1.0 / np.maximum(y, 1e-4)
         theta = _nonnegative_least_squares(x * weight[:, None], y * weight)
-        self.coefficients = (float(theta[0]), float(theta[1]), float(theta[2]), float(theta[3]))
+        c = [float(v) for v in theta]
+        self.coefficients = (c[0], c[1], c[2], c[3], c[4], c[5])
 
 
 def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:

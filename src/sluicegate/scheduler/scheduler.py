@@ -21,8 +21,10 @@ from collections.abc import Callable
 
 from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.cost_model import StepCostModel, StepShape
+from sluicegate.scheduler.idle import IdleSequences, is_idle
 from sluicegate.scheduler.kv_cache import KVCacheManager
 from sluicegate.scheduler.pacing import ReaderPacing
+from sluicegate.scheduler.prefill import PrefillCandidate, PrefillPlanner
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.seat_limit import SeatLimitConfig, SeatLimiter
 from sluicegate.scheduler.speculation import Speculator
@@ -52,11 +54,6 @@ class Scheduler:
     ) -> None:
         self.config = config
         self._clock = clock
-        #: Idle sequences whose KV was freed: out of the waiting line until resumed (paused)
-        #: or due (throttled).
-        self.parked: dict[str, Request] = {}
-        #: Throttled sequences (waiting for their pace), by id.
-        self.throttled: dict[str, Request] = {}
         #: Wall time of the latest step: a sequence whose pace makes it sit out longer than
         #: this lends its seat.
         self._last_step_seconds = 0.0
@@ -75,21 +72,29 @@ class Scheduler:
             self.capacity.cached_prefix = self.kv.prefix.peek
         #: Step time from the batch's shape, learnt from every step.
         self.cost = StepCostModel()
+        #: Stall-free prefill: its budget in each step, and the lanes' order.
+        self.prefill = PrefillPlanner(config.prefill, self.cost, config.max_num_batched_tokens)
+        stall_free = config.prefill.stall_free and config.prefill.tpot_objective_seconds
         #: How many sequences may decode at once under the TPOT objective.
         self.seats = SeatLimiter(
             SeatLimitConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 tpot_objective_seconds=config.tpot_objective_seconds,
+                prefill_step_seconds=config.prefill.headroom * stall_free if stall_free else None,
+                min_prefill_chunk_tokens=config.prefill.min_chunk_tokens,
             ),
             self.cost,
             clock,
+            self.prefill.long_prompt_tokens,
         )
         #: Pace-aware scheduling: each reader's clock, and who sits out a step (qoe).
         self.pacing = ReaderPacing(config.pacing)
         #: Prompt-lookup speculative decoding: who drafts, and what drafts earned.
         self.speculator = Speculator(config.speculation, config.max_model_len)
         self.waiting = WaitingQueue()
+        #: Paused and throttled sequences, and those parked (their KV freed while idle).
+        self.idle = IdleSequences(self.capacity, self.waiting, clock)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._freed_slots: list[int] = []
@@ -116,13 +121,13 @@ class Scheduler:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.parked)
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.idle.parked)
 
     @property
     def has_schedulable_work(self) -> bool:
         """False when everything left is paused or throttled: the engine thread may sleep
         (until :meth:`seconds_until_wake`).  Call :meth:`release_paced` first."""
-        return len(self.waiting) > 0 or any(not self._idle(r) for r in self.running)
+        return len(self.waiting) > 0 or any(not is_idle(r) for r in self.running)
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> StepPlan:
@@ -134,80 +139,139 @@ class Scheduler:
         now = self._clock()
         self.pacing.plan(self.running, len(self.waiting), now)
         self.speculator.begin_step(
-            sum(1 for r in self.running if not self._idle(r) and r.num_output_tokens)
+            sum(1 for r in self.running if not is_idle(r) and r.num_output_tokens)
         )
-        # Running first, oldest first; a paused, throttled or yielding sequence, or one
-        # whose pace does not allow a token yet, costs nothing this step.  When KV blocks run out,
-        # preempt (idle sequences first, then the newest).  A decoding sequence may add
-        # draft tokens when there is room for them (never preempting for a draft).
+        # Decoding sequences first, oldest first; a paused, throttled or yielding one, or
+        # one whose pace does not allow a token yet, costs nothing this step.  When KV
+        # blocks run out, preempt (idle sequences first, then the newest).  A decoding
+        # sequence may add draft tokens when there is room for them (never preempting for
+        # a draft).
+        decoded: list[tuple[Request, int]] = []
+        placed: set[str] = set()
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._sits_out(request, now):
-                idx += 1
+            idx += 1
+            if request.num_tokens - request.num_computed_tokens != 1 or self._sits_out(
+                request, now
+            ):
                 continue
             drafts = self.speculator.drafts(request, budget)
-            if drafts and self.kv.ensure_capacity(
-                request.request_id, request.num_computed_tokens + num_new + len(drafts)
+            if not drafts or not self.kv.ensure_capacity(
+                request.request_id, request.num_computed_tokens + 1 + len(drafts)
             ):
-                plan.sequences.append(self._scheduled(request, num_new, drafts))
-                budget -= num_new + len(drafts)
-                idx += 1
-                continue
-            while not self.kv.ensure_capacity(
-                request.request_id, request.num_computed_tokens + num_new
-            ):
-                victim = self._pick_victim()
-                self._preempt(victim, PreemptReason.KV_PRESSURE)
-                if victim is request:
-                    break
-                if self.running.index(request) < idx:
-                    idx -= 1  # a paused sequence before us left the list
-            if request.status != RequestStatus.RUNNING:
-                break  # the request preempted itself: nothing smaller fits
-            plan.sequences.append(self._scheduled(request, num_new))
-            budget -= num_new
-            idx += 1
+                drafts = []
+                if not self._make_room(request, request.num_computed_tokens + 1, placed):
+                    break  # the request preempted itself: nothing smaller fits
+                idx = self.running.index(request) + 1  # victims before it left the list
+            plan.sequences.append(self._scheduled(request, 1, drafts))
+            decoded.append((request, 1 + len(drafts)))
+            placed.add(request.request_id)
+            budget -= 1 + len(drafts)
 
-        # Then waiting, by priority then arrival, while slots, blocks and budget last.
-        while budget > 0 and len(self.waiting) > 0:
-            if self.kv.num_free_slots == 0:
-                # An idle sequence's slot is unused: hand it to waiting work (the idle
-                # sequence keeps its tokens and re-prefills when its reader catches up or
-                # its pace allows the next token).
-                idle = self._idle_victim()
-                if idle is None:
-                    break
-                self._preempt(idle, PreemptReason.KV_PRESSURE)
-            candidate = self.waiting.peek()
-            assert candidate is not None
-            request = candidate
-            prefix = self.kv.prefix
-            hit = prefix.hit_for(request) if prefix is not None else None
-            start = request.num_computed_tokens if hit is None else hit.num_tokens
-            num_new = min(request.num_tokens - start, budget)
-            if not self.kv.ensure_capacity(request.request_id, start + num_new):
-                break
-            self.waiting.pop()
-            adopt = hit.slot if hit is not None and hit.idle else None
-            slot = self.kv.allocate_slot(adopt, keep_tokens=start)
-            assert slot is not None
-            if hit is not None and adopt is None:
-                plan.kv_copies.append((hit.slot, slot, start))
-            if prefix is not None:
-                prefix.admitted(request, start, hit)
-            request.num_computed_tokens = start
-            request.kv_slot = slot
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
+        # Then prompts (running chunked prefills and waiting requests), in their lanes'
+        # order, within the token budget and the time the decoders leave
+        # (scheduler/prefill.py).
+        shape = StepShape.of(plan)
+        time_left = self.prefill.time_budget([r for r, _ in decoded], shape)
+        candidates = self._prefill_candidates(now)
+        given: dict[str, int] = {}
+        waiting_blocked = False
+        for candidate in self.prefill.order(candidates, now):
+            request = candidate.request
+            if budget <= 0 or (waiting_blocked and not candidate.running):
+                continue
+            if candidate.running and request.status != RequestStatus.RUNNING:
+                continue  # preempted for another's room this step
+            if not candidate.running:
+                self._refresh_hit(candidate)  # an admission before it may have taken it
+            start = request.num_computed_tokens if candidate.running else candidate.start
+            num_new = time_left.tokens_for(start, min(request.num_tokens - start, budget))
+            if num_new <= 0:
+                break  # the step's time is spent
+            if candidate.running:
+                if not self._make_room(request, start + num_new, placed):
+                    continue
+            elif not self._admit(plan, candidate, num_new):
+                waiting_blocked = True  # no slot or blocks: nothing waiting starts
+                continue
             plan.sequences.append(self._scheduled(request, num_new))
+            # A long prompt decodes nothing yet: it lends its seat until nearly done.
+            long = self.prefill.is_long(request, start + num_new)
+            self.capacity.set_prefilling(request.request_id, long)
+            time_left.spend(start, num_new)
+            given[request.request_id] = num_new
+            placed.add(request.request_id)
             budget -= num_new
+        self.prefill.after_step(candidates, given, decoded, time_left, now)
 
         self._counters.steps += 1
         return plan
+
+    def _prefill_candidates(self, now: float) -> list[PrefillCandidate]:
+        """Running sequences still prefilling (not sitting out) and waiting requests,
+        each from where it would start (a waiting one's prefix-cache hit)."""
+        out = [
+            PrefillCandidate(r, r.num_computed_tokens, running=True)
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens > 1 and not self._sits_out(r, now)
+        ]
+        for request in self.waiting:
+            candidate = PrefillCandidate(request, request.num_computed_tokens, running=False)
+            out.append(self._refresh_hit(candidate))
+        return out
+
+    def _refresh_hit(self, candidate: PrefillCandidate) -> PrefillCandidate:
+        """A waiting candidate's prefix-cache hit as the cache stands now, and its start."""
+        prefix = self.kv.prefix
+        hit = prefix.hit_for(candidate.request) if prefix is not None else None
+        candidate.hit = hit
+        candidate.start = candidate.request.num_computed_tokens if hit is None else hit.num_tokens
+        return candidate
+
+    def _make_room(self, request: Request, num_tokens: int, placed: set[str]) -> bool:
+        """Blocks for ``num_tokens`` positions of a running sequence, preempting others
+        (idle ones first, then the newest not yet in this step).  False when there is no
+        room (it may have preempted itself)."""
+        while not self.kv.ensure_capacity(request.request_id, num_tokens):
+            victim = self._pick_victim(placed)
+            if victim is None:
+                return False
+            self._preempt(victim, PreemptReason.KV_PRESSURE)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, plan: StepPlan, candidate: PrefillCandidate, num_new: int) -> bool:
+        """Start a waiting request: a slot (an idle sequence's, if none is free), blocks
+        for its first chunk, and its prefix-cache hit (adopted or copied).  False when
+        there is no room."""
+        request, start, hit = candidate.request, candidate.start, candidate.hit
+        if self.kv.num_free_slots == 0:
+            # An idle sequence's slot is unused: hand it to waiting work (the idle
+            # sequence keeps its tokens and re-prefills when its reader catches up or
+            # its pace allows the next token).
+            idle = self.idle.victim(self.running)
+            if idle is None:
+                return False
+            self._preempt(idle, PreemptReason.KV_PRESSURE)
+        if not self.kv.ensure_capacity(request.request_id, start + num_new):
+            return False
+        self.waiting.remove(request.request_id)
+        adopt = hit.slot if hit is not None and hit.idle else None
+        slot = self.kv.allocate_slot(adopt, keep_tokens=start)
+        assert slot is not None
+        if hit is not None and adopt is None:
+            plan.kv_copies.append((hit.slot, slot, start))
+        if self.kv.prefix is not None:
+            self.kv.prefix.admitted(request, start, hit)
+        request.num_computed_tokens = start
+        request.kv_slot = slot
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        return True
 
     def _remember(self, request: Request) -> None:
         if self.kv.prefix is not None:
@@ -233,25 +297,14 @@ class Scheduler:
         """Idle, yielding to readers behind it, or its pace allows no token yet."""
         paced = request.pace.capped and now < request.pace.next_token_time
         decoding = request.num_computed_tokens + 1 >= request.num_tokens  # not a prefill
-        return self._idle(request) or request.pace.yielding or (paced and decoding)
+        return is_idle(request) or request.pace.yielding or (paced and decoding)
 
-    @staticmethod
-    def _idle(request: Request) -> bool:
-        """Paused for its reader or throttled by its pace: it lends its seat."""
-        return request.pause.paused or request.pace.throttled
-
-    def _idle_victim(self) -> Request | None:
-        """The running sequence to give up its KV first: the newest paused one, else the
-        throttled one whose next token is furthest away."""
-        paused = next((r for r in reversed(self.running) if r.pause.paused), None)
-        if paused is not None:
-            return paused
-        throttled = [r for r in self.running if r.pace.throttled]
-        return max(throttled, key=lambda r: r.pace.next_token_time) if throttled else None
-
-    def _pick_victim(self) -> Request:
-        idle = self._idle_victim()
-        return idle if idle is not None else self.running[-1]
+    def _pick_victim(self, placed: set[str]) -> Request | None:
+        """Whose KV to free: an idle sequence, else the newest not in this step yet."""
+        idle = self.idle.victim(self.running)
+        if idle is not None:
+            return idle
+        return next((r for r in reversed(self.running) if r.request_id not in placed), None)
 
     # ------------------------------------------------------------ cost and seats
     def calibrate(self, observations: list[tuple[StepShape, float]]) -> None:
@@ -262,7 +315,7 @@ class Scheduler:
 
     def record_step(self, plan: StepPlan, seconds: float) -> None:
         """A step ran in ``seconds``: learn from it, and move the seat limit if due."""
-        shape = StepShape(len(plan.sequences), plan.num_batched_tokens, plan.num_context_tokens)
+        shape = StepShape.of(plan)
         self._last_step_seconds = seconds
         self.cost.observe(shape, seconds)
         self.seats.on_step(shape, plan.num_decoding, seconds)
@@ -276,61 +329,23 @@ class Scheduler:
         A paused sequence holds no dispatch capacity: waiting work may take its slot.
         """
         request = self.requests.get(request_id)
-        if request is None or not request.pause.begin(self._clock()):
-            return False
-        self._lend_seat(request)
-        return True
+        return request is not None and self.idle.pause(request)
 
     def resume(self, request_id: str) -> float | None:
         """Schedule a paused sequence again; returns how long it was paused (None: it was not)."""
         request = self.requests.get(request_id)
-        paused_seconds = None if request is None else request.pause.end(self._clock())
-        if request is None or paused_seconds is None:
-            return None
-        self._lend_seat(request)
-        return paused_seconds
+        return None if request is None else self.idle.resume(request)
 
-    # ------------------------------------------------------------------ pace
     def release_paced(self) -> int:
-        """Take back the seats of throttled sequences whose pace allows a token now (a
-        preempted one returns to the front of the waiting line).  Returns how many."""
-        if not self.throttled:
-            return 0
-        now = self._clock()
-        due = [r for r in self.throttled.values() if now >= r.pace.next_token_time]
-        for request in due:
-            self._set_throttled(request, False)
-        return len(due)
+        """Take back the seats of throttled sequences whose pace allows a token now."""
+        return self.idle.release_paced()
 
     def seconds_until_wake(self) -> float | None:
         """Until an idle sequence needs the engine thread: a long pause due for
         preemption or a throttled sequence's next token (None: nothing pending)."""
-        due = [self.seconds_until_long_pause()]
-        if self.throttled:
-            next_token = min(r.pace.next_token_time for r in self.throttled.values())
-            due.append(max(0.0, next_token - self._clock()))
+        due = [self.seconds_until_long_pause(), self.idle.seconds_until_next_token()]
         pending = [seconds for seconds in due if seconds is not None]
         return min(pending) if pending else None
-
-    def _set_throttled(self, request: Request, throttled: bool) -> None:
-        if request.pace.throttled == throttled:
-            return
-        request.pace.throttled = throttled
-        if throttled:
-            self.throttled[request.request_id] = request
-        else:
-            del self.throttled[request.request_id]
-        self._lend_seat(request)
-
-    def _lend_seat(self, request: Request) -> None:
-        """An idle sequence lends its dispatch seat; once it is busy again it takes it back,
-        and if its KV was freed meanwhile it returns to the front of the waiting line."""
-        idle = self._idle(request)
-        self.capacity.set_idle(request.request_id, idle)
-        if not idle:
-            parked = self.parked.pop(request.request_id, None)
-            if parked is not None:
-                self.waiting.push(parked, front=True)
 
     def preempt_long_pauses(self) -> int:
         """Free the KV of sequences paused longer than ``pause_preempt_seconds``.
@@ -371,10 +386,7 @@ class Scheduler:
         self._counters.preemptions[reason.value] = (
             self._counters.preemptions.get(reason.value, 0) + 1
         )
-        if self._idle(request):
-            self.parked[request.request_id] = request
-        else:
-            self.waiting.push(request, front=True)
+        self.idle.preempted(request)
 
     # ---------------------------------------------------------------- results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
@@ -417,7 +429,7 @@ class Scheduler:
         self.pacing.note_token(request, self._clock())
         if reason is None and request.pace.after_tokens(self._clock()) > self._last_step_seconds:
             # Its next token is more than a step away: it sits out and lends its seat.
-            self._set_throttled(request, True)
+            self.idle.set_throttled(request, True)
         if reason is not None:
             # The prompt it made the engine compute: cache hits are not prefill load.
             computed = request.num_prompt_tokens - min(
@@ -450,16 +462,13 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request.request_id)
-            self.parked.pop(request.request_id, None)
         self._remember(request)
         self.kv.free(request.request_id, request.kv_slot)
         if request.kv_slot is not None:
             self._freed_slots.append(request.kv_slot)
         request.kv_slot = None
         request.status = status
-        request.pause.end(self._clock())
-        request.pace.throttled = request.pace.yielding = False
-        self.throttled.pop(request.request_id, None)
+        self.idle.finished(request)
         self.capacity.release(request.request_id)
         if request.finish_reason is None:
             request.finish_reason = {
@@ -478,8 +487,8 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_paused=sum(1 for r in self.running if r.pause.paused)
-            + sum(1 for r in self.parked.values() if r.pause.paused),
-            num_throttled=len(self.throttled),
+            + sum(1 for r in self.idle.parked.values() if r.pause.paused),
+            num_throttled=len(self.idle.throttled),
             kv_cache=self.kv.stats(),
             num_preemptions_total=sum(self._counters.preemptions.values()),
             preemptions_by_reason=dict(self._counters.preemptions),

@@ -23,9 +23,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from sluicegate.scheduler.cost_model import StepCostModel, StepShape
+from sluicegate.scheduler.cost_model import (
+    Coefficients,
+    StepCostModel,
+    StepShape,
+    chunk_seconds,
+    chunk_tokens,
+)
 from sluicegate.types import Clock
 
 
@@ -40,6 +47,11 @@ class SeatLimitConfig:
     update_interval_seconds: float = 0.5
     #: Measured steps that count for feedback.
     feedback_window_seconds: float = 3.0
+    #: Stall-free prefill: a step with decoding sequences is aimed at this many seconds,
+    #: and its prompt tokens are what the decoders leave (None: a step's whole budget).
+    prefill_step_seconds: float | None = None
+    #: Prompt tokens a step always takes (stall-free prefill's floor).
+    min_prefill_chunk_tokens: int = 4
     #: Never fewer seats than this (or ``max_num_seqs``): a second client arriving on an
     #: idle server is served beside the first, not refused for the TPOT objective (on a
     #: CPU a decode step of two costs about what a step of one does: it reads every
@@ -57,17 +69,42 @@ class ServiceEstimate:
     mean_prompt_tokens: float
     mean_output_tokens: float
     max_num_batched_tokens: int
-    cost: tuple[float, float, float, float]
+    cost: Coefficients
+    #: Stall-free prefill's step target and floor (see :class:`SeatLimitConfig`).
+    prefill_step_seconds: float | None = None
+    min_prefill_chunk_tokens: int = 4
+    #: Prompts with more tokens than this to prefill are long (prefilled after short
+    #: ones); None: one lane.
+    long_prompt_tokens: int | None = None
 
-    def prefill_seconds(self, num_prompt_tokens: int) -> float:
-        """Until a new request's first token: its prompt in chunks beside the running batch."""
-        decoding = max(0, self.seat_limit - 1)
-        chunk = max(1, self.max_num_batched_tokens - decoding)
-        steps = max(1, math.ceil(num_prompt_tokens / chunk))
-        fixed, per_seq, per_token, per_context = self.cost
-        per_step = fixed + per_seq * (decoding + 1) + per_token * decoding
-        per_step += per_context * (decoding * self.mean_prompt_tokens + num_prompt_tokens / 2)
-        return steps * per_step + per_token * num_prompt_tokens
+    def prefill_seconds(self, num_prompt_tokens: int, num_decoding: int | None = None) -> float:
+        """Until a new request's first token: its prompt in chunks beside ``num_decoding``
+        decoding sequences (default: a full batch but its own seat).  Under stall-free
+        prefill a chunk is what the step's target leaves after the decoders."""
+        decoding = max(0, self.seat_limit - 1) if num_decoding is None else num_decoding
+        cost = self.cost
+        decode = cost[0] + decoding * chunk_seconds(cost, int(self.mean_prompt_tokens), 1)
+        budget = max(1, self.max_num_batched_tokens - decoding)
+        stall_free = self.prefill_step_seconds is not None and decoding > 0
+        total = max(1, num_prompt_tokens)
+        # Stretch by stretch (at most 16): under stall-free prefill a chunk is what the
+        # step's target leaves after the decoders at the stretch's position (attention
+        # makes a chunk dearer the further into the prompt it is).
+        stretch = -(-total // 16)
+        seconds = 0.0
+        done = 0
+        while done < total:
+            chunk = budget
+            if stall_free and self.prefill_step_seconds is not None:
+                fits = chunk_tokens(cost, done, self.prefill_step_seconds - decode)
+                chunk = max(1, min(budget, max(self.min_prefill_chunk_tokens, fits)))
+            length = min(total - done, max(chunk, stretch))
+            steps = -(-length // chunk)
+            size = length / steps
+            middle = done + int((length - size) / 2)
+            seconds += steps * (decode + chunk_seconds(cost, middle, round(size)))
+            done += length
+        return seconds
 
     @property
     def service_seconds(self) -> float:
@@ -85,8 +122,15 @@ class ServiceEstimate:
 class SeatLimiter:
     """The seat limit and the service estimate, from the cost model and measured steps."""
 
-    def __init__(self, config: SeatLimitConfig, cost: StepCostModel, clock: Clock) -> None:
+    def __init__(
+        self,
+        config: SeatLimitConfig,
+        cost: StepCostModel,
+        clock: Clock,
+        long_prompt_tokens: Callable[[], int] | None = None,
+    ) -> None:
         self.config = config
+        self._long_prompt_tokens = long_prompt_tokens
         self.cost = cost
         self._clock = clock
         self.limit = config.max_num_seqs
@@ -185,7 +229,17 @@ class SeatLimiter:
         prefill = num_seqs * self.prefill_per_decode
         tokens = num_seqs + min(prefill, self.config.max_num_batched_tokens)
         context = num_seqs * self._mean_context
-        return self.cost.predict(StepShape(num_seqs, int(tokens), int(context)))
+        # Prompt chunks per step: a prompt's chunks over its answer's steps, at most one
+        # a step (stall-free prefill cuts prompts in chunks of about an eighth of the
+        # budget beside a full batch).
+        chunk = self.config.max_num_batched_tokens
+        if self.config.prefill_step_seconds is not None:
+            chunk = max(self.config.min_prefill_chunk_tokens, chunk // 8)
+        chunks = min(1.0, num_seqs * math.ceil(self._mean_prompt / chunk) / self._mean_output)
+        pairs = chunks * min(chunk, self._mean_prompt) * self._mean_prompt
+        shape = StepShape(num_seqs, int(tokens), int(context))
+        _, _, _, _, per_chunk, per_pair = self.cost.coefficients
+        return self.cost.predict(shape) + per_chunk * chunks + per_pair * pairs
 
     def snapshot(self) -> dict[str, float | int | None]:
         return {
@@ -217,6 +271,11 @@ class SeatLimiter:
             mean_output_tokens=self._mean_output,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             cost=self.cost.coefficients,
+            prefill_step_seconds=self.config.prefill_step_seconds,
+            min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
+            long_prompt_tokens=None
+            if self._long_prompt_tokens is None
+            else self._long_prompt_tokens(),
         )
 
 

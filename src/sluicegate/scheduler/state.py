@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sluicegate.scheduler.kv_cache import KVCacheStats
 from sluicegate.scheduler.pacing import PacingConfig
+from sluicegate.scheduler.prefill import PrefillConfig
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request
 from sluicegate.scheduler.step import TokenLogprobs
@@ -29,6 +30,8 @@ class SchedulerConfig:
     prefix_caching: bool = False
     #: Pace-aware scheduling (default: off, first come first served).
     pacing: PacingConfig = field(default_factory=PacingConfig)
+    #: Stall-free prefill and length-aware lanes (the budget needs an objective in it).
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
     #: Prompt-lookup speculative decoding (default: off).
     speculation: SpeculationConfig = field(default_factory=lambda: SpeculationConfig(num_tokens=0))
 

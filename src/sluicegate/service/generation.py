@@ -137,6 +137,11 @@ class Generation:
             "tpot_seconds": tpot,
             "e2e_seconds": now - request.arrival_time,
             "paused_seconds": request.pause.total_seconds,
+            # What admission predicted its time to first token would be (None: not
+            # predicted, e.g. static admission).
+            "predicted_ttft_seconds": None
+            if self.ticket is None
+            else self.ticket.predicted_ttft_seconds,
             **(
                 {}
                 if self.retrieval_seconds is None

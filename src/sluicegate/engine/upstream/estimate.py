@@ -31,7 +31,7 @@ class UpstreamEstimate(ServiceEstimate):
     ttft_base_seconds: float = _PRIOR_TTFT_SECONDS
     ttft_per_token_seconds: float = 0.0
 
-    def prefill_seconds(self, num_prompt_tokens: int) -> float:
+    def prefill_seconds(self, num_prompt_tokens: int, num_decoding: int | None = None) -> float:
         return self.ttft_base_seconds + self.ttft_per_token_seconds * num_prompt_tokens
 
 
@@ -53,7 +53,7 @@ def pool_estimate(
         mean_prompt_tokens=mean_prompt,
         mean_output_tokens=mean_output,
         max_num_batched_tokens=1 << 30,
-        cost=(0.0, 0.0, 0.0, 0.0),
+        cost=(0.0,) * 6,
         ttft_base_seconds=base,
         ttft_per_token_seconds=slope,
     )

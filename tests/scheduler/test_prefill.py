@@ -1,0 +1,223 @@
+"""Stall-free prefill and length-aware lanes, with a fake engine and a cost model fitted
+to a known law (no model, no threads, no sockets)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from sluicegate.scheduler.cost_model import StepShape, chunk_seconds, chunk_tokens
+from sluicegate.scheduler.prefill import PrefillConfig
+from sluicegate.scheduler.request import Request, RequestStatus
+from sluicegate.scheduler.scheduler import Scheduler
+from sluicegate.scheduler.step import StepPlan
+from tests.fake_clock import FakeClock
+from tests.scheduler.test_scheduler import EOS, FakeEngine, config, make_request
+
+#: The engine's law: 20 ms a step, 1 ms a token, 5 ms a prompt chunk, 1 µs a chunk's
+#: query-key pair (a CPU engine's shape, scaled).
+LAW = (0.020, 0.0, 0.001, 0.0, 0.005, 1e-6)
+OBJECTIVE = 0.1
+#: What a step with decoders aims at: the headroom times the objective.
+TARGET = 0.8 * OBJECTIVE
+
+
+def law_seconds(shape: StepShape) -> float:
+    return sum(c * f for c, f in zip(LAW, shape.features(), strict=True))
+
+
+def calibrated(clock: FakeClock | None = None, **prefill: Any) -> Scheduler:
+    """A scheduler whose cost model was fitted on steps that follow :data:`LAW`."""
+    settings = PrefillConfig(tpot_objective_seconds=OBJECTIVE, **prefill)
+    sched = Scheduler(
+        config(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096, prefill=settings),
+        eos_token_ids=(EOS,),
+        clock=clock or FakeClock(),
+    )
+    shapes = [StepShape(n, n, n * 300) for n in (1, 2, 4, 8)]
+    for start in (0, 500, 1500):
+        for n in (4, 16, 64, 256):
+            shapes.append(StepShape(3, 3 + n, 900 + start + n, 1, n * (start + n)))
+    sched.calibrate([(shape, law_seconds(shape)) for shape in shapes])
+    return sched
+
+
+def step(sched: Scheduler, engine: FakeEngine) -> StepPlan:
+    plan = sched.schedule()
+    sched.update_from_output(plan, engine.step(plan))
+    return plan
+
+
+def decoding(sched: Scheduler, engine: FakeEngine, count: int) -> list[Request]:
+    """``count`` requests with short prompts, past their first token."""
+    streams = [make_request(f"s{i}", 8, 400) for i in range(count)]
+    for r in streams:
+        sched.add_request(r)
+    while any(r.num_output_tokens == 0 for r in streams):
+        step(sched, engine)
+    return streams
+
+
+def prompt_tokens_of(plan: StepPlan, request_id: str) -> int:
+    return sum(s.num_new_tokens for s in plan.sequences if s.request_id == request_id)
+
+
+def test_the_cost_model_inverts_a_chunk() -> None:
+    for start in (0, 700, 3000):
+        for seconds in (0.01, 0.05, 0.2):
+            n = chunk_tokens(LAW, start, seconds)
+            assert chunk_seconds(LAW, start, n) <= seconds < chunk_seconds(LAW, start, n + 1)
+    assert chunk_tokens(LAW, 0, 0.004) == 0  # not even the chunk's own cost fits
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_that_keep_each_step_within_the_objective() -> None:
+    sched, engine = calibrated(), FakeEngine()
+    streams = decoding(sched, engine, 3)
+    long = make_request("long", 1500, 4)
+    sched.add_request(long)
+    chunks: list[int] = []
+    while long.num_output_tokens == 0:
+        plan = step(sched, engine)
+        assert all(prompt_tokens_of(plan, r.request_id) == 1 for r in streams)  # never skipped
+        chunks.append(prompt_tokens_of(plan, "long"))
+        # The step as the engine's law times it: within the target, but for the floor.
+        assert law_seconds(StepShape.of(plan)) <= TARGET * 1.02 or chunks[-1] <= 4
+    assert sum(chunks) == 1500 and len(chunks) > 5
+    # Attention makes a chunk dearer the further into the prompt: the chunks shrink.
+    assert chunks[0] > chunks[-2] > 0
+    assert sched.prefill.snapshot()["budget_limited_steps"] >= len(chunks) - 1
+
+
+def test_without_stall_free_prefill_a_prompt_takes_the_whole_budget() -> None:
+    sched, engine = calibrated(stall_free=False), FakeEngine()
+    decoding(sched, engine, 3)
+    sched.add_request(make_request("long", 1500, 4))
+    assert prompt_tokens_of(step(sched, engine), "long") == 512 - 3
+
+
+def test_a_step_without_decoders_takes_the_whole_budget() -> None:
+    sched, engine = calibrated(), FakeEngine()
+    sched.add_request(make_request("long", 1500, 4))
+    assert prompt_tokens_of(step(sched, engine), "long") == 512
+
+
+def test_the_floor_keeps_a_prompt_moving_when_the_decoders_fill_the_step() -> None:
+    # Eight decoders at a 40 ms objective: the step is full before any prompt token.
+    sched, engine = calibrated(), FakeEngine()
+    sched.prefill.config = replace(sched.prefill.config, tpot_objective_seconds=0.025)
+    decoding(sched, engine, 7)
+    sched.add_request(make_request("long", 300, 4))
+    for _ in range(3):
+        assert prompt_tokens_of(step(sched, engine), "long") == 4
+
+
+def test_a_short_prompt_is_prefilled_ahead_of_a_long_one() -> None:
+    sched, engine = calibrated(long_prompt_tokens=100), FakeEngine()
+    decoding(sched, engine, 2)
+    long = make_request("long", 2000, 4)
+    sched.add_request(long)
+    step(sched, engine)
+    assert 0 < long.num_computed_tokens < 2000  # it has started
+    short = make_request("short", 40, 4)
+    sched.add_request(short)
+    plan = step(sched, engine)
+    assert prompt_tokens_of(plan, "short") == 40
+    # The short answer starts first, though the long prompt arrived before it.
+    while short.num_output_tokens == 0:
+        step(sched, engine)
+    assert long.num_output_tokens == 0
+    snapshot = sched.prefill.snapshot()
+    assert snapshot["lanes"]["short"]["started"] >= 1  # type: ignore[index]
+    assert snapshot["lanes"]["long"]["started"] == 1  # type: ignore[index]
+
+
+def test_a_long_prompt_passed_over_too_long_goes_first() -> None:
+    clock = FakeClock()
+    sched = calibrated(clock, stall_free=False, long_prompt_tokens=100, max_pass_over_seconds=2.0)
+    engine = FakeEngine()
+    long = make_request("long", 1000, 4)
+    sched.add_request(long)
+    shorts = 0
+
+    def busy_step() -> StepPlan:
+        # A stream of short prompts that would take every token of every step.
+        nonlocal shorts
+        for _ in range(8 - len(sched.running)):
+            shorts += 1
+            sched.add_request(make_request(f"short{shorts}", 90, 1))
+        clock.advance(0.5)
+        return step(sched, engine)
+
+    passed = [prompt_tokens_of(busy_step(), "long") for _ in range(3)]
+    assert passed[1:] == [0, 0]  # passed over while shorts keep coming
+    while prompt_tokens_of(busy_step(), "long") == 0:
+        assert clock.now < 1000.0 + 5.0, "a long prompt starved"
+    assert sched.prefill.num_promoted >= 1
+
+
+def test_interactive_prompts_come_before_batch_ones_of_any_length() -> None:
+    sched, engine = calibrated(long_prompt_tokens=100), FakeEngine()
+    sched.add_request(make_request("batch-short", 30, 4, priority=1))
+    sched.add_request(make_request("interactive-long", 600, 4, priority=0))
+    plan = step(sched, engine)
+    assert plan.sequences[0].request_id == "interactive-long"
+    split = sched.prefill.snapshot()["tokens_by_phase"]
+    assert split["prefill"]["interactive"] == prompt_tokens_of(plan, "interactive-long")  # type: ignore[index]
+
+
+def test_a_long_prompt_lends_its_seat_while_it_is_prefilled() -> None:
+    sched, engine = calibrated(long_prompt_tokens=100), FakeEngine()
+    capacity = sched.capacity
+    streams = [make_request(f"s{i}", 8, 400) for i in range(2)]
+    long = make_request("long", 1500, 4)
+    for r in [*streams, long]:
+        assert capacity.try_reserve(r.request_id, r.max_total_tokens, r)
+        sched.add_request(r)
+    assert capacity.num_holding == 3
+    step(sched, engine)
+    step(sched, engine)
+    assert capacity.num_holding == 2  # the long prompt decodes nothing yet
+    while long.num_output_tokens == 0:
+        step(sched, engine)
+    assert capacity.num_holding == 3  # it takes its seat back to decode
+    sched.finish_request("long", RequestStatus.FINISHED_ABORTED)
+    assert capacity.num_holding == 2
+
+
+def test_requests_sharing_a_cached_prefix_admitted_in_one_step_get_their_own_slots() -> None:
+    sched = Scheduler(config(prefix_caching=True, max_num_batched_tokens=512), eos_token_ids=(EOS,))
+    engine = FakeEngine()
+    first = make_request("first", 64, 1)
+    sched.add_request(first)
+    while first.status == RequestStatus.WAITING or not first.status.is_finished:
+        step(sched, engine)
+    # Its slot is idle and holds the shared prefix: only one of the two may adopt it.
+    twins = [make_request(f"twin{i}", 64, 1) for i in range(2)]
+    for r in twins:
+        r.all_token_ids[-1] = r.prompt_token_ids[-1] = 1000 + int(r.request_id[-1])
+        sched.add_request(r)
+    plan = sched.schedule()
+    assert {s.request_id for s in plan.sequences} == {"twin0", "twin1"}
+    assert len({s.kv_slot for s in plan.sequences}) == 2
+    assert len(plan.kv_copies) == 1  # the other copies the prefix
+
+
+def test_admission_predicts_the_chunks_the_scheduler_plans() -> None:
+    """The service estimate's prefill time of a long prompt beside decoding streams is
+    what the scheduler's own steps add up to (their predicted times), within 15%."""
+    sched, engine = calibrated(), FakeEngine()
+    decoding(sched, engine, 3)
+    long = make_request("long", 2000, 4)
+    sched.add_request(long)
+    planned = 0.0
+    while long.num_output_tokens == 0:
+        plan = step(sched, engine)
+        planned += sched.cost.predict(StepShape.of(plan))
+    sched.seats.update(3)
+    predicted = sched.seats.estimate.prefill_seconds(2000, num_decoding=3)
+    assert predicted == pytest.approx(planned, rel=0.15)
+    # Without stall-free prefill the same prompt takes fewer, costlier steps: sooner.
+    one_budget = replace(sched.seats.estimate, prefill_step_seconds=None)
+    assert one_budget.prefill_seconds(2000, num_decoding=3) < predicted
