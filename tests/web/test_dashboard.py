@@ -100,6 +100,13 @@ FULL_SNAPSHOT: dict[str, Any] = {
     "engine_steps_total": 1000,
     "prefix_cache": {"hit_rate": 0.25, "cached_slots": 3, "hit_tokens": 1200},
     "speculation": {"acceptance_rate": 0.625, "proposed_tokens": 80, "accepted_tokens": 50},
+    "prefill": {
+        "tokens_by_phase": {
+            "decode": {"interactive": 600, "batch": 200},
+            "prefill": {"interactive": 150, "batch": 50},
+        },
+        "lanes": {"short": {"tokens": 100, "started": 4}, "long": {"tokens": 100, "started": 1}},
+    },
 }
 
 
@@ -118,6 +125,7 @@ def test_dashboard_shows_what_the_server_reports(page: Page, load_server: Server
     assert page.is_hidden("[data-testid=stat-breaker]")
     assert page.is_hidden("[data-testid=stat-prefix]")
     assert page.is_hidden("[data-testid=stat-speculation]")
+    assert page.is_hidden("[data-testid=stat-prefill]")
 
     snapshot = FULL_SNAPSHOT
     wait_until(lambda: stat(page, "running") == "5", "the next poll is shown")
@@ -133,6 +141,11 @@ def test_dashboard_shows_what_the_server_reports(page: Page, load_server: Server
     assert stat(page, "speculation") == "63%"
     assert page.locator("[data-testid=stat-speculation] + .sub").text_content() == (
         "50 of 80 drafted"
+    )
+    # Stall-free prefill's split: 200 prompt tokens of 1,000, half of them long prompts.
+    assert stat(page, "prefill") == "20%"
+    assert page.locator("[data-testid=stat-prefill] + .sub").text_content() == (
+        "of tokens · 50% long prompts · 25% batch"
     )
     assert stat(page, "rejections") == "5"
     assert stat(page, "breaker") == "shed batch"

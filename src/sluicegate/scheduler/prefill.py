@@ -164,6 +164,8 @@ class PrefillPlanner:
         ``long_prompt_tokens`` is set; else by their cost alone at that position (the tail
         of a long prompt is dear: its attention reads everything before it)."""
         left = request.num_tokens - start
+        if left <= 1:
+            return False  # its prompt is done: it decodes
         if self.config.long_prompt_tokens is not None or not self.cost.calibrated:
             return left > self.long_prompt_tokens()
         return chunk_seconds(self.cost.coefficients, start, left) > self.config.long_prompt_seconds

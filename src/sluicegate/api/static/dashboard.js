@@ -77,6 +77,13 @@ function breakerState(s) {
 }
 
 /** Per-second rate of a counter between two samples (0 across a server restart). */
+function phaseTotals(stats) {
+  const phases = stats.prefill?.tokens_by_phase;
+  const total = (phase) =>
+    Object.values(phases?.[phase] ?? {}).reduce((a, b) => a + (num(b) ?? 0), 0);
+  return { prefill: total("prefill"), decode: total("decode") };
+}
+
 function rate(cur, prev, read) {
   if (!prev) return undefined;
   const a = read(prev.stats);
@@ -202,6 +209,24 @@ const CARDS = [
       const s = c.stats.speculation;
       if (!s || num(s.proposed_tokens) === undefined) return "";
       return `${s.accepted_tokens} of ${s.proposed_tokens} drafted`;
+    },
+  },
+  {
+    // Stall-free prefill (docs/stall-free.md): the engine's tokens, prompt against decode.
+    id: "prefill",
+    label: "Prompt tokens",
+    value: (c) => {
+      const { prefill, decode } = phaseTotals(c.stats);
+      const all = prefill + decode;
+      return fmtPercent(all > 0 ? (100 * prefill) / all : undefined);
+    },
+    sub: (c) => {
+      const split = c.stats.prefill?.tokens_by_phase?.prefill;
+      const long = num(c.stats.prefill?.lanes?.long?.tokens);
+      const { prefill } = phaseTotals(c.stats);
+      if (!split || long === undefined || prefill === 0) return "of the engine's tokens";
+      const batch = Math.round((100 * (num(split.batch) ?? 0)) / prefill);
+      return `of tokens · ${Math.round((100 * long) / prefill)}% long prompts · ${batch}% batch`;
     },
   },
   latencyCard("ttft", "TTFT p50", TTFT),
