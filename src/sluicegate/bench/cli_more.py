@@ -217,6 +217,23 @@ def long_prompts_command(
         typer.echo(line)
 
 
+def idle_command(
+    idle_seconds: Annotated[
+        float, typer.Option("--idle-seconds", min=0.0, help="The quiet spell.")
+    ] = 600.0,
+    out: OutOption = Path("bench-idle"),
+) -> None:
+    """The first request's time to first token after a quiet spell, against warm ones
+    (the embedded engine, one server)."""
+    from sluicegate.bench.idle import run
+
+    try:
+        result = run(out, idle_seconds)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        fail(str(exc))
+    typer.echo(result.line())
+
+
 def register_more(app: typer.Typer) -> None:
     """Add this module's commands to ``sluicegate bench``."""
     app.command("speculative")(speculative_command)
@@ -229,3 +246,4 @@ def register_more(app: typer.Typer) -> None:
     app.command("hostile")(hostile_command)
     app.command("startup")(startup_command)
     app.command("long-prompts")(long_prompts_command)
+    app.command("idle")(idle_command)

@@ -2,8 +2,10 @@
 
 There are no prefill and decode phases: each request has ``num_computed_tokens`` and a
 target (all of its known tokens), and every step hands out tokens under
-``max_num_batched_tokens``, running sequences first, then waiting ones.  A prompt longer
-than the remaining budget is prefilled in chunks over several steps.
+``max_num_batched_tokens``: decoding sequences first, then prompts (running chunked
+prefills and waiting requests) in their lanes' order, within the time the decoders leave
+under their TPOT objective (stall-free prefill, ``scheduler/prefill.py``).  A prompt
+longer than that is prefilled in chunks over several steps.
 
 The scheduler owns a sequence's pause state (flow control asks; a paused sequence is
 skipped, and preempted when paused too long or when its slot is needed), its pace (one
@@ -141,11 +143,9 @@ class Scheduler:
         self.speculator.begin_step(
             sum(1 for r in self.running if not is_idle(r) and r.num_output_tokens)
         )
-        # Decoding sequences first, oldest first; a paused, throttled or yielding one, or
-        # one whose pace does not allow a token yet, costs nothing this step.  When KV
-        # blocks run out, preempt (idle sequences first, then the newest).  A decoding
-        # sequence may add draft tokens when there is room for them (never preempting for
-        # a draft).
+        # Decoding sequences, oldest first; an idle or yielding one, or one whose pace does
+        # not allow a token yet, costs nothing.  When KV blocks run out, preempt (idle
+        # ones first, then the newest).  Drafts only where there is room for them.
         decoded: list[tuple[Request, int]] = []
         placed: set[str] = set()
         idx = 0
