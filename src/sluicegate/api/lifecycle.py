@@ -17,7 +17,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from sluicegate.api.batches import batch_aware_executor
-from sluicegate.api.responses_background import background_aware
+from sluicegate.api.responses_background import background_aware, restore_background
 from sluicegate.api.state import AppState, Ready
 from sluicegate.config import Settings
 from sluicegate.engine.output import FlushPolicy
@@ -128,6 +128,7 @@ async def _load(state: AppState, store: Store) -> None:
     files_dir = location.path.with_name(location.path.stem + "-files")
     batches = await asyncio.to_thread(Batches, journal, files_dir)
     jobs.listener = batch_listener(batches)
+    await restore_background(sessions, journal)
     await jobs.start()
     state.ready = Ready(service, store, flow, sessions, jobs, location, batches)
 

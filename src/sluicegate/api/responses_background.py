@@ -30,7 +30,7 @@ from sluicegate.admission.tenants import Tenant
 from sluicegate.api.prepare import Prepared
 from sluicegate.errors import APIError
 from sluicegate.queue.jobs import JobExecutor, JobRunner
-from sluicegate.queue.journal import JobRecord
+from sluicegate.queue.journal import JobJournal, JobRecord
 from sluicegate.service.ownership import new_resume_token, resume_token_digest
 from sluicegate.store.base import Store
 from sluicegate.store.errors import StoreError, StreamExpired, StreamNotFound
@@ -89,6 +89,31 @@ async def journal_background(
         await store.delete(prepared.request_id)
         raise
     return events, token
+
+
+async def restore_background(sessions: SessionRegistry, journal: JobJournal) -> int:
+    """At start-up, before serving: the background responses the journal will run again
+    that the in-memory store lost with the restart get their start back (metadata and
+    opening, status queued), so that a client polling right after the restart finds them
+    queued rather than unknown until the runner reaches them.  Returns how many."""
+    store = sessions.store
+    if store.url != "memory":
+        return 0  # Redis kept them
+    restored = 0
+    for record in await asyncio.to_thread(journal.unfinished):
+        payload = orjson.loads(record.body_json)
+        if payload.get("kind") != RESPONSE_JOB:
+            continue
+        response_id = str(payload["response_id"])
+        try:
+            await store.read(response_id, 0, limit=1)
+        except StreamNotFound:
+            meta = StreamMeta(**payload["meta"])
+            await _store_start(store, response_id, meta, str(payload["opening"]).encode())
+            restored += 1
+        except StreamExpired:
+            continue
+    return restored
 
 
 async def _store_start(store: Store, response_id: str, meta: StreamMeta, opening: bytes) -> None:

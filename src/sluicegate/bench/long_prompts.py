@@ -80,6 +80,13 @@ class PhaseResult:
     long_prompt_tokens: list[int] = field(default_factory=list)
     long_refused: int = 0
     streams_refused: int = 0
+    #: Tokens the streams received, and the phase's length: their throughput.
+    stream_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def stream_tokens_per_second(self) -> float | None:
+        return self.stream_tokens / self.seconds if self.seconds > 0 else None
 
 
 @dataclass(slots=True)
@@ -163,7 +170,7 @@ class Load:
 async def run_phase(base_url: str, seconds: float, load: Load) -> PhaseResult:
     """``load.streams`` clients decoding back to back for ``seconds``, short probes, and
     long prompts every ``load.long_interval_seconds``."""
-    result = PhaseResult()
+    result = PhaseResult(seconds=seconds)
     rng = random.Random(load.seed)
     deadline = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
@@ -178,6 +185,7 @@ async def run_phase(base_url: str, seconds: float, load: Load) -> PhaseResult:
                 n += 1
                 if answer.status == 200:
                     result.gaps.extend(answer.gaps)
+                    result.stream_tokens += len(answer.gaps) + (answer.ttft is not None)
                 else:
                     result.streams_refused += 1
                     await asyncio.sleep(1.0)
@@ -271,6 +279,10 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def prediction_errors(result: PhaseResult) -> list[float]:
     """Each long prompt's |measured - predicted| / measured time to first token."""
     pairs = zip(result.long_ttft, result.long_predicted, strict=False)
@@ -282,8 +294,8 @@ def table(results: Sequence[ConfigResult]) -> list[str]:
     lines = [
         "| config | stream gap p50 / p99 / max, quiet (ms) | with long prompts (ms) | "
         "probe TTFT p99 quiet → long (ms, ratio) | long prompts: admitted, refused, "
-        "TTFT p50 / p90 (s) | predicted TTFT error p90 |",
-        "|---|---|---|---|---|---|",
+        "TTFT p50 / p90 (s) | predicted TTFT error p90 | stream tokens/s, quiet |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         q, lp = r.quiet, r.loaded
@@ -304,6 +316,7 @@ def table(results: Sequence[ConfigResult]) -> list[str]:
             f"| {_ms(quiet_probe)} → {_ms(loaded_probe)} ({ratio}) "
             f"| {len(lp.long_ttft)}, {lp.long_refused}, "
             f"{'-' if p50 is None else f'{p50:.1f}'} / {'-' if p90 is None else f'{p90:.1f}'} "
-            f"| {'-' if error is None else f'{error:.0%}'} |"
+            f"| {'-' if error is None else f'{error:.0%}'} "
+            f"| {_rate(q.stream_tokens_per_second)} |"
         )
     return lines

@@ -233,6 +233,15 @@ class JobJournal:
             )
         return cursor.rowcount
 
+    def unfinished(self) -> list[JobRecord]:
+        """Every job queued or running, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM jobs WHERE state IN ('queued', 'running')"
+                " ORDER BY created_at"
+            ).fetchall()
+        return [_record(row) for row in rows]
+
     def count(self, state: JobState | None = None) -> int:
         with self._lock:
             if state is None:
