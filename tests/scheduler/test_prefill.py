@@ -109,8 +109,14 @@ def test_the_floor_keeps_a_prompt_moving_when_the_decoders_fill_the_step() -> No
     sched.prefill.config = replace(sched.prefill.config, tpot_objective_seconds=0.025)
     decoding(sched, engine, 7)
     sched.add_request(make_request("long", 300, 4))
+    # The floor: the prompt tokens the seat limit counted on beside each decoded token
+    # (a typical prompt over a typical answer: 2 before any request finished), at least 4.
+    floor = int(sched.seats.prefill_per_decode * 7)
+    assert floor == 14
     for _ in range(3):
-        assert prompt_tokens_of(step(sched, engine), "long") == 4
+        assert prompt_tokens_of(step(sched, engine), "long") == floor
+    sched.prefill.config = replace(sched.prefill.config, min_chunk_tokens=20)
+    assert prompt_tokens_of(step(sched, engine), "long") == 20
 
 
 def test_a_short_prompt_is_prefilled_ahead_of_a_long_one() -> None:

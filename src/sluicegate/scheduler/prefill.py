@@ -137,15 +137,22 @@ class PrefillPlanner:
             return self.config.tpot_objective_seconds
         return self.config.batch_tpot_objective_seconds or self.config.tpot_objective_seconds
 
-    def time_budget(self, decoders: list[Request], shape: StepShape) -> StepTimeBudget:
-        """What is left of the step for prefill, once ``decoders`` (of ``shape``) are in."""
+    def time_budget(
+        self, decoders: list[Request], shape: StepShape, prefill_per_decode: float = 0.0
+    ) -> StepTimeBudget:
+        """What is left of the step for prefill, once ``decoders`` (of ``shape``) are in.
+
+        The floor is ``min_chunk_tokens``, or the prompt tokens the seat limit counted on
+        beside each decoded token (``prefill_per_decode``) when more: a full batch sized
+        for its prompts' share still starts new answers at the rate it was sized for."""
         left: float | None = None
         objectives = [o for r in decoders if (o := self.objective(r.priority)) is not None]
         if self.config.stall_free and objectives and self.cost.calibrated:
             target = self.config.headroom * min(objectives)
             left = target - self.cost.predict(shape)
         self._last_left = left
-        return StepTimeBudget(self.cost, left, self.config.min_chunk_tokens)
+        share = int(prefill_per_decode * len(decoders))
+        return StepTimeBudget(self.cost, left, max(self.config.min_chunk_tokens, share))
 
     # --- the lanes ---
 

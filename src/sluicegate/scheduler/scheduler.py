@@ -173,7 +173,8 @@ class Scheduler:
         # order, within the token budget and the time the decoders leave
         # (scheduler/prefill.py).
         shape = StepShape.of(plan)
-        time_left = self.prefill.time_budget([r for r, _ in decoded], shape)
+        per_decode = self.seats.prefill_per_decode
+        time_left = self.prefill.time_budget([r for r, _ in decoded], shape, per_decode)
         candidates = self._prefill_candidates(now)
         given: dict[str, int] = {}
         waiting_blocked = False

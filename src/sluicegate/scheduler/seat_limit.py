@@ -73,6 +73,8 @@ class ServiceEstimate:
     #: Stall-free prefill's step target and floor (see :class:`SeatLimitConfig`).
     prefill_step_seconds: float | None = None
     min_prefill_chunk_tokens: int = 4
+    #: Prompt tokens counted on beside each decoded token (the floor grows with it).
+    prefill_per_decode: float = 0.0
     #: Prompts with more tokens than this to prefill are long (prefilled after short
     #: ones); None: one lane.
     long_prompt_tokens: int | None = None
@@ -91,13 +93,15 @@ class ServiceEstimate:
         # step's target leaves after the decoders at the stretch's position (attention
         # makes a chunk dearer the further into the prompt it is).
         stretch = -(-total // 16)
+        # The scheduler's floor (scheduler/prefill.py): what a step always gives a prompt.
+        floor = max(self.min_prefill_chunk_tokens, int(self.prefill_per_decode * decoding))
         seconds = 0.0
         done = 0
         while done < total:
             chunk = budget
             if stall_free and self.prefill_step_seconds is not None:
                 fits = chunk_tokens(cost, done, self.prefill_step_seconds - decode)
-                chunk = max(1, min(budget, max(self.min_prefill_chunk_tokens, fits)))
+                chunk = max(1, min(budget, max(floor, fits)))
             length = min(total - done, max(chunk, stretch))
             steps = -(-length // chunk)
             size = length / steps
@@ -273,6 +277,7 @@ class SeatLimiter:
             cost=self.cost.coefficients,
             prefill_step_seconds=self.config.prefill_step_seconds,
             min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
+            prefill_per_decode=self.prefill_per_decode,
             long_prompt_tokens=None
             if self._long_prompt_tokens is None
             else self._long_prompt_tokens(),
