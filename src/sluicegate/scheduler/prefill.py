@@ -4,17 +4,21 @@
 only the prefill tokens whose predicted cost keeps the step within those sequences' time
 per output token objective (times a headroom), so a long prompt is prefilled in as many
 chunks as that takes, interleaved with decode steps, and no running stream freezes
-while it arrives.  The budget is the cost model's (``fixed + per_seq · sequences +
-per_token · tokens + per_context · context``), so it follows the machine as the model is
+while it arrives.  The budget is the cost model's (a chunk's own cost and its
+attention's query-key pairs included), so it follows the machine as the model is
 refitted.  A step with no decoding sequence takes its whole token budget: no reader is
-waiting on it.  One prefill a step always takes at least ``min_chunk_tokens`` (a long
-prompt always progresses, even when the decoders alone fill the step).
+waiting on it.  One prefill a step always gets a floor (``min_chunk_tokens``, or the
+prompt share the seat limit counted on, when more), so prompts progress even when the
+decoders alone fill the step.
 
-*Length-aware lanes*: prompts are classed by the tokens they still have to prefill
-(after the prefix cache): a short one is prefilled ahead of a long one of the same
-priority, so a short question is not queued behind a pasted document.  A long prompt
-passed over for ``max_pass_over_seconds`` goes ahead of the short ones (no starvation).
-Interactive prefill comes before batch prefill; decoding sequences before either.
+*Length-aware lanes*: a prompt is long when what it still has to prefill (after the
+prefix cache) would take more than ``long_prompt_seconds`` alone at its position (or has
+more than ``long_prompt_tokens`` tokens, when set): a short one is prefilled ahead of a
+long one of the same priority, so a short question is not queued behind a pasted
+document, and a long one lends its seat meanwhile (the scheduler tells the dispatch
+capacity).  A long prompt passed over for ``max_pass_over_seconds`` goes ahead of the
+short ones (no starvation).  Interactive prefill comes before batch prefill; decoding
+sequences before either.
 """
 
 from __future__ import annotations
@@ -51,13 +55,14 @@ class PrefillConfig:
     batch_tpot_objective_seconds: float | None = None
     #: Aim a step at this fraction of the tightest objective among its decoders.
     headroom: float = 0.8
-    #: Prefill tokens a step always gives (to one prompt), whatever the budget.
+    #: Prefill tokens a step always gives (to one prompt), whatever the budget (more when
+    #: the seat limit counted on more: see :meth:`PrefillPlanner.time_budget`).
     min_chunk_tokens: int = 4
     #: A prompt with more tokens than this left to prefill is long (None: from the cost
     #: model, see ``long_prompt_seconds``).
     long_prompt_tokens: int | None = None
-    #: With ``long_prompt_tokens`` unset: a prompt is long when its prefill alone on an
-    #: idle engine would take longer than this.
+    #: With ``long_prompt_tokens`` unset: a prompt is long when what is left of it would
+    #: take longer than this alone, at its position.
     long_prompt_seconds: float = 0.3
     #: A long prompt passed over this long goes ahead of short ones.
     max_pass_over_seconds: float = 2.0
