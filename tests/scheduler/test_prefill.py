@@ -227,3 +227,17 @@ def test_admission_predicts_the_chunks_the_scheduler_plans() -> None:
     # Without stall-free prefill the same prompt takes fewer, costlier steps: sooner.
     one_budget = replace(sched.seats.estimate, prefill_step_seconds=None)
     assert one_budget.prefill_seconds(2000, num_decoding=3) < predicted
+
+
+def test_prompts_of_one_lane_start_in_the_order_they_were_handed_over() -> None:
+    # The dispatcher hands requests over in its fair queue's order, which need not be
+    # their arrival order: the scheduler keeps it.
+    sched, engine = calibrated(stall_free=False), FakeEngine()
+    later = make_request("handed-first", 300, 4)
+    earlier = make_request("handed-second", 300, 4)
+    later.arrival_time, earlier.arrival_time = 2000.0, 1000.0
+    sched.add_request(later)
+    sched.add_request(earlier)
+    plan = step(sched, engine)
+    assert [s.request_id for s in plan.sequences] == ["handed-first", "handed-second"]
+    assert prompt_tokens_of(plan, "handed-first") == 300

@@ -109,6 +109,9 @@ class PrefillCandidate:
     #: A waiting one's prefix-cache hit (where ``start`` comes from).
     hit: PrefixHit | None = None
     lane: str = "short"
+    #: Its place in line: running ones first, then the waiting line's order (which is the
+    #: fair queue's: the dispatcher hands requests over in the order it serves them).
+    rank: int = 0
 
 
 class PrefillPlanner:
@@ -184,15 +187,15 @@ class PrefillPlanner:
 
     def order(self, candidates: list[PrefillCandidate], now: float) -> list[PrefillCandidate]:
         """Interactive before batch; within a class, short prompts and long ones passed
-        over too long first, then long ones; then by arrival."""
+        over too long first, then long ones; then in line (:attr:`PrefillCandidate.rank`)."""
         patience = self.config.max_pass_over_seconds
         for c in candidates:
             c.lane = "long" if self.is_long(c.request, c.start) else "short"
 
-        def key(c: PrefillCandidate) -> tuple[int, int, float]:
+        def key(c: PrefillCandidate) -> tuple[int, int, int]:
             since = c.request.prefill_passed_since
             ahead = c.lane == "short" or (since is not None and now - since >= patience)
-            return (c.request.priority, 0 if ahead else 1, c.request.arrival_time)
+            return (c.request.priority, 0 if ahead else 1, c.rank)
 
         return sorted(candidates, key=key)
 

@@ -213,12 +213,12 @@ class Scheduler:
         """Running sequences still prefilling (not sitting out) and waiting requests,
         each from where it would start (a waiting one's prefix-cache hit)."""
         out = [
-            PrefillCandidate(r, r.num_computed_tokens, running=True)
-            for r in self.running
+            PrefillCandidate(r, r.num_computed_tokens, running=True, rank=i)
+            for i, r in enumerate(self.running)
             if r.num_tokens - r.num_computed_tokens > 1 and not self._sits_out(r, now)
         ]
-        for request in self.waiting:
-            candidate = PrefillCandidate(request, request.num_computed_tokens, running=False)
+        for i, request in enumerate(self.waiting.ordered(), start=len(self.running)):
+            candidate = PrefillCandidate(request, request.num_computed_tokens, False, rank=i)
             out.append(self._refresh_hit(candidate))
         return out
 

@@ -48,6 +48,16 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._requests.values())
 
+    def ordered(self) -> list[Request]:
+        """The waiting requests in the order they are served (priority, then the line)."""
+        seen: set[str] = set()
+        out = []
+        for _, _, request_id in sorted(self._heap):
+            if request_id in self._requests and request_id not in seen:
+                seen.add(request_id)
+                out.append(self._requests[request_id])
+        return out
+
     def _drop_removed(self) -> None:
         while self._heap and self._heap[0][2] not in self._requests:
             heapq.heappop(self._heap)
