@@ -132,27 +132,21 @@ def refresh_state_metrics(state: AppState) -> None:
 def count_prefill(metrics: Metrics, prefill: dict[str, Any], seen: dict[str, float]) -> None:
     """The stall-free prefill counters of ``/v1/stats`` into Prometheus (``seen``: what
     was counted at the last scrape)."""
-    totals = {"promoted": prefill["long_promoted"], "limited": prefill["budget_limited_steps"]}
+    counters = [
+        (metrics.prefill_long_promoted_total, "promoted", prefill["long_promoted"]),
+        (metrics.prefill_budget_limited_steps_total, "limited", prefill["budget_limited_steps"]),
+    ]
     for lane, counts in prefill["lanes"].items():
-        totals[f"lane:{lane}"] = counts["tokens"]
+        counter = metrics.prefill_lane_tokens_total.labels(lane)
+        counters.append((counter, f"lane {lane}", counts["tokens"]))
     for phase, by_class in prefill["tokens_by_phase"].items():
         for priority, tokens in by_class.items():
-            totals[f"phase:{phase}:{priority}"] = tokens
-    for key, value in totals.items():
-        delta = value - seen.get(key, 0)
-        if delta <= 0:
-            continue
-        seen[key] = value
-        kind, _, rest = key.partition(":")
-        if kind == "promoted":
-            metrics.prefill_long_promoted_total.inc(delta)
-        elif kind == "limited":
-            metrics.prefill_budget_limited_steps_total.inc(delta)
-        elif kind == "lane":
-            metrics.prefill_lane_tokens_total.labels(rest).inc(delta)
-        else:
-            phase, _, priority = rest.partition(":")
-            metrics.scheduled_tokens_total.labels(phase, priority).inc(delta)
+            counter = metrics.scheduled_tokens_total.labels(phase, priority)
+            counters.append((counter, f"{phase} {priority}", tokens))
+    for counter, key, value in counters:
+        if value > seen.get(key, 0):
+            counter.inc(value - seen.get(key, 0))
+            seen[key] = value
 
 
 def stats_body(state: AppState, ready: Ready, viewer: StatsViewer) -> dict[str, object]:

@@ -137,29 +137,26 @@ class DispatchCapacity:
     def set_idle(self, request_id: str, idle: bool) -> None:
         """The scheduler found a request idle (paused, or waiting for its pace) or busy
         again: it lends out (or takes back) its seat and its KV.  Idempotent."""
-        with self._lock:
-            holding = self._holding.get(request_id)
-            if holding is None or holding.idle == idle:
-                return
-            seat = holding.holds_seat
-            holding.idle = idle
-            self._num_seats += holding.holds_seat - seat
-            self._kv_tokens += (-1 if idle else 1) * holding.kv_tokens
-        if idle:
-            self._changed()
+        self._lend(request_id, "idle", idle, lends_kv=True)
 
     def set_prefilling(self, request_id: str, prefilling: bool) -> None:
         """A long prompt is being prefilled (or is nearly done): its request lends out (or
         takes back) its seat, so that short requests are not kept waiting for seats by
         prompts that decode nothing yet (length-aware lanes).  Idempotent."""
+        self._lend(request_id, "prefilling", prefilling, lends_kv=False)
+
+    def _lend(self, request_id: str, reason: str, lent: bool, *, lends_kv: bool) -> None:
+        """Set one of a holding's reasons to lend its seat (``idle`` also lends its KV)."""
         with self._lock:
             holding = self._holding.get(request_id)
-            if holding is None or holding.prefilling == prefilling:
+            if holding is None or getattr(holding, reason) == lent:
                 return
             seat = holding.holds_seat
-            holding.prefilling = prefilling
+            setattr(holding, reason, lent)
             self._num_seats += holding.holds_seat - seat
-        if prefilling:
+            if lends_kv:
+                self._kv_tokens += (-1 if lent else 1) * holding.kv_tokens
+        if lent:
             self._changed()
 
     def release(self, request_id: str) -> None:

@@ -169,22 +169,20 @@ class Scheduler:
             placed.add(request.request_id)
             budget -= 1 + len(drafts)
 
-        # Then prompts (running chunked prefills and waiting requests), in their lanes'
-        # order, within the token budget and the time the decoders leave
-        # (scheduler/prefill.py).
-        shape = StepShape.of(plan)
-        per_decode = self.seats.prefill_per_decode
-        time_left = self.prefill.time_budget([r for r, _ in decoded], shape, per_decode)
+        # Then prompts (running chunked prefills, waiting requests) in their lanes' order,
+        # within the token budget and the time the decoders leave (scheduler/prefill.py).
+        share = self.seats.prefill_per_decode
+        time_left = self.prefill.time_budget([r for r, _ in decoded], StepShape.of(plan), share)
         candidates = self._prefill_candidates(now)
         given: dict[str, int] = {}
-        waiting_blocked = False
+        waiting_blocked = admitted = False
         for candidate in self.prefill.order(candidates, now):
             request = candidate.request
             if budget <= 0 or (waiting_blocked and not candidate.running):
                 continue
             if candidate.running and request.status != RequestStatus.RUNNING:
                 continue  # preempted for another's room this step
-            if not candidate.running:
+            if not candidate.running and admitted:
                 self._refresh_hit(candidate)  # an admission before it may have taken it
             start = request.num_computed_tokens if candidate.running else candidate.start
             num_new = time_left.tokens_for(start, min(request.num_tokens - start, budget))
@@ -193,7 +191,9 @@ class Scheduler:
             if candidate.running:
                 if not self._make_room(request, start + num_new, placed):
                     continue
-            elif not self._admit(plan, candidate, num_new):
+            elif self._admit(plan, candidate, num_new):
+                admitted = True
+            else:
                 waiting_blocked = True  # no slot or blocks: nothing waiting starts
                 continue
             plan.sequences.append(self._scheduled(request, num_new))
