@@ -21,6 +21,14 @@ class PrefillSettings(BaseModel):
         le=1.0,
         description="Aim a step with decoding streams at this fraction of their TPOT objective.",
     )
+    prefill_overrun_quantile: float = Field(
+        0.95,
+        ge=0.0,
+        lt=1.0,
+        description="Aim lower than prefill_headroom when recent steps with a prompt chunk "
+        "ran over their predicted time by more than it allows: at 1/q of the objective, q "
+        "this quantile of their measured over predicted time (0: prefill_headroom only).",
+    )
     min_prefill_chunk_tokens: int = Field(
         4,
         ge=1,

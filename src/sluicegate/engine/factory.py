@@ -204,6 +204,7 @@ def prefill_config(settings: Settings) -> PrefillConfig:
         tpot_objective_seconds=settings.tpot_slo_ms / 1000.0,
         batch_tpot_objective_seconds=settings.batch_tpot_slo_ms / 1000.0,
         headroom=settings.prefill_headroom,
+        overrun_quantile=settings.prefill_overrun_quantile,
         min_chunk_tokens=settings.min_prefill_chunk_tokens,
         long_prompt_tokens=settings.long_prompt_tokens,
         long_prompt_seconds=settings.long_prompt_seconds,

@@ -6,8 +6,9 @@ per output token objective (times a headroom), so a long prompt is prefilled in 
 chunks as that takes, interleaved with decode steps, and no running stream freezes
 while it arrives.  The budget is the cost model's (a chunk's own cost and its
 attention's query-key pairs included), so it follows the machine as the model is
-refitted.  A step with no decoding sequence takes its whole token budget: no reader is
-waiting on it.  One prefill a step always gets a floor (``min_chunk_tokens``, or the
+refitted.  A step with no decoding sequence takes prompt tokens for up to
+``long_prompt_seconds``: no reader is waiting on it, but a short prompt arriving meanwhile
+waits for it to end.  One prefill a step always gets a floor (``min_chunk_tokens``, or the
 prompt share the seat limit counted on, when more), so prompts progress even when the
 decoders alone fill the step.
 
@@ -23,6 +24,7 @@ sequences before either.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from sluicegate.scheduler.cost_model import (
@@ -66,27 +68,62 @@ class PrefillConfig:
     long_prompt_seconds: float = 0.3
     #: A long prompt passed over this long goes ahead of short ones.
     max_pass_over_seconds: float = 2.0
+    #: Steps run slower or faster than the cost model predicts in stretches (another
+    #: process, the CPU's clock): each step's prediction is scaled by the recent steps'
+    #: measured over predicted time, and what is left unpredicted is kept in bounds by
+    #: aiming at ``1 / q`` of the objective when that is below ``headroom``, ``q`` this
+    #: quantile of it over recent steps with decoders and a prompt chunk (0: neither).
+    overrun_quantile: float = 0.98
+
+
+#: The weight of each step in the recent slowdown (an exponential moving average: on a
+#: shared CPU a slow step is followed by slow ones, measured lag-1 correlation 0.84).
+SLOWDOWN_WEIGHT = 0.3
+SLOWDOWN_RANGE = (0.8, 8.0)
+#: Steps of prompt chunks alone are few (a long prompt's while nothing decodes), and
+#: what they miss is the fit's, not the machine's: each weighs more.
+IDLE_SLOWDOWN_WEIGHT = 0.5
+#: Steps with decoders and a prompt chunk remembered for their overrun, and the fewest
+#: that set it.
+OVERRUN_WINDOW = 256
+MIN_OVERRUN_STEPS = 32
+#: However far steps overrun, a step is aimed at no less than this fraction of the
+#: objective (the floor still gives a prompt its tokens).
+MIN_STEP_FRACTION = 0.5
 
 
 class StepTimeBudget:
     """The seconds a step has left for prefill after its decoders (None: no limit)."""
 
-    def __init__(self, cost: StepCostModel, seconds_left: float | None, floor: int) -> None:
+    def __init__(
+        self,
+        cost: StepCostModel,
+        seconds_left: float | None,
+        floor: int,
+        share: int = 0,
+        seconds_to_objective: float | None = None,
+    ) -> None:
         self._coefficients = cost.coefficients
         self.seconds_left = seconds_left
         self._floor = floor
+        self._share = share
+        self._to_objective = seconds_to_objective
         self._given = False
         #: The time left gave a prompt fewer tokens than it could have taken.
         self.limited = False
 
     def tokens_for(self, start: int, wanted: int) -> int:
         """Prefill tokens for one prompt whose next position is ``start`` (at most
-        ``wanted``): as many as the time left allows, the floor for the step's first."""
+        ``wanted``): as many as the time left allows; the step's first prompt at least
+        the floor, and the share while it keeps the step within the objective."""
         if self.seconds_left is None or wanted <= 0:
             return max(0, wanted)
         fits = chunk_tokens(self._coefficients, start, self.seconds_left)
         if not self._given:
-            fits = max(fits, self._floor)
+            share = self._share
+            if self._to_objective is not None:
+                share = min(share, chunk_tokens(self._coefficients, start, self._to_objective))
+            fits = max(fits, self._floor, share)
         if fits < wanted:
             self.limited = True
         return max(0, min(wanted, fits))
@@ -137,8 +174,71 @@ class PrefillPlanner:
         #: Steps whose prefill the time budget cut short (it had more to give).
         self.num_limited_steps = 0
         self._last_left: float | None = None
+        #: Recent steps' measured over predicted time: steps with decoders, and steps of
+        #: prompt chunks alone (big chunks deep in a prompt run slower than the fit of the
+        #: small ones beside decoders says: their scores outgrow the caches).
+        self.slowdown = 1.0
+        self.idle_slowdown = 1.0
+        #: What the slowdown left unpredicted in recent steps with a prompt chunk.
+        self._overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)
+        #: The fraction of the tightest TPOT objective a step with decoders is aimed at.
+        self.step_fraction = config.headroom
 
     # --- the budget ---
+
+    def observe(self, shape: StepShape, num_decoding: int, seconds: float) -> None:
+        """A step ran in ``seconds`` (measured before the cost model learns from it, so
+        against the prediction it was planned on).  With decoders, it moves the slowdown
+        that scales the next such steps' predictions, and, with a prompt chunk, tells what
+        that scaling missed, which sets :attr:`step_fraction`: the next steps are aimed
+        so that all but ``1 - overrun_quantile`` of them stay within the objective (never
+        above ``headroom``).  Prompt chunks alone move :attr:`idle_slowdown`."""
+        quantile = self.config.overrun_quantile
+        if quantile <= 0 or not self.cost.calibrated:
+            return
+        predicted = self.cost.predict(shape)
+        if predicted <= 0:
+            return
+        ratio = seconds / predicted
+        low, high = SLOWDOWN_RANGE
+        if not num_decoding:
+            if shape.num_chunks:
+                idle = self.idle_slowdown + IDLE_SLOWDOWN_WEIGHT * (ratio - self.idle_slowdown)
+                self.idle_slowdown = min(high, max(low, idle))
+            return
+        if shape.num_chunks:
+            self._overruns.append(ratio / self.slowdown)
+            if len(self._overruns) >= MIN_OVERRUN_STEPS:
+                ranked = sorted(self._overruns)
+                overrun = ranked[min(len(ranked) - 1, int(quantile * len(ranked)))]
+                fraction = min(self.config.headroom, 1.0 / max(overrun, 1e-6))
+                self.step_fraction = max(MIN_STEP_FRACTION, fraction)
+        slowdown = self.slowdown + SLOWDOWN_WEIGHT * (ratio - self.slowdown)
+        self.slowdown = min(high, max(low, slowdown))
+
+    def step_target_seconds(self) -> float | None:
+        """What a step with interactive decoders is aimed at, as the cost model counts
+        (None: no time budget)."""
+        objective = self.config.tpot_objective_seconds
+        if not self.config.stall_free or objective is None:
+            return None
+        return self.step_fraction * objective / self.slowdown
+
+    def step_objective_seconds(self) -> float | None:
+        """The interactive TPOT objective as the cost model counts (None: no budget)."""
+        objective = self.config.tpot_objective_seconds
+        if not self.config.stall_free or objective is None:
+            return None
+        return objective / self.slowdown
+
+    def idle_step_target_seconds(self) -> float | None:
+        """What a step without decoders is aimed at, as the cost model counts: no more
+        than a short prompt's prefill (``long_prompt_seconds``), so a short prompt that
+        arrives while a long one is prefilled alone waits at most about that long for
+        the step under way (a chunk's own cost is a few percent of it)."""
+        if not self.config.stall_free:
+            return None
+        return self.config.long_prompt_seconds / self.idle_slowdown
 
     def objective(self, priority: int) -> float | None:
         if priority_class(priority) == "interactive":
@@ -150,17 +250,23 @@ class PrefillPlanner:
     ) -> StepTimeBudget:
         """What is left of the step for prefill, once ``decoders`` (of ``shape``) are in.
 
-        The floor is ``min_chunk_tokens``, or the prompt tokens the seat limit counted on
-        beside each decoded token (``prefill_per_decode``) when more: a full batch sized
-        for its prompts' share still starts new answers at the rate it was sized for."""
-        left: float | None = None
+        The floor is ``min_chunk_tokens``; and the prompt tokens the seat limit counted on
+        beside each decoded token (``prefill_per_decode``) are given while they keep the
+        step within the objective itself (beyond the headroom): a full batch sized for its
+        prompts' share still starts new answers at the rate it was sized for, but a share
+        deep in a long prompt, where each token is dear, does not stretch the step past
+        what its readers were promised."""
+        left = to_objective = None
         objectives = [o for r in decoders if (o := self.objective(r.priority)) is not None]
-        if self.config.stall_free and objectives and self.cost.calibrated:
-            target = self.config.headroom * min(objectives)
+        target = self.idle_step_target_seconds() if not decoders else None
+        if self.config.stall_free and objectives:
+            target = self.step_fraction * min(objectives) / self.slowdown
+            to_objective = min(objectives) / self.slowdown - self.cost.predict(shape)
+        if target is not None and self.cost.calibrated:
             left = target - self.cost.predict(shape)
         self._last_left = left
         share = int(prefill_per_decode * len(decoders))
-        return StepTimeBudget(self.cost, left, max(self.config.min_chunk_tokens, share))
+        return StepTimeBudget(self.cost, left, self.config.min_chunk_tokens, share, to_objective)
 
     # --- the lanes ---
 
@@ -236,6 +342,9 @@ class PrefillPlanner:
             "step_seconds_left_for_prefill": None
             if self._last_left is None
             else round(self._last_left, 4),
+            "step_fraction_of_objective": round(self.step_fraction, 3),
+            "slowdown": round(self.slowdown, 3),
+            "idle_slowdown": round(self.idle_slowdown, 3),
             "budget_limited_steps": self.num_limited_steps,
             "lanes": {
                 lane: {"tokens": self.lane_tokens[lane], "started": self.lane_started[lane]}

@@ -76,19 +76,17 @@ class Scheduler:
         self.cost = StepCostModel()
         #: Stall-free prefill: its budget in each step, and the lanes' order.
         self.prefill = PrefillPlanner(config.prefill, self.cost, config.max_num_batched_tokens)
-        stall_free = config.prefill.stall_free and config.prefill.tpot_objective_seconds
         #: How many sequences may decode at once under the TPOT objective.
         self.seats = SeatLimiter(
             SeatLimitConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 tpot_objective_seconds=config.tpot_objective_seconds,
-                prefill_step_seconds=config.prefill.headroom * stall_free if stall_free else None,
                 min_prefill_chunk_tokens=config.prefill.min_chunk_tokens,
             ),
             self.cost,
             clock,
-            self.prefill.long_prompt_tokens,
+            self.prefill,
         )
         #: Pace-aware scheduling: each reader's clock, and who sits out a step (qoe).
         self.pacing = ReaderPacing(config.pacing)
@@ -318,6 +316,7 @@ class Scheduler:
         """A step ran in ``seconds``: learn from it, and move the seat limit if due."""
         shape = StepShape.of(plan)
         self._last_step_seconds = seconds
+        self.prefill.observe(shape, plan.num_decoding, seconds)
         self.cost.observe(shape, seconds)
         self.seats.on_step(shape, plan.num_decoding, seconds)
         if self.seats.update(self.capacity.num_holding):

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from sluicegate.scheduler.cost_model import (
     Coefficients,
@@ -47,9 +47,6 @@ class SeatLimitConfig:
     update_interval_seconds: float = 0.5
     #: Measured steps that count for feedback.
     feedback_window_seconds: float = 3.0
-    #: Stall-free prefill: a step with decoding sequences is aimed at this many seconds,
-    #: and its prompt tokens are what the decoders leave (None: a step's whole budget).
-    prefill_step_seconds: float | None = None
     #: Prompt tokens a step always takes (stall-free prefill's floor).
     min_prefill_chunk_tokens: int = 4
     #: Never fewer seats than this (or ``max_num_seqs``): a second client arriving on an
@@ -57,6 +54,23 @@ class SeatLimitConfig:
     #: CPU a decode step of two costs about what a step of one does: it reads every
     #: weight once whatever the batch).
     min_seats: int = 2
+
+
+class PrefillTargets(Protocol):
+    """What stall-free prefill aims steps at, as the cost model counts (None: no limit),
+    and where its long lane starts (:class:`~sluicegate.scheduler.prefill.PrefillPlanner`)."""
+
+    #: Measured over predicted step time lately, beside decoders and without any.
+    slowdown: float
+    idle_slowdown: float
+
+    def step_target_seconds(self) -> float | None: ...
+
+    def step_objective_seconds(self) -> float | None: ...
+
+    def idle_step_target_seconds(self) -> float | None: ...
+
+    def long_prompt_tokens(self) -> int: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,8 +84,14 @@ class ServiceEstimate:
     mean_output_tokens: float
     max_num_batched_tokens: int
     cost: Coefficients
-    #: Stall-free prefill's step target and floor (see :class:`SeatLimitConfig`).
+    #: Stall-free prefill's step target beside decoders, and without any, and its floor.
     prefill_step_seconds: float | None = None
+    idle_prefill_step_seconds: float | None = None
+    #: The objective itself, which the seat limit's prompt share may use up to.
+    prefill_objective_seconds: float | None = None
+    #: Measured over predicted step time lately, beside decoders and without any.
+    slowdown: float = 1.0
+    idle_slowdown: float = 1.0
     min_prefill_chunk_tokens: int = 4
     #: Prompt tokens counted on beside each decoded token (the floor grows with it).
     prefill_per_decode: float = 0.0
@@ -82,31 +102,38 @@ class ServiceEstimate:
     def prefill_seconds(self, num_prompt_tokens: int, num_decoding: int | None = None) -> float:
         """Until a new request's first token: its prompt in chunks beside ``num_decoding``
         decoding sequences (default: a full batch but its own seat).  Under stall-free
-        prefill a chunk is what the step's target leaves after the decoders."""
+        prefill a chunk is what the step's target leaves after the decoders (without
+        decoders, what the idle target allows)."""
         decoding = max(0, self.seat_limit - 1) if num_decoding is None else num_decoding
         cost = self.cost
         decode = cost[0] + decoding * chunk_seconds(cost, int(self.mean_prompt_tokens), 1)
         budget = max(1, self.max_num_batched_tokens - decoding)
-        stall_free = self.prefill_step_seconds is not None and decoding > 0
+        target = self.prefill_step_seconds if decoding > 0 else self.idle_prefill_step_seconds
+        slowdown = self.slowdown if decoding > 0 else self.idle_slowdown
         total = max(1, num_prompt_tokens)
         # Stretch by stretch (at most 16): under stall-free prefill a chunk is what the
         # step's target leaves after the decoders at the stretch's position (attention
         # makes a chunk dearer the further into the prompt it is).
         stretch = -(-total // 16)
-        # The scheduler's floor (scheduler/prefill.py): what a step always gives a prompt.
-        floor = max(self.min_prefill_chunk_tokens, int(self.prefill_per_decode * decoding))
+        # The scheduler's floor (scheduler/prefill.py): what a step always gives a prompt,
+        # and the seat limit's prompt share while it keeps the step within the objective.
+        share = int(self.prefill_per_decode * decoding)
+        objective = self.prefill_objective_seconds if decoding > 0 else None
         seconds = 0.0
         done = 0
         while done < total:
             chunk = budget
-            if stall_free and self.prefill_step_seconds is not None:
-                fits = chunk_tokens(cost, done, self.prefill_step_seconds - decode)
-                chunk = max(1, min(budget, max(floor, fits)))
+            if target is not None:
+                fits = chunk_tokens(cost, done, target - decode)
+                given = share
+                if objective is not None:
+                    given = min(share, chunk_tokens(cost, done, objective - decode))
+                chunk = max(1, min(budget, max(self.min_prefill_chunk_tokens, given, fits)))
             length = min(total - done, max(chunk, stretch))
             steps = -(-length // chunk)
             size = length / steps
             middle = done + int((length - size) / 2)
-            seconds += steps * (decode + chunk_seconds(cost, middle, round(size)))
+            seconds += steps * (decode + chunk_seconds(cost, middle, round(size))) * slowdown
             done += length
         return seconds
 
@@ -131,10 +158,11 @@ class SeatLimiter:
         config: SeatLimitConfig,
         cost: StepCostModel,
         clock: Clock,
-        long_prompt_tokens: Callable[[], int] | None = None,
+        prefill: PrefillTargets | None = None,
     ) -> None:
         self.config = config
-        self._long_prompt_tokens = long_prompt_tokens
+        #: Stall-free prefill's targets and lanes now (None: one budget a step, one lane).
+        self._prefill = prefill
         self.cost = cost
         self._clock = clock
         self.limit = config.max_num_seqs
@@ -237,7 +265,7 @@ class SeatLimiter:
         # a step (stall-free prefill cuts prompts in chunks of about an eighth of the
         # budget beside a full batch).
         chunk = self.config.max_num_batched_tokens
-        if self.config.prefill_step_seconds is not None:
+        if self._prefill is not None and self._prefill.step_target_seconds() is not None:
             chunk = max(self.config.min_prefill_chunk_tokens, chunk // 8)
         chunks = min(1.0, num_seqs * math.ceil(self._mean_prompt / chunk) / self._mean_output)
         pairs = chunks * min(chunk, self._mean_prompt) * self._mean_prompt
@@ -268,6 +296,7 @@ class SeatLimiter:
         return best
 
     def _estimate(self) -> ServiceEstimate:
+        prefill = self._prefill
         return ServiceEstimate(
             seat_limit=self.limit,
             step_seconds=max(1e-4, self.predicted_step_seconds(self.limit)),
@@ -275,12 +304,16 @@ class SeatLimiter:
             mean_output_tokens=self._mean_output,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             cost=self.cost.coefficients,
-            prefill_step_seconds=self.config.prefill_step_seconds,
+            prefill_step_seconds=None if prefill is None else prefill.step_target_seconds(),
+            prefill_objective_seconds=None if prefill is None else prefill.step_objective_seconds(),
+            idle_prefill_step_seconds=None
+            if prefill is None
+            else prefill.idle_step_target_seconds(),
+            slowdown=1.0 if prefill is None else prefill.slowdown,
+            idle_slowdown=1.0 if prefill is None else prefill.idle_slowdown,
             min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
             prefill_per_decode=self.prefill_per_decode,
-            long_prompt_tokens=None
-            if self._long_prompt_tokens is None
-            else self._long_prompt_tokens(),
+            long_prompt_tokens=None if prefill is None else prefill.long_prompt_tokens(),
         )
 
 
