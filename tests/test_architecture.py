@@ -7,6 +7,7 @@ cycle hidden that way is still a cycle in the design.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,12 @@ def test_the_api_process_loads_without_torch() -> None:
 def test_modules_stay_small(name: str) -> None:
     lines = len(modules()[name].read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{name} has {lines} lines; split it by concept"
+
+
+def test_a_request_holds_only_the_schedulers_state() -> None:
+    """The scheduler's :class:`Request` carries its progress; pause, pace and reuse are
+    parts with owners of their own, and what a planner tracks about it (a long prompt
+    passed over) stays in the planner: a field added for each feature made it 27 once."""
+    from sluicegate.scheduler.request import Request
+
+    assert len(dataclasses.fields(Request)) <= 15

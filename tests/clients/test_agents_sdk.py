@@ -6,7 +6,6 @@ sim calls a tool when the last message is the user's and answers after a tool re
 from __future__ import annotations
 
 import pytest
-from agents import Agent, Runner, function_tool, set_default_openai_client
 from openai import AsyncOpenAI
 
 from tests.clients.tools import SIM_MODEL
@@ -16,6 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_an_agent_calls_its_tool_and_answers(sim: ServerProcess) -> None:
+    # Imported here: ~1.3 s of CPU, which every pytest-xdist worker would pay collecting.
+    from agents import Agent, Runner, function_tool, set_default_openai_client
+
     calls: list[str] = []
 
     @function_tool

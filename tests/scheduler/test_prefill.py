@@ -326,3 +326,18 @@ def test_prompts_of_one_lane_start_in_the_order_they_were_handed_over() -> None:
     plan = step(sched, engine)
     assert [s.request_id for s in plan.sequences] == ["handed-first", "handed-second"]
     assert prompt_tokens_of(plan, "handed-first") == 300
+
+
+def test_a_long_prompt_cancelled_while_passed_over_leaves_nothing_behind() -> None:
+    clock = FakeClock()
+    sched = calibrated(clock, stall_free=False, long_prompt_tokens=100)
+    engine = FakeEngine()
+    sched.add_request(make_request("long", 1000, 4))
+    for i in range(8):
+        sched.add_request(make_request(f"short{i}", 90, 1))
+    clock.advance(0.5)
+    assert prompt_tokens_of(step(sched, engine), "long") == 0  # passed over
+    assert sched.prefill.snapshot()["long_passed_over"] == 1
+    sched.finish_request("long", RequestStatus.FINISHED_ABORTED)
+    step(sched, engine)
+    assert sched.prefill.snapshot()["long_passed_over"] == 0

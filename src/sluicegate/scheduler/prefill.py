@@ -171,6 +171,8 @@ class PrefillPlanner:
             "decode": {"interactive": 0, "batch": 0},
             "prefill": {"interactive": 0, "batch": 0},
         }
+        #: Since when each long prompt has been passed over for shorter ones (by id).
+        self._passed_since: dict[str, float] = {}
         #: Steps whose prefill the time budget cut short (it had more to give).
         self.num_limited_steps = 0
         self._last_left: float | None = None
@@ -299,7 +301,7 @@ class PrefillPlanner:
             c.lane = "long" if self.is_long(c.request, c.start) else "short"
 
         def key(c: PrefillCandidate) -> tuple[int, int, int]:
-            since = c.request.prefill_passed_since
+            since = self._passed_since.get(c.request.request_id)
             ahead = c.lane == "short" or (since is not None and now - since >= patience)
             return (c.request.priority, 0 if ahead else 1, c.rank)
 
@@ -315,21 +317,26 @@ class PrefillPlanner:
     ) -> None:
         """Count what each prompt was given (``given``: tokens by request id) and each
         decoder computed, and mark long prompts passed over while others were served."""
+        passed: dict[str, float] = {}
         for c in candidates:
             request = c.request
+            since = self._passed_since.get(request.request_id)
             tokens = given.get(request.request_id, 0)
             if tokens:
                 self.lane_tokens[c.lane] += tokens
                 self.phase_tokens["prefill"][priority_class(request.priority)] += tokens
                 if not c.running:
                     self.lane_started[c.lane] += 1
-                since = request.prefill_passed_since
                 patience = self.config.max_pass_over_seconds
                 if c.lane == "long" and since is not None and now - since >= patience:
                     self.num_promoted += 1
-                request.prefill_passed_since = None
-            elif given and c.lane == "long" and request.prefill_passed_since is None:
-                request.prefill_passed_since = now
+            elif since is not None:
+                passed[request.request_id] = since
+            elif given and c.lane == "long":
+                passed[request.request_id] = now
+        # Only prompts still waiting for tokens are kept: one that finished, was aborted
+        # or was served leaves no entry behind.
+        self._passed_since = passed
         for request, tokens in decoded:
             self.phase_tokens["decode"][priority_class(request.priority)] += tokens
         if budget.limited:
@@ -351,5 +358,6 @@ class PrefillPlanner:
                 for lane in LANES
             },
             "long_promoted": self.num_promoted,
+            "long_passed_over": len(self._passed_since),
             "tokens_by_phase": {phase: dict(v) for phase, v in self.phase_tokens.items()},
         }

@@ -210,9 +210,6 @@ class Request:
     kv_slot: int | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    #: Since when its prefill has been passed over for shorter prompts (its lane is
-    #: long; None: it is not being passed over).
-    prefill_passed_since: float | None = None
     pause: PauseState = field(default_factory=PauseState)
     pace: Pace = field(default_factory=Pace)
     reuse: Reuse = field(default_factory=Reuse)
