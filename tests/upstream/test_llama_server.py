@@ -286,3 +286,28 @@ def test_tools_pass_through_to_llama_server(llama_jinja: Peer, tmp_path: Path) -
         assert alone.json()["usage"]["prompt_tokens"] > direct.json()["usage"]["prompt_tokens"]
     finally:
         gateway.stop()
+
+
+def test_bench_upstream_fronts_a_fresh_llama_server_for_each_run(tmp_path: Path) -> None:
+    """``sluicegate bench upstream --llama-server``: the same schedule at llama-server
+    directly, then through a gateway in front of another one; every request answered or
+    refused, none failed."""
+    from sluicegate.bench.scenario import load_scenario
+    from sluicegate.bench.upstream import LlamaServer, run_upstream_compare
+
+    results, _, outputs = run_upstream_compare(
+        load_scenario("upstream-1x"),
+        None,
+        tmp_path,
+        llama_server=LlamaServer(str(BINARY), slots=2),
+        duration_seconds=3.0,
+        capacity_rps=1.0,
+        show_progress=False,
+    )
+    assert [r.label for r in results] == ["direct", "gateway"]
+    for result in results:
+        summary = result.summary()["all"]
+        assert summary.num_completed > 0 and summary.num_errors == 0
+        assert summary.num_completed + summary.num_rejected == summary.num_sent
+    assert (tmp_path / "llama-server-direct.log").exists()
+    assert outputs.summary_md.exists()

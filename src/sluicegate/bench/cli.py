@@ -265,16 +265,25 @@ def compare_command(
 
 @bench_app.command("upstream")
 def upstream_command(
+    scenario: ScenarioOption,
     upstream_config: Annotated[
-        Path,
+        Path | None,
         typer.Argument(
             exists=True,
             dir_okay=False,
             help="Config of the engine server to front (e.g. the sim engine standing in "
-            "for a GPU engine).",
+            "for a GPU engine); or --llama-server.",
         ),
-    ],
-    scenario: ScenarioOption,
+    ] = None,
+    llama_server: Annotated[
+        str | None,
+        typer.Option(
+            "--llama-server", help="Front llama.cpp's llama-server (this binary) instead."
+        ),
+    ] = None,
+    llama_slots: Annotated[
+        int, typer.Option("--llama-slots", min=1, help="llama-server's slots (-np).")
+    ] = 8,
     gateway: Annotated[
         Path | None,
         typer.Option(
@@ -293,14 +302,17 @@ def upstream_command(
     """Drive the same seeded load at an engine directly, then through Sluicegate
     (--engine upstream) in front of it (docs/upstream.md)."""
     from sluicegate.bench.runner import BenchError
-    from sluicegate.bench.upstream import ratio_lines, run_upstream_compare
+    from sluicegate.bench.upstream import LlamaServer, ratio_lines, run_upstream_compare
 
+    if (upstream_config is None) == (llama_server is None):
+        fail("give an engine config or --llama-server (one of them)")
     loaded = _scenario(scenario)
     try:
         results, _, outputs = run_upstream_compare(
             loaded,
             upstream_config,
             out,
+            llama_server=None if llama_server is None else LlamaServer(llama_server, llama_slots),
             gateway_config=gateway,
             duration_seconds=duration_seconds,
             capacity_rps=capacity_rps,
@@ -317,26 +329,6 @@ def upstream_command(
     for line in ratio_lines(results):
         typer.echo(line)
     typer.echo(f"wrote {outputs.results_json}, {outputs.summary_md} and {len(outputs.plots)} plots")
-
-
-@bench_app.command("relay")
-def relay_command(
-    streams: Annotated[int, typer.Option("--streams", min=1, help="Streams at once.")] = 32,
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Tokens of each stream.")
-    ] = 2000,
-    out: OutOption = Path("bench-relay"),
-) -> None:
-    """How fast the gateway relays: streams from a sim engine at full speed, directly and
-    through --engine upstream, in tokens per second and per CPU-second."""
-    from sluicegate.bench.upstream import relay_throughput
-
-    try:
-        results = relay_throughput(out, streams=streams, max_tokens=max_tokens, console=_console())
-    except (RuntimeError, ValueError) as exc:
-        fail(str(exc))
-    for result in results:
-        typer.echo(result.line())
 
 
 @bench_app.command("prefix")

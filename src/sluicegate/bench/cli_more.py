@@ -10,7 +10,7 @@ from typing import Annotated
 import httpx
 import typer
 
-from sluicegate.bench.cli_common import OutOption, fail
+from sluicegate.bench.cli_common import OutOption, console, fail
 
 
 def speculative_command(
@@ -234,6 +234,25 @@ def idle_command(
     typer.echo(result.line())
 
 
+def relay_command(
+    streams: Annotated[int, typer.Option("--streams", min=1, help="Streams at once.")] = 32,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Tokens of each stream.")
+    ] = 2000,
+    out: OutOption = Path("bench-relay"),
+) -> None:
+    """How fast the gateway relays: streams from a sim engine at full speed, directly and
+    through --engine upstream, in tokens per second and per CPU-second."""
+    from sluicegate.bench.upstream import relay_throughput
+
+    try:
+        results = relay_throughput(out, streams=streams, max_tokens=max_tokens, console=console())
+    except (RuntimeError, ValueError) as exc:
+        fail(str(exc))
+    for result in results:
+        typer.echo(result.line())
+
+
 def register_more(app: typer.Typer) -> None:
     """Add this module's commands to ``sluicegate bench``."""
     app.command("speculative")(speculative_command)
@@ -247,3 +266,4 @@ def register_more(app: typer.Typer) -> None:
     app.command("startup")(startup_command)
     app.command("long-prompts")(long_prompts_command)
     app.command("idle")(idle_command)
+    app.command("relay")(relay_command)

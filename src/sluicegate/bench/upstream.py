@@ -7,13 +7,18 @@ engine), drives the scenario at it directly, then starts it afresh with a gatewa
 drives the same schedule through the gateway.  The two runs are in turn, never at once.
 The engine runs with admission ``static`` and no breaker unless ``U.yaml`` says
 otherwise: a plain engine, which queues what it cannot run, like vLLM or llama.cpp.
+
+``--llama-server BIN`` fronts llama.cpp's own server instead (the same SmolLM2 GGUF,
+2 threads, ``--llama-slots`` slots, its metrics on): a real engine, with its own slots,
+queue and prefill cost, in each run a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,7 @@ from rich.console import Console
 from sluicegate.bench.capacity import CapacityResult
 from sluicegate.bench.client import Target
 from sluicegate.bench.compare import Outputs, headline_line, measure_capacity, write_outputs
+from sluicegate.bench.prefix import run_llama_server
 from sluicegate.bench.runner import Runner, RunResult
 from sluicegate.bench.scenario import Scenario
 from sluicegate.bench.schedule import Schedule, build_schedule
@@ -39,11 +45,54 @@ def _write(path: Path, values: dict[str, Any]) -> Path:
     return path
 
 
+@dataclass(slots=True, frozen=True)
+class LlamaServer:
+    """llama.cpp's server as the engine: its binary and slots (``-np``), each slot with
+    ``slot_context`` tokens."""
+
+    binary: str
+    slots: int = 8
+    slot_context: int = 2048
+
+    def args(self) -> list[str]:
+        context = str(self.slots * self.slot_context)
+        return ["-np", str(self.slots), "-c", context, "--metrics"]
+
+
+def _engine_starter(
+    upstream_config: Path | None, llama: LlamaServer | None, out_dir: Path, ready: float
+) -> tuple[str, Callable[[str], contextlib.AbstractContextManager[str]]]:
+    """What the engine is (for the console) and how to start a fresh one (its base URL)."""
+    if llama is not None:
+
+        @contextlib.contextmanager
+        def start_llama(label: str) -> Iterator[str]:
+            with run_llama_server(
+                llama.binary, out_dir / f"llama-server-{label}.log", llama.args()
+            ) as url:
+                yield url
+
+        return f"llama-server {' '.join(llama.args())}", start_llama
+    if upstream_config is None:
+        raise ValueError("give an engine config or --llama-server")
+    engine_values = {**PLAIN_ENGINE, **server_settings(upstream_config)}
+    engine_path = _write(out_dir / "engine.yaml", engine_values)
+
+    @contextlib.contextmanager
+    def start_config(label: str) -> Iterator[str]:
+        log = out_dir / f"server-{'direct' if label == 'direct' else 'upstream'}.log"
+        with start_server(engine_path, log, ready_timeout_seconds=ready) as engine:
+            yield engine.base_url
+
+    return str(engine_values), start_config
+
+
 def run_upstream_compare(
     scenario: Scenario,
-    upstream_config: Path,
+    upstream_config: Path | None,
     out_dir: Path,
     *,
+    llama_server: LlamaServer | None = None,
     gateway_config: Path | None = None,
     duration_seconds: float | None = None,
     capacity_rps: float | None = None,
@@ -54,17 +103,18 @@ def run_upstream_compare(
 ) -> tuple[list[RunResult], CapacityResult | None, Outputs]:
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    engine_values = {**PLAIN_ENGINE, **server_settings(upstream_config)}
-    engine_path = _write(out_dir / "engine.yaml", engine_values)
+    what, start_engine = _engine_starter(
+        upstream_config, llama_server, out_dir, ready_timeout_seconds
+    )
     gateway_values = server_settings(gateway_config) if gateway_config else {}
     results: list[RunResult] = []
     capacity: CapacityResult | None = None
     schedule: Schedule | None = None
 
-    def drive(label: str, server: ServerProcess) -> None:
+    def drive(label: str, base_url: str) -> None:
         nonlocal capacity, capacity_rps, schedule
         runner = Runner(
-            Target.parse(server.base_url), scenario, console=console, show_progress=show_progress
+            Target.parse(base_url), scenario, console=console, show_progress=show_progress
         )
         if schedule is None:
             if scenario.needs_capacity and capacity_rps is None:
@@ -79,25 +129,21 @@ def run_upstream_compare(
         results.append(result)
         console.print("  " + headline_line(label, result.summary()["all"]), highlight=False)
 
-    console.print(f"[bold][1/2] direct[/bold]: the engine alone ({engine_values})")
-    with start_server(
-        engine_path, out_dir / "server-direct.log", ready_timeout_seconds=ready_timeout_seconds
-    ) as engine:
-        drive("direct", engine)
+    console.print(f"[bold][1/2] direct[/bold]: the engine alone ({what})")
+    with start_engine("direct") as engine_url:
+        drive("direct", engine_url)
     console.print("[bold][2/2] gateway[/bold]: Sluicegate in front of a fresh engine")
-    with start_server(
-        engine_path, out_dir / "server-upstream.log", ready_timeout_seconds=ready_timeout_seconds
-    ) as engine:
+    with start_engine("upstream") as engine_url:
         gateway_path = _write(
             out_dir / "gateway.yaml",
-            {**gateway_values, "engine": "upstream", "upstream": [engine.base_url]},
+            {**gateway_values, "engine": "upstream", "upstream": [engine_url]},
         )
         with start_server(
             gateway_path,
             out_dir / "server-gateway.log",
             ready_timeout_seconds=ready_timeout_seconds,
         ) as gateway:
-            drive("gateway", gateway)
+            drive("gateway", gateway.base_url)
     return results, capacity, write_outputs(out_dir, results, capacity)
 
 
