@@ -54,6 +54,29 @@ def test_a_file_that_is_not_gguf_and_a_directory_without_config(tmp_path: Path) 
     assert stderr.strip().count("\n") == 0, stderr
 
 
+def test_a_model_of_a_family_the_engine_does_not_run(tmp_path: Path) -> None:
+    """A directory's config.json model_type, a GGUF file's general.architecture: read at a
+    glance, before uvicorn starts: one line naming the family and those it runs."""
+    import gguf
+
+    directory = tmp_path / "gemma"
+    directory.mkdir()
+    (directory / "config.json").write_text('{"model_type": "gemma2"}')
+    code, stderr = serve("--model", str(directory), timeout=30)
+    assert_one_line_failure(code, stderr, "'gemma2'", "qwen3", "--engine upstream")
+    assert stderr.strip().count("\n") == 0, stderr
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    code, stderr = serve("--model", str(path), timeout=30)
+    assert_one_line_failure(code, stderr, "'phi3'", "llama, qwen2, qwen3")
+    assert stderr.strip().count("\n") == 0, stderr
+
+
 def test_a_port_in_use() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -30,6 +30,7 @@ from sluicegate.connections import (
     guarded_protocol,
     raise_open_file_limit,
 )
+from sluicegate.engine.families import model_architecture
 from sluicegate.metrics.request_log import configure_request_log
 from sluicegate.metrics.tracing import setup_tracing
 from sluicegate.stream.sse import TransportCapture
@@ -187,3 +188,10 @@ def check_model_path(settings: Settings) -> None:
                 f"sluicegate: the model {settings.model} is not a GGUF file (it does not "
                 "start with GGUF) (--model): give a GGUF file or a Hugging Face model directory"
             )
+    found = model_architecture(path)
+    if found is not None and found[0] not in found[1]:
+        raise SystemExit(
+            f"sluicegate: the model {settings.model} is a {found[0]!r} model, which the "
+            f"embedded engine does not run (it runs {', '.join(found[1])}) (--model): serve "
+            "it with an engine that does and --engine upstream in front"
+        )

@@ -24,6 +24,7 @@ LONGEST_FIRST = (
     "tests/engine/torch/test_compiled.py",
     "tests/tools/test_model.py",
     "tests/clients/test_embedded_model.py",
+    "tests/engine/torch/test_families.py",
     "tests/upstream/test_peers.py",
     "tests/web/test_playground.py",
     "tests/resume/test_responses_resume.py",

@@ -85,7 +85,10 @@ def build_engine(settings: Settings) -> LoadedEngine:
         model_path=settings.model,
         dtype=settings.dtype,
         max_num_seqs=settings.max_num_seqs,
-        max_model_len=settings.max_model_len,
+        # Unset: the model's own context, up to the default (a 512-position model loads).
+        max_model_len=settings.max_model_len
+        if "max_model_len" in settings.model_fields_set
+        else None,
         cache_dir=settings.cache_dir,
         num_threads=settings.torch_threads,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,

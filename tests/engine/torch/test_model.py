@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 VOCAB = 97
 
 
-def tiny_args(tied: bool = True, scaling: RopeScaling | None = None) -> ModelArgs:
+def tiny_args(
+    tied: bool = True, scaling: RopeScaling | None = None, family: str = "llama"
+) -> ModelArgs:
     return ModelArgs(
         dim=48,
         n_layers=2,
@@ -37,6 +39,8 @@ def tiny_args(tied: bool = True, scaling: RopeScaling | None = None) -> ModelArg
         max_position_embeddings=128,
         tie_word_embeddings=tied,
         rope_scaling=scaling,
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
     )
 
 
@@ -50,12 +54,12 @@ def tiny_model(args: ModelArgs, slots: int = 6, length: int = 64) -> Transformer
 
 
 def reference(args: ModelArgs, model: Transformer) -> torch.nn.Module:
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**hf_config_dict(args))
+    transformers = pytest.importorskip("transformers")
+    values = hf_config_dict(args)
+    family = values["architectures"][0].removesuffix("ForCausalLM")
+    config = getattr(transformers, f"{family}Config")(**values)
     config._attn_implementation = "eager"
-    hf: torch.nn.Module = LlamaForCausalLM(config)
+    hf: torch.nn.Module = getattr(transformers, f"{family}ForCausalLM")(config)
     hf.load_state_dict(to_hf_state_dict(args, model.state_dict()), strict=True)
     return hf.eval()
 
@@ -92,10 +96,29 @@ def test_matches_transformers(tied: bool, scaling: RopeScaling | None) -> None:
     torch.testing.assert_close(got, expected[ends], atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_batch_matches_each_sequence_alone() -> None:
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_families_match_transformers(family: str) -> None:
+    """Qwen2's query, key and value biases and Qwen3's per-head query and key norms, on
+    the same tiny random model as the Llama one: logits as Qwen2ForCausalLM and
+    Qwen3ForCausalLM compute them, prefilled in chunks then decoded."""
+    args = tiny_args(family=family)
+    model = tiny_model(args)
+    hf = reference(args, model)
+    assert type(hf).__name__.lower().startswith(family)
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = hf(tokens[None]).logits[0]  # [40, V]
+        sizes = [17, 9] + [1] * 14
+        got = run_chunks(model, tokens, 3, sizes)
+    ends = torch.tensor(sizes).cumsum(0) - 1
+    torch.testing.assert_close(got, expected[ends], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_mixed_batch_matches_each_sequence_alone(family: str) -> None:
     """Decode tokens and prefill chunks of several sequences in one flattened batch give the
     logits each sequence gets on its own."""
-    args = tiny_args()
+    args = tiny_args(family=family)
     model = tiny_model(args)
     gen = torch.Generator().manual_seed(2)
     lengths = [30, 5, 22, 13]

@@ -1,4 +1,5 @@
-"""Checkpoint layouts: Hugging Face Llama names <-> this package's fused layout."""
+"""Checkpoint layouts: Hugging Face Llama (and Qwen2, Qwen3) names <-> this package's
+fused layout."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from sluicegate.engine.families import SUPPORTED_MODEL_TYPES
 from sluicegate.engine.torch.model import ModelArgs, RopeScaling
 
 
@@ -49,6 +51,12 @@ def fuse_layer_weights(
         sd[o + "attention_norm.weight"] = cast(get(p + "input_layernorm.weight"))
         sd[o + "ffn_norm.weight"] = cast(get(p + "post_attention_layernorm.weight"))
         sd[o + "attention.wqkv.weight"] = cast(torch.cat([q, k, v], dim=0))
+        if args.attention_bias:
+            biases = [get(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+            sd[o + "attention.qkv_bias"] = cast(torch.cat(biases))
+        if args.qk_norm:
+            sd[o + "attention.q_norm.weight"] = cast(get(p + "self_attn.q_norm.weight"))
+            sd[o + "attention.k_norm.weight"] = cast(get(p + "self_attn.k_norm.weight"))
         sd[o + "attention.wo.weight"] = cast(get(p + "self_attn.o_proj.weight"))
         sd[o + "feed_forward.w_gate_up.weight"] = cast(torch.cat([gate, up], dim=0))
         sd[o + "feed_forward.w_down.weight"] = cast(get(p + "mlp.down_proj.weight"))
@@ -83,14 +91,26 @@ def to_hf_state_dict(
             p + "mlp.up_proj.weight": up,
             p + "mlp.down_proj.weight": state_dict[o + "feed_forward.w_down.weight"],
         }
+        if args.attention_bias:
+            biases = torch.split(
+                state_dict[o + "attention.qkv_bias"],
+                [args.n_heads * hd, args.n_kv_heads * hd, args.n_kv_heads * hd],
+            )
+            out |= {p + f"self_attn.{n}_proj.bias": b for n, b in zip("qkv", biases, strict=True)}
+        if args.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = state_dict[o + "attention.q_norm.weight"]
+            out[p + "self_attn.k_norm.weight"] = state_dict[o + "attention.k_norm.weight"]
     return out
 
 
 def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
-    """A ``LlamaConfig``-compatible dict for these args (tests build the reference from it)."""
+    """A ``LlamaConfig``-compatible dict for these args (``Qwen2Config`` with attention
+    biases, ``Qwen3Config`` with query and key norms; tests build the reference from it)."""
+    family = "qwen3" if args.qk_norm else "qwen2" if args.attention_bias else "llama"
+    architecture = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[family]
     config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": family,
+        "architectures": [f"{architecture}ForCausalLM"],
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
@@ -103,7 +123,7 @@ def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
         "max_position_embeddings": args.max_position_embeddings,
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": args.attention_bias and family != "qwen2",
         "mlp_bias": False,
     }
     if args.rope_scaling is not None:
@@ -119,15 +139,22 @@ def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
 
 
 def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
-    """``ModelArgs`` from a Hugging Face ``config.json`` of a Llama-architecture model."""
+    """``ModelArgs`` from a Hugging Face ``config.json`` of a Llama-architecture model
+    (Llama, Mistral without a sliding window, Qwen2 and Qwen2.5, Qwen3)."""
     model_type = config.get("model_type", "llama")
-    if (
-        model_type not in ("llama", "mistral")
-        or config.get("attention_bias")
-        or config.get("mlp_bias")
-    ):
-        raise ValueError(f"unsupported architecture {model_type!r} (only Llama-style models)")
-    if config.get("sliding_window"):
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r} (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    qwen = model_type in ("qwen2", "qwen3")
+    # Qwen2 always has query, key and value biases (its config has no flag for them).
+    attention_bias = model_type == "qwen2" or bool(config.get("attention_bias"))
+    if config.get("mlp_bias") or (attention_bias and model_type not in ("qwen2", "qwen3")):
+        raise ValueError(f"unsupported architecture {model_type!r} with projection biases")
+    # Qwen configs name a window but use it only with use_sliding_window.
+    sliding = config.get("use_sliding_window") if qwen else config.get("sliding_window")
+    if sliding:
         raise ValueError("sliding-window attention is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported activation {config.get('hidden_act')!r}")
@@ -162,4 +189,6 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
     )

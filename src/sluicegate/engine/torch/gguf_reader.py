@@ -1,4 +1,5 @@
-"""Reading a Llama-architecture GGUF file into ``ModelArgs`` and a dequantised state dict."""
+"""Reading a Llama-architecture GGUF file (``llama``, ``qwen2``, ``qwen3``) into
+``ModelArgs`` and a dequantised state dict."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from sluicegate.engine.families import SUPPORTED_GGUF_ARCHITECTURES
 from sluicegate.engine.torch.convert import fuse_layer_weights, unpermute_rotary_rows
 from sluicegate.engine.torch.model import ModelArgs, RopeScaling
 
-_SUPPORTED_ARCHS = ("llama",)
+_SUPPORTED_ARCHS = SUPPORTED_GGUF_ARCHITECTURES
+#: Architectures whose query and key rows llama.cpp's converter reorders for its rotary
+#: kernel (Llama's); Qwen's keep Hugging Face's layout (its rotation is NEOX-style).
+_PERMUTED_ARCHS = ("llama",)
 
 # GGUF tensor names -> Hugging Face names (per layer: "blk.N." -> "model.layers.N.").
 _GLOBAL_NAMES = {
@@ -32,6 +37,12 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Qwen2's query, key and value biases; Qwen3's query and key norms.
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
 
@@ -90,6 +101,8 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         rope_scaling=scaling,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
     )
 
 
@@ -105,6 +118,7 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
     """Dequantise every tensor, undo llama.cpp's Q/K permutation and fuse, in ``dtype``."""
     if "rope_freqs.weight" in gguf.tensors:
         raise ValueError("GGUF rope frequency factors (Llama 3.1 scaling) are not supported")
+    permuted = gguf.metadata.get("general.architecture") in _PERMUTED_ARCHS
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in gguf.tensors.items():
         if name in _GLOBAL_NAMES:
@@ -116,9 +130,9 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
             hf_name = f"model.layers.{layer}.{_LAYER_NAMES[leaf]}"
         weight = _dequantized(tensor)
-        if hf_name.endswith("q_proj.weight"):
+        if permuted and hf_name.endswith("q_proj.weight"):
             weight = unpermute_rotary_rows(weight, args.n_heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif permuted and hf_name.endswith("k_proj.weight"):
             weight = unpermute_rotary_rows(weight, args.n_kv_heads)
         hf[hf_name] = weight
 

@@ -1,4 +1,5 @@
-"""A Llama-architecture decoder for serving, the gpt-fast way.
+"""A Llama-architecture decoder for serving, the gpt-fast way (and Qwen2's query, key and
+value biases and Qwen3's query and key norms, where a checkpoint has them).
 
 One small module: RMSNorm, rotary embeddings, grouped-query attention with a fused QKV
 projection, a SwiGLU MLP with a fused gate/up projection, and a KV cache allocated once
@@ -79,6 +80,10 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
+    #: Qwen2's biases on the query, key and value projections.
+    attention_bias: bool = False
+    #: Qwen3's RMS norms of each query and key head, before the rotation.
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -180,6 +185,10 @@ class Attention(nn.Module):
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = Linear(args.dim, qkv_dim)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim)
+        # Added after the product, row by row: a row's result stays its own.
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_dim)) if args.attention_bias else None
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(
         self,
@@ -247,8 +256,14 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv: Tensor = self.wqkv(x)  # [T, (H + 2 KVH) * hd]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        qk = qkv[:, : (nh + nkv) * hd].view(num_tokens, nh + nkv, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = torch.split(qk, [nh, nkv], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # [T, H + KVH, hd]
         # q and k rotate together: one float32 round trip instead of two.
-        qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(num_tokens, nh + nkv, hd), cos, sin)
+        qk = apply_rope(qk, cos, sin)
         q, k = torch.split(qk, [nh, nkv], dim=1)  # [T, H, hd], [T, KVH, hd]
         v = qkv[:, (nh + nkv) * hd :].view(num_tokens, nkv, hd)  # [T, KVH, hd]
         return q, k, v
@@ -313,7 +328,8 @@ class Transformer(nn.Module):
 
         tok_embeddings.weight, norm.weight, output.weight (absent when tied),
         layers.{i}.attention_norm.weight, layers.{i}.attention.wqkv.weight,
-        layers.{i}.attention.wo.weight, layers.{i}.ffn_norm.weight,
+        layers.{i}.attention.qkv_bias (Qwen2), layers.{i}.attention.{q,k}_norm.weight
+        (Qwen3), layers.{i}.attention.wo.weight, layers.{i}.ffn_norm.weight,
         layers.{i}.feed_forward.w_gate_up.weight, layers.{i}.feed_forward.w_down.weight
     """
 

@@ -1,0 +1,229 @@
+"""Qwen2 (Qwen2.5) and Qwen3 checkpoints, without a download: tiny random models
+written by transformers' own ``save_pretrained`` beside SmolLM2's tokenizer and chat
+template, and the same weights written as GGUF files with the ``gguf`` package (llama.cpp's
+tensor names and metadata, SmolLM2's vocabulary); loaded as ``--model`` would load them,
+their logits are the ones transformers computes, and each is served end to end through
+the official client.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
+from tests.engine.torch.conftest import TEST_THREADS
+from tests.support.servers import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+transformers = pytest.importorskip("transformers")
+
+#: SmolLM2's vocabulary (the tokenizer the tiny models are written with).
+VOCAB = 49152
+ROPE_THETA = 10000.0
+FAMILIES = ("qwen2", "qwen3")
+#: What a directory holds besides its weights and config: SmolLM2's tokenizer, template
+#: and end-of-sequence tokens.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(
+    smollm2_path: str, torch_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    from sluicegate.engine.torch.export import export_hf_directory
+
+    out = export_hf_directory(
+        smollm2_path, tmp_path_factory.mktemp("smollm2-hf"), cache_dir=torch_cache_dir
+    )
+    (out / "model.safetensors").unlink()  # only the tokenizer's files are wanted
+    return out
+
+
+def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
+    """A 2-layer random ``family`` model saved by transformers into ``out`` (with the
+    tokenizer's files); returns the model, in float32, as transformers runs it."""
+    kind = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=ROPE_THETA,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model: Any = getattr(transformers, f"{kind}ForCausalLM")(config)
+    # Larger than the default init, so that a missing bias or norm moves the logits.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
+                parameter.normal_(0.0, 0.5).add_(1.0 if "norm" in name else 0.0)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, out / name)
+    model.config._attn_implementation = "eager"
+    result: torch.nn.Module = model.eval()
+    return result
+
+
+def write_gguf(family: str, reference: Any, smollm2_path: str, out: Path) -> Path:
+    """``reference``'s weights as a float32 GGUF of architecture ``family``, with the
+    tokenizer of the SmolLM2 GGUF at ``smollm2_path`` (as llama.cpp's converter names
+    things; Qwen's query and key rows are not reordered)."""
+    import gguf
+
+    config = reference.config
+    writer = gguf.GGUFWriter(out, family)
+    writer.add_name(f"tiny-{family}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(ROPE_THETA)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    source = gguf.GGUFReader(smollm2_path)
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            types = field.types
+            sub_type = types[1] if types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), types[0], sub_type)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    layer_names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+    }
+    for x in "qkv":
+        layer_names[f"self_attn.{x}_proj.weight"] = f"attn_{x}.weight"
+        layer_names[f"self_attn.{x}_proj.bias"] = f"attn_{x}.bias"
+    for name, tensor in reference.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the embedding
+        if name in names:
+            target = names[name]
+        else:
+            layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+            target = f"blk.{layer}.{layer_names[leaf]}"
+        writer.add_tensor(target, tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@dataclass(slots=True)
+class Tiny:
+    family: str
+    reference: Any
+    directory: Path
+    gguf: Path
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(
+    request: pytest.FixtureRequest,
+    tokenizer_dir: Path,
+    smollm2_path: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Tiny:
+    """One tiny random model of the family, as a directory and as a GGUF file."""
+    family: str = request.param
+    root = tmp_path_factory.mktemp(family)
+    reference = write_tiny(family, tokenizer_dir, root / family)
+    path = write_gguf(family, reference, smollm2_path, root / f"tiny-{family}.gguf")
+    return Tiny(family, reference, root / family, path)
+
+
+@pytest.mark.parametrize("source", ["directory", "gguf"])
+def test_it_loads_with_the_logits_transformers_computes(
+    tiny: Tiny, source: str, tmp_path: Path
+) -> None:
+    from sluicegate.engine.torch import TorchEngine
+
+    engine = TorchEngine(
+        str(getattr(tiny, source)),
+        dtype="float32",
+        max_num_seqs=2,
+        max_model_len=128,
+        num_threads=TEST_THREADS,
+        cache_dir=str(tmp_path),
+    )
+    try:
+        assert engine.args.attention_bias == (tiny.family == "qwen2")
+        assert engine.args.qk_norm == (tiny.family == "qwen3")
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is a river?"}])
+        with torch.inference_mode():
+            expected = tiny.reference(torch.tensor([ids])).logits[0]  # [T, V]
+            batch, _ = build_batch([SequenceChunk(0, 0, len(ids), True)])
+            got = engine.model(torch.tensor(ids), batch)[-1]
+        torch.testing.assert_close(got, expected[-1], atol=1e-4, rtol=1e-4)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny: Tiny) -> Iterator[tuple[str, str]]:
+    server = start_server(
+        [
+            *("--model", str(tiny.directory), "--dtype", "float32"),
+            # No --max-model-len: the model's own 512 positions (under the 2,048 default).
+            *("--max-num-seqs", "2", "--admission", "static"),
+        ],
+        tiny.family,
+    )
+    try:
+        yield server.v1, tiny.directory.name
+    finally:
+        server.stop()
+
+
+def test_served_through_the_official_client(served: tuple[str, str]) -> None:
+    base_url, model = served
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        listed = client.models.list().data[0]
+        assert listed.id == model and (listed.model_extra or {})["max_model_len"] == 512
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=8,
+            temperature=0.0,
+        )
+        streamed = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=8,
+            temperature=0.0,
+            stream=True,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    # A random model says nothing sensible, but the same thing greedily, streamed or not.
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+    assert reply.choices[0].message.content == text
