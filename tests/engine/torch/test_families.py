@@ -29,7 +29,12 @@ transformers = pytest.importorskip("transformers")
 #: SmolLM2's vocabulary (the tokenizer the tiny models are written with).
 VOCAB = 49152
 ROPE_THETA = 10000.0
-FAMILIES = ("qwen2", "qwen3")
+FAMILIES = ("qwen2", "qwen3", "mistral", "phi3")
+#: Families llama.cpp writes GGUF files of that the engine reads (Phi-3's fuses its
+#: projections under names of its own: read from directories only).
+GGUF_FAMILIES = ("qwen2", "qwen3")
+#: The tiny Mistral's sliding window: it is served with no longer a context.
+WINDOW = 96
 #: What a directory holds besides its weights and config: SmolLM2's tokenizer, template
 #: and end-of-sequence tokens.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -51,18 +56,21 @@ def tokenizer_dir(
 def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
     """A 2-layer random ``family`` model saved by transformers into ``out`` (with the
     tokenizer's files); returns the model, in float32, as transformers runs it."""
-    kind = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    kind = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}[family]
+    extra: dict[str, Any] = {"head_dim": 16} if family != "phi3" else {}
+    if family == "mistral":
+        extra["sliding_window"] = WINDOW
     config = getattr(transformers, f"{kind}Config")(
+        **extra,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=512,
         rope_theta=ROPE_THETA,
-        tie_word_embeddings=True,
+        tie_word_embeddings=family != "phi3",
         bos_token_id=1,
         eos_token_id=2,
     )
@@ -154,25 +162,47 @@ def tiny(
     smollm2_path: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Tiny:
-    """One tiny random model of the family, as a directory and as a GGUF file."""
+    """One tiny random model of the family, as a directory and (Qwen) as a GGUF file."""
     family: str = request.param
     root = tmp_path_factory.mktemp(family)
     reference = write_tiny(family, tokenizer_dir, root / family)
-    path = write_gguf(family, reference, smollm2_path, root / f"tiny-{family}.gguf")
+    path = root / f"tiny-{family}.gguf"
+    if family in GGUF_FAMILIES:
+        write_gguf(family, reference, smollm2_path, path)
     return Tiny(family, reference, root / family, path)
 
 
-@pytest.mark.parametrize("source", ["directory", "gguf"])
-def test_it_loads_with_the_logits_transformers_computes(
-    tiny: Tiny, source: str, tmp_path: Path
+def test_a_directory_loads_with_the_logits_transformers_computes(
+    tiny: Tiny, tmp_path: Path
 ) -> None:
+    assert_logits(tiny, tiny.directory, tmp_path)
+
+
+@pytest.mark.parametrize("tiny", GGUF_FAMILIES, indirect=True)
+def test_a_gguf_file_loads_with_the_logits_transformers_computes(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    assert_logits(tiny, tiny.gguf, tmp_path)
+
+
+@pytest.mark.parametrize("tiny", ["mistral"], indirect=True)
+def test_a_model_with_a_sliding_window_is_served_within_it(tiny: Tiny) -> None:
     from sluicegate.engine.torch import TorchEngine
 
+    with pytest.raises(ValueError, match="sliding attention window"):
+        TorchEngine(str(tiny.directory), dtype="float32", max_model_len=WINDOW + 1)
+
+
+def assert_logits(tiny: Tiny, path: Path, tmp_path: Path) -> None:
+    """The engine's logits for a chat prompt are transformers' (within 1e-4)."""
+    from sluicegate.engine.torch import TorchEngine
+
+    context = WINDOW if tiny.family == "mistral" else 128
     engine = TorchEngine(
-        str(getattr(tiny, source)),
+        str(path),
         dtype="float32",
         max_num_seqs=2,
-        max_model_len=128,
+        max_model_len=context,
         num_threads=TEST_THREADS,
         cache_dir=str(tmp_path),
     )
@@ -190,26 +220,27 @@ def test_it_loads_with_the_logits_transformers_computes(
 
 
 @pytest.fixture(scope="module")
-def served(tiny: Tiny) -> Iterator[tuple[str, str]]:
+def served(tiny: Tiny) -> Iterator[tuple[str, str, int]]:
     server = start_server(
         [
             *("--model", str(tiny.directory), "--dtype", "float32"),
-            # No --max-model-len: the model's own 512 positions (under the 2,048 default).
+            # No --max-model-len: the model's own context (under the 2,048 default).
             *("--max-num-seqs", "2", "--admission", "static"),
         ],
         tiny.family,
     )
     try:
-        yield server.v1, tiny.directory.name
+        yield server.v1, tiny.directory.name, WINDOW if tiny.family == "mistral" else 512
     finally:
         server.stop()
 
 
-def test_served_through_the_official_client(served: tuple[str, str]) -> None:
-    base_url, model = served
+def test_served_through_the_official_client(served: tuple[str, str, int]) -> None:
+    base_url, model, context = served
     with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
         listed = client.models.list().data[0]
-        assert listed.id == model and (listed.model_extra or {})["max_model_len"] == 512
+        # Its own context: 512 positions, or the Mistral's sliding window.
+        assert listed.id == model and (listed.model_extra or {})["max_model_len"] == context
         reply = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "Hello!"}],

@@ -84,12 +84,15 @@ def test_hf_config_parsing() -> None:
     assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 32.0
     with pytest.raises(ValueError, match="architecture 'gemma2'"):
         hf_model_args(LLAMA_CONFIG | {"model_type": "gemma2"})
-    qwen2 = hf_model_args(LLAMA_CONFIG | {"model_type": "qwen2", "sliding_window": 32768})
-    assert qwen2.attention_bias and not qwen2.qk_norm  # its window is off by default
-    with pytest.raises(ValueError, match="sliding-window"):
-        hf_model_args(LLAMA_CONFIG | {"model_type": "qwen2", "use_sliding_window": True})
-    with pytest.raises(ValueError, match="sliding-window"):
-        hf_model_args(LLAMA_CONFIG | {"model_type": "mistral", "sliding_window": 4096})
+    qwen2 = hf_model_args(LLAMA_CONFIG | {"model_type": "qwen2", "sliding_window": 32})
+    assert qwen2.attention_bias and not qwen2.qk_norm
+    assert qwen2.sliding_window is None  # named, but off unless use_sliding_window
+    windowed = {"model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True}
+    assert hf_model_args(LLAMA_CONFIG | windowed).max_context == 32
+    mistral = hf_model_args(LLAMA_CONFIG | {"model_type": "mistral", "sliding_window": 64})
+    assert mistral.sliding_window == 64 and mistral.max_context == 64
+    with pytest.raises(ValueError, match="partial rotary"):
+        hf_model_args(LLAMA_CONFIG | {"model_type": "phi3", "partial_rotary_factor": 0.75})
     qwen3 = hf_model_args(LLAMA_CONFIG | {"model_type": "qwen3"})
     assert qwen3.qk_norm and not qwen3.attention_bias
     with pytest.raises(ValueError, match="rope scaling"):

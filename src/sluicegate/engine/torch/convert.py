@@ -26,6 +26,28 @@ def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
+def split_fused(
+    args: ModelArgs, get: Callable[[str], torch.Tensor]
+) -> Callable[[str], torch.Tensor]:
+    """``get`` for a checkpoint with Phi-3's fused projections (``self_attn.qkv_proj``,
+    ``mlp.gate_up_proj``): the separate Hugging Face names, cut from them."""
+    hd = args.head_dim
+    sizes = {"q": args.n_heads * hd, "k": args.n_kv_heads * hd, "v": args.n_kv_heads * hd}
+
+    def cut(name: str) -> torch.Tensor:
+        prefix, _, leaf = name.rpartition(".self_attn.")
+        if leaf in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+            q, k, v = torch.split(get(f"{prefix}.self_attn.qkv_proj.weight"), list(sizes.values()))
+            return {"q": q, "k": k, "v": v}[leaf[0]]
+        prefix, _, leaf = name.rpartition(".mlp.")
+        if leaf in ("gate_proj.weight", "up_proj.weight"):
+            gate, up = get(f"{prefix}.mlp.gate_up_proj.weight").chunk(2)
+            return gate if leaf.startswith("gate") else up
+        return get(name)
+
+    return cut
+
+
 def fuse_layer_weights(
     args: ModelArgs, get: Callable[[str], torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -126,6 +148,8 @@ def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
         "attention_bias": args.attention_bias and family != "qwen2",
         "mlp_bias": False,
     }
+    if args.sliding_window is not None:
+        config["sliding_window"] = args.sliding_window
     if args.rope_scaling is not None:
         s = args.rope_scaling
         config["rope_scaling"] = {
@@ -153,14 +177,17 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
     if config.get("mlp_bias") or (attention_bias and model_type not in ("qwen2", "qwen3")):
         raise ValueError(f"unsupported architecture {model_type!r} with projection biases")
     # Qwen configs name a window but use it only with use_sliding_window.
-    sliding = config.get("use_sliding_window") if qwen else config.get("sliding_window")
-    if sliding:
-        raise ValueError("sliding-window attention is not supported")
+    window = config.get("sliding_window")
+    if qwen and not config.get("use_sliding_window"):
+        window = None
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported activation {config.get('hidden_act')!r}")
     n_heads = int(config["num_attention_heads"])
     dim = int(config["hidden_size"])
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial rotary embeddings ({partial}) are not supported")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
     if rope_type in ("linear", "llama3"):
@@ -191,4 +218,5 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
         rope_scaling=scaling,
         attention_bias=attention_bias,
         qk_norm=model_type == "qwen3",
+        sliding_window=int(window) if window else None,
     )

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from sluicegate.engine.files import atomic_path, one_at_a_time
 from sluicegate.engine.sampling_defaults import RecommendedSampling
 from sluicegate.engine.tokenizer import CHATML_TEMPLATE, ChatTemplate, TextTokenizer
-from sluicegate.engine.torch.convert import fuse_layer_weights, hf_model_args
+from sluicegate.engine.torch.convert import fuse_layer_weights, hf_model_args, split_fused
 from sluicegate.engine.torch.gguf_reader import gguf_model_args, gguf_state_dict, read_gguf
 from sluicegate.engine.torch.model import ModelArgs, Transformer
 from sluicegate.engine.torch.packed_linear import packing_supported
@@ -383,7 +383,8 @@ def _load_hf_directory(path: Path, dtype: torch.dtype) -> Checkpoint:
         except KeyError:
             raise ValueError(f"checkpoint is missing {name}") from None
 
-    state_dict = fuse_layer_weights(args, get, dtype)
+    fused = "model.layers.0.self_attn.qkv_proj.weight" in raw  # Phi-3's projections
+    state_dict = fuse_layer_weights(args, split_fused(args, get) if fused else get, dtype)
     sampling = RecommendedSampling.from_json(_read_json(path / "generation_config.json"))
     return Checkpoint(model_name_from_path(path), args, state_dict, _hf_tokenizer(path), sampling)
 

@@ -84,6 +84,16 @@ class ModelArgs:
     attention_bias: bool = False
     #: Qwen3's RMS norms of each query and key head, before the rotation.
     qk_norm: bool = False
+    #: A sliding attention window (Mistral, Phi-3, Qwen with it on): served with a context
+    #: no longer than it, where windowed attention is full attention.
+    sliding_window: int | None = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest context this engine serves the model at."""
+        window = self.sliding_window
+        trained = self.max_position_embeddings
+        return trained if window is None else min(trained, window)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:

@@ -190,11 +190,16 @@ class TorchEngine:
         start = time.perf_counter()
         checkpoint = load_checkpoint(self.model_path, self.dtype, cache_dir)
         self.args: ModelArgs = checkpoint.args
-        trained = checkpoint.args.max_position_embeddings
+        trained = checkpoint.args.max_context
         if max_model_len is None:
             max_model_len = min(trained, DEFAULT_MAX_MODEL_LEN)
         elif not 1 <= max_model_len <= trained:
-            raise ValueError(f"max_model_len must be in [1, {trained}] for this model")
+            window = (
+                " (its sliding attention window)"
+                if trained < checkpoint.args.max_position_embeddings
+                else ""
+            )
+            raise ValueError(f"max_model_len must be in [1, {trained}] for this model{window}")
         self.max_model_len = max_model_len
         budget = size_kv_cache(
             kv_cache_memory_bytes,
