@@ -61,9 +61,9 @@ def test_a_model_of_a_family_the_engine_does_not_run(tmp_path: Path) -> None:
 
     directory = tmp_path / "gemma"
     directory.mkdir()
-    (directory / "config.json").write_text('{"model_type": "gemma2"}')
+    (directory / "config.json").write_text('{"model_type": "gemma3_text"}')
     code, stderr = serve("--model", str(directory), timeout=30)
-    assert_one_line_failure(code, stderr, "'gemma2'", "qwen3", "--engine upstream")
+    assert_one_line_failure(code, stderr, "'gemma3_text'", "gemma2", "--engine upstream")
     assert stderr.strip().count("\n") == 0, stderr
     path = tmp_path / "phi.gguf"
     writer = gguf.GGUFWriter(path, "phi3")

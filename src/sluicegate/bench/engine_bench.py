@@ -35,7 +35,7 @@ import yaml
 
 from sluicegate.bench.engine_timing import best_seconds, measure_decode, measure_prefill
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
-from sluicegate.engine.torch.model import ModelArgs
+from sluicegate.engine.torch.model_args import ModelArgs
 from sluicegate.engine.torch.runner import TorchEngine
 from sluicegate.scheduler.request import Request, RequestStatus, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig

@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 #: SmolLM2's vocabulary (the tokenizer the tiny models are written with).
 VOCAB = 49152
 ROPE_THETA = 10000.0
-FAMILIES = ("qwen2", "qwen3", "mistral", "phi3")
+FAMILIES = ("qwen2", "qwen3", "mistral", "phi3", "gemma2")
 #: Families llama.cpp writes GGUF files of that the engine reads (Phi-3's fuses its
 #: projections under names of its own: read from directories only).
 GGUF_FAMILIES = ("qwen2", "qwen3")
@@ -56,10 +56,19 @@ def tokenizer_dir(
 def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
     """A 2-layer random ``family`` model saved by transformers into ``out`` (with the
     tokenizer's files); returns the model, in float32, as transformers runs it."""
-    kind = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}[family]
+    kinds = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
+    kind = kinds.get(family, "Gemma2")
     extra: dict[str, Any] = {"head_dim": 16} if family != "phi3" else {}
     if family == "mistral":
         extra["sliding_window"] = WINDOW
+    if family == "gemma2":
+        # Its query scale's own constant (256 in Gemma 2 2B), and soft caps small enough
+        # to bend a tiny model's scores and logits (50 and 30 in Gemma 2).
+        extra |= {
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        }
     config = getattr(transformers, f"{kind}Config")(
         **extra,
         vocab_size=VOCAB,
@@ -81,6 +90,8 @@ def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
         for name, parameter in model.named_parameters():
             if name.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
                 parameter.normal_(0.0, 0.5).add_(1.0 if "norm" in name else 0.0)
+            elif family == "gemma2":  # norms stored as w, applied as 1 + w
+                parameter.normal_(0.0, 0.3 if "norm" in name else 0.1)
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out / name)

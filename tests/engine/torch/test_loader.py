@@ -82,8 +82,10 @@ def test_hf_config_parsing() -> None:
         }
     )
     assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 32.0
-    with pytest.raises(ValueError, match="architecture 'gemma2'"):
-        hf_model_args(LLAMA_CONFIG | {"model_type": "gemma2"})
+    with pytest.raises(ValueError, match="architecture 'gemma3_text'"):
+        hf_model_args(LLAMA_CONFIG | {"model_type": "gemma3_text"})
+    with pytest.raises(ValueError, match="activation 'silu'"):
+        hf_model_args(LLAMA_CONFIG | {"model_type": "gemma2"})  # Gemma's MLP is GeLU
     qwen2 = hf_model_args(LLAMA_CONFIG | {"model_type": "qwen2", "sliding_window": 32})
     assert qwen2.attention_bias and not qwen2.qk_norm
     assert qwen2.sliding_window is None  # named, but off unless use_sliding_window

@@ -11,12 +11,8 @@ import torch
 
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict, unpermute_rotary_rows
-from sluicegate.engine.torch.model import (
-    ModelArgs,
-    RopeScaling,
-    Transformer,
-    kv_cache_bytes_per_slot,
-)
+from sluicegate.engine.torch.model import Transformer
+from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling, kv_cache_bytes_per_slot
 
 pytestmark = pytest.mark.slow
 
@@ -227,7 +223,8 @@ def test_kv_cache_bytes_per_slot_is_what_setup_caches_allocates(dtype: torch.dty
 # resident and would be reused, so the growth could not be seen.
 RESIDENT_CHECK = """
 import os
-from sluicegate.engine.torch.model import ModelArgs, Transformer
+from sluicegate.engine.torch.model import Transformer
+from sluicegate.engine.torch.model_args import ModelArgs
 
 def resident():
     with open("/proc/self/statm") as statm:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from sluicegate.engine.families import SUPPORTED_MODEL_TYPES
-from sluicegate.engine.torch.model import ModelArgs, RopeScaling
+from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -71,7 +71,12 @@ def fuse_layer_weights(
         up = get(p + "mlp.up_proj.weight")  # [I, D]
         o = f"layers.{i}."
         sd[o + "attention_norm.weight"] = cast(get(p + "input_layernorm.weight"))
-        sd[o + "ffn_norm.weight"] = cast(get(p + "post_attention_layernorm.weight"))
+        if args.gemma:  # its post_attention_layernorm norms the attention's output
+            sd[o + "attention_post_norm.weight"] = cast(get(p + "post_attention_layernorm.weight"))
+            sd[o + "ffn_norm.weight"] = cast(get(p + "pre_feedforward_layernorm.weight"))
+            sd[o + "ffn_post_norm.weight"] = cast(get(p + "post_feedforward_layernorm.weight"))
+        else:
+            sd[o + "ffn_norm.weight"] = cast(get(p + "post_attention_layernorm.weight"))
         sd[o + "attention.wqkv.weight"] = cast(torch.cat([q, k, v], dim=0))
         if args.attention_bias:
             biases = [get(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
@@ -89,6 +94,8 @@ def to_hf_state_dict(
     args: ModelArgs, state_dict: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The inverse of :func:`fuse_layer_weights`: Hugging Face ``LlamaForCausalLM`` names."""
+    if args.gemma:
+        raise ValueError("Gemma's layout is read, not written")
     hd = args.head_dim
     out = {
         "model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
@@ -164,7 +171,7 @@ def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
 
 def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
     """``ModelArgs`` from a Hugging Face ``config.json`` of a Llama-architecture model
-    (Llama, Mistral without a sliding window, Qwen2 and Qwen2.5, Qwen3)."""
+    (Llama, Mistral, Qwen2 and Qwen2.5, Qwen3, Phi-3, Gemma 2)."""
     model_type = config.get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -180,8 +187,10 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
     window = config.get("sliding_window")
     if qwen and not config.get("use_sliding_window"):
         window = None
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported activation {config.get('hidden_act')!r}")
+    gemma = model_type == "gemma2"
+    activation = config.get("hidden_activation" if gemma else "hidden_act", "silu")
+    if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise ValueError(f"unsupported activation {activation!r} for {model_type!r}")
     n_heads = int(config["num_attention_heads"])
     dim = int(config["hidden_size"])
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
@@ -214,9 +223,17 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
         norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         rope_theta=float(theta),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
         rope_scaling=scaling,
         attention_bias=attention_bias,
         qk_norm=model_type == "qwen3",
         sliding_window=int(window) if window else None,
+        gemma=gemma,
+        query_pre_attn_scalar=_number(config.get("query_pre_attn_scalar")) if gemma else None,
+        attn_logit_softcapping=_number(config.get("attn_logit_softcapping")) if gemma else None,
+        final_logit_softcapping=_number(config.get("final_logit_softcapping")) if gemma else None,
     )
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)

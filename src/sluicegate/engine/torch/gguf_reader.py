@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 
 from sluicegate.engine.families import SUPPORTED_GGUF_ARCHITECTURES
 from sluicegate.engine.torch.convert import fuse_layer_weights, unpermute_rotary_rows
-from sluicegate.engine.torch.model import ModelArgs, RopeScaling
+from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling
 
 _SUPPORTED_ARCHS = SUPPORTED_GGUF_ARCHITECTURES
 #: Architectures whose query and key rows llama.cpp's converter reorders for its rotary

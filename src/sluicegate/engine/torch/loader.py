@@ -33,7 +33,8 @@ from sluicegate.engine.sampling_defaults import RecommendedSampling
 from sluicegate.engine.tokenizer import CHATML_TEMPLATE, ChatTemplate, TextTokenizer
 from sluicegate.engine.torch.convert import fuse_layer_weights, hf_model_args, split_fused
 from sluicegate.engine.torch.gguf_reader import gguf_model_args, gguf_state_dict, read_gguf
-from sluicegate.engine.torch.model import ModelArgs, Transformer
+from sluicegate.engine.torch.model import Transformer
+from sluicegate.engine.torch.model_args import ModelArgs
 from sluicegate.engine.torch.packed_linear import packing_supported
 from sluicegate.engine.torch.tokenizer_build import (
     GGUFTokenizerSpec,

@@ -37,14 +37,17 @@ decoded or re-prefilled after a preemption (the promise seeded resume rests on):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sluicegate.engine.torch.attention_batch import AttentionBatch, align_keys
+from sluicegate.engine.torch.model_args import (
+    ModelArgs,
+    apply_rope,
+    rope_tables,
+)
 from sluicegate.engine.torch.packed_linear import (
     Linear,
     linear_packed,
@@ -53,128 +56,27 @@ from sluicegate.engine.torch.packed_linear import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """Rotary frequency scaling (Hugging Face ``rope_scaling``): ``linear`` or ``llama3``."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class ModelArgs:
-    """Shape and constants of a Llama-family checkpoint."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    rope_scaling: RopeScaling | None = None
-    #: Qwen2's biases on the query, key and value projections.
-    attention_bias: bool = False
-    #: Qwen3's RMS norms of each query and key head, before the rotation.
-    qk_norm: bool = False
-    #: A sliding attention window (Mistral, Phi-3, Qwen with it on): served with a context
-    #: no longer than it, where windowed attention is full attention.
-    sliding_window: int | None = None
-
-    @property
-    def max_context(self) -> int:
-        """The longest context this engine serves the model at."""
-        window = self.sliding_window
-        trained = self.max_position_embeddings
-        return trained if window is None else min(trained, window)
-
-    def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads")
-        if self.head_dim % 2:
-            raise ValueError("rotary embeddings need an even head_dim")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelArgs:
-        values = dict(data)
-        scaling = values.pop("rope_scaling", None)
-        return cls(**values, rope_scaling=RopeScaling(**scaling) if scaling else None)
-
-
-def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
-    """``inv_freq`` ``[head_dim / 2]`` exactly as Hugging Face computes it (float32)."""
-    dim = args.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    inv_freq = 1.0 / (args.rope_theta**exponents)  # [hd/2]
-    scaling = args.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type != "llama3":
-        raise ValueError(f"unsupported rope scaling {scaling.rope_type!r}")
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(args: ModelArgs, length: int) -> tuple[Tensor, Tensor]:
-    """``cos, sin`` ``[length, head_dim]`` in float32 (the halves repeated, HF layout)."""
-    positions = torch.arange(length, dtype=torch.float32)  # [L]
-    freqs = positions[:, None] * rope_inverse_frequencies(args)[None, :]  # [L, hd/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [L, hd]
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``[T, H, hd]`` by ``cos, sin`` ``[T, 1, hd]``.
-
-    Computed in float32 whatever the model dtype: positions far into the context need the
-    precision, and q/k are small next to the weights.
-    """
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)  # [T, H, hd/2] each
-    rotated = torch.cat((-x2, x1), dim=-1)  # [T, H, hd]
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
-def kv_cache_bytes_per_slot(args: ModelArgs, max_model_len: int, dtype: torch.dtype) -> int:
-    """Bytes of one slot of the KV cache: keys and values of every layer over
-    ``max_model_len`` positions, padded as :meth:`Transformer.setup_caches` pads them."""
-    positions = align_keys(max_model_len)
-    return args.n_layers * 2 * args.n_kv_heads * positions * args.head_dim * dtype.itemsize
-
-
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, normalising in float32 as the reference implementation does."""
+    """Root-mean-square norm, normalising in float32 as the reference implementation does
+    (``offset``: Gemma's, scaling by ``1 + w`` in float32 before the cast)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def soft_cap(x: Tensor, cap: float | None) -> Tensor:
+    """``cap · tanh(x / cap)`` (Gemma 2's attention scores and logits), elementwise."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 #: Prefill queries attend in tiles of this many tokens, which bounds the float32 score
@@ -191,14 +93,15 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.scale = 1.0 / math.sqrt(args.head_dim)
+        self.scale = 1.0 / math.sqrt(args.query_pre_attn_scalar or args.head_dim)
+        self.softcap = args.attn_logit_softcapping
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = Linear(args.dim, qkv_dim)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim)
         # Added after the product, row by row: a row's result stays its own.
         self.qkv_bias = nn.Parameter(torch.zeros(qkv_dim)) if args.attention_bias else None
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.gemma) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.gemma) if args.qk_norm else None
 
     def forward(
         self,
@@ -286,7 +189,7 @@ class Attention(nn.Module):
         both decode and prefill (see the module docstring on batch invariance).
         """
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [..., Q, S]
-        scores = scores.mul_(self.scale).add_(bias)
+        scores = soft_cap(scores.mul_(self.scale), self.softcap).add_(bias)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Q, S]
         out: Tensor = torch.matmul(probs, values)  # [..., Q, hd]
         return out
@@ -300,10 +203,12 @@ class FeedForward(nn.Module):
         self.intermediate_size = args.intermediate_size
         self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size)
         self.w_down = Linear(args.intermediate_size, args.dim)
+        self.gelu = args.gemma
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, I] each
-        result: Tensor = self.w_down(F.silu(gate) * up)  # [T, D]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        result: Tensor = self.w_down(act * up)  # [T, D]
         return result
 
 
@@ -312,10 +217,14 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        offset = args.gemma
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, offset)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, offset)
         self.feed_forward = FeedForward(args)
+        # Gemma 2 norms each output again before its residual ("sandwich" norms).
+        self.attention_post_norm = RMSNorm(args.dim, args.norm_eps, offset) if offset else None
+        self.ffn_post_norm = RMSNorm(args.dim, args.norm_eps, offset) if offset else None
 
     def forward(
         self,
@@ -326,8 +235,14 @@ class TransformerBlock(nn.Module):
         v_cache: Tensor,
         batch: AttentionBatch,
     ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, batch)
-        out: Tensor = h + self.feed_forward(self.ffn_norm(h))  # [T, D]
+        a = self.attention(self.attention_norm(x), cos, sin, k_cache, v_cache, batch)
+        if self.attention_post_norm is not None:
+            a = self.attention_post_norm(a)
+        h = x + a
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.ffn_post_norm is not None:
+            f = self.ffn_post_norm(f)
+        out: Tensor = h + f  # [T, D]
         return out
 
 
@@ -352,7 +267,7 @@ class Transformer(nn.Module):
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
         )
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.gemma)
         self.output: Linear | None = (
             None if args.tie_word_embeddings else Linear(args.dim, args.vocab_size)
         )
@@ -423,7 +338,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, batch: AttentionBatch) -> Tensor:
         """Run ``tokens`` ``[T]`` laid out as ``batch``; return ``[N, vocab]`` float32 logits
         for ``batch.logits_indices`` (N may be 0)."""
-        x = self.tok_embeddings(tokens)  # [T, D]
+        x = self.embed(tokens)  # [T, D]
         kv_heads = self.args.n_kv_heads
         length = self.k_cache.shape[3]
         heads = torch.arange(kv_heads)  # [KVH]
@@ -441,10 +356,18 @@ class Transformer(nn.Module):
             return torch.empty(0, self.args.vocab_size)
         return self.logits(x[batch.logits_indices])
 
+    def embed(self, tokens: Tensor) -> Tensor:
+        """``tokens`` ``[T]`` to ``[T, D]`` (Gemma: scaled by ``sqrt(dim)`` in the dtype)."""
+        x: Tensor = self.tok_embeddings(tokens)
+        if self.args.gemma:
+            x = x * torch.tensor(self.args.dim**0.5, dtype=x.dtype)
+        return x
+
     def logits(self, x: Tensor) -> Tensor:
         """The final norm and the output projection: ``[N, D]`` to float32 ``[N, V]``."""
         h = self.norm(x)  # [N, D]
+        cap = self.args.final_logit_softcapping
         if self._output_packed is not None:
-            return linear_packed(h, self._output_packed).float()  # [N, V]
+            return soft_cap(linear_packed(h, self._output_packed).float(), cap)  # [N, V]
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, weight).float()  # [N, V]
+        return soft_cap(F.linear(h, weight).float(), cap)  # [N, V]

@@ -33,7 +33,8 @@ from sluicegate.engine.torch.loader import (
     load_tokenizer,
     resolve_dtype,
 )
-from sluicegate.engine.torch.model import ModelArgs, Transformer, kv_cache_bytes_per_slot
+from sluicegate.engine.torch.model import Transformer
+from sluicegate.engine.torch.model_args import ModelArgs, kv_cache_bytes_per_slot
 from sluicegate.engine.torch.step_sampling import sample_step
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.sizes import format_memory_size
@@ -225,7 +226,10 @@ class TorchEngine:
         self._grammars: GrammarMasks | None = None
         #: The compiled decode step (``compile="decode"``), loaded or being built.
         self.compiled: CompiledDecode | None = None
-        if compile == "decode":
+        if compile == "decode" and self.args.gemma:
+            # The compiled step's graph is the Llama block's (compiled.py).
+            logger.warning("--engine-compile decode: not for Gemma's layout; decoding eagerly")
+        elif compile == "decode":
             self.compiled = self._compiled_decode(cache_dir)
         #: Seconds spent loading weights and tokenizer (a warm cache makes this small).
         self.load_seconds = time.perf_counter() - start

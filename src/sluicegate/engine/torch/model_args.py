@@ -1,0 +1,131 @@
+"""A checkpoint's shape and constants (:class:`ModelArgs`), and the rotary embeddings
+they define: what :mod:`~sluicegate.engine.torch.model` builds its modules from."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sluicegate.engine.torch.attention_batch import align_keys
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary frequency scaling (Hugging Face ``rope_scaling``): ``linear`` or ``llama3``."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    """Shape and constants of a Llama-family checkpoint."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+    #: Qwen2's biases on the query, key and value projections.
+    attention_bias: bool = False
+    #: Qwen3's RMS norms of each query and key head, before the rotation.
+    qk_norm: bool = False
+    #: A sliding attention window (Mistral, Phi-3, Qwen with it on): served with a context
+    #: no longer than it, where windowed attention is full attention.
+    sliding_window: int | None = None
+    #: Gemma 2's layout: norms scale by ``1 + w`` (in float32), the attention's and the
+    #: MLP's outputs are normed again before their residuals, the embeddings are scaled
+    #: by ``sqrt(dim)``, the MLP's gate is GeLU (tanh); and its constants: the query
+    #: scale's denominator, and the soft caps of attention scores and of the logits.
+    gemma: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest context this engine serves the model at."""
+        window = self.sliding_window
+        trained = self.max_position_embeddings
+        return trained if window is None else min(trained, window)
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("rotary embeddings need an even head_dim")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelArgs:
+        values = dict(data)
+        scaling = values.pop("rope_scaling", None)
+        return cls(**values, rope_scaling=RopeScaling(**scaling) if scaling else None)
+
+
+def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
+    """``inv_freq`` ``[head_dim / 2]`` exactly as Hugging Face computes it (float32)."""
+    dim = args.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)  # [hd/2]
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"unsupported rope scaling {scaling.rope_type!r}")
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(args: ModelArgs, length: int) -> tuple[Tensor, Tensor]:
+    """``cos, sin`` ``[length, head_dim]`` in float32 (the halves repeated, HF layout)."""
+    positions = torch.arange(length, dtype=torch.float32)  # [L]
+    freqs = positions[:, None] * rope_inverse_frequencies(args)[None, :]  # [L, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [L, hd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``[T, H, hd]`` by ``cos, sin`` ``[T, 1, hd]``.
+
+    Computed in float32 whatever the model dtype: positions far into the context need the
+    precision, and q/k are small next to the weights.
+    """
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)  # [T, H, hd/2] each
+    rotated = torch.cat((-x2, x1), dim=-1)  # [T, H, hd]
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def kv_cache_bytes_per_slot(args: ModelArgs, max_model_len: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot of the KV cache: keys and values of every layer over
+    ``max_model_len`` positions, padded as :meth:`Transformer.setup_caches` pads them."""
+    positions = align_keys(max_model_len)
+    return args.n_layers * 2 * args.n_kv_heads * positions * args.head_dim * dtype.itemsize
