@@ -10,6 +10,10 @@ and request mix, then judges it.  A trial is sustainable when
   ``rho - 1``), and
 - goodput holds: at least ``min_goodput_fraction`` of requests met both objectives.
 
+Before each trial after the first, the target is given time to go idle by its
+``/metrics`` (a plain engine such as llama-server keeps working through what the last
+trial's cut clients left it, and the next trial would start behind it).
+
 The rate ramps up by ``growth`` until a trial fails (or down until one passes), then
 bisects between the highest sustainable and the lowest unsustainable rate until they are
 within ``precision`` of each other.  The capacity is the middle of that bracket.
@@ -25,6 +29,7 @@ from sluicegate.bench.records import Sample
 from sluicegate.bench.runner import Runner
 from sluicegate.bench.scenario import CapacitySearch, Stage
 from sluicegate.bench.schedule import build_schedule
+from sluicegate.bench.scrape import wait_until_idle
 from sluicegate.bench.stats import summarise, ttft_growth_seconds_per_second
 
 
@@ -128,6 +133,8 @@ def find_capacity(
         )
         schedule = build_schedule(trial_scenario, seed=base_seed + len(trials))
         label = f"trial {len(trials) + 1} at {rate:.3g} req/s"
+        if trials:  # not behind what the last trial's cut clients left a plain engine
+            wait_until_idle(runner.target.base_url, timeout_seconds=drain + 30.0)
         result = runner.run(schedule, label, drain_timeout_seconds=drain, settle_seconds=0.3)
         trial = judge(len(trials), rate, result.samples, runner, search)
         trials.append(trial)

@@ -111,6 +111,34 @@ def scrape_live_work(base_url: str) -> dict[str, float]:
     return {name: snapshot.total(name) for name in LIVE_WORK_METRICS}
 
 
+#: Gauges by which engines report the requests they hold (0 when idle): llama.cpp's
+#: llama-server (``--metrics``) and vLLM.
+ENGINE_WORK_METRICS = (
+    "llamacpp:requests_processing",
+    "llamacpp:requests_deferred",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+)
+
+
+def wait_until_idle(base_url: str, timeout_seconds: float = 60.0) -> bool:
+    """Until the server at ``base_url`` holds no work by its ``/metrics`` (Sluicegate's
+    live-work gauges, an engine's running and waiting requests), or ``timeout_seconds``
+    pass; whether it went idle.  A plain engine keeps working through what a run's cut
+    clients left it, and the next run would start behind it.  A server without usable
+    ``/metrics`` counts as idle."""
+    names = (*LIVE_WORK_METRICS[:3], *ENGINE_WORK_METRICS)
+    deadline = time.monotonic() + timeout_seconds
+    with httpx.Client() as client:
+        while True:
+            snapshot = scrape_once(client, base_url)
+            if snapshot is None or all(snapshot.total(name) == 0 for name in names):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
+
+
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """``after - before`` for every counter seen in either."""
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted({*before, *after})}
