@@ -93,13 +93,14 @@ def scrape_once(client: httpx.Client, base_url: str) -> MetricsSnapshot | None:
         return None
 
 
-#: Gauges of live work, all 0 on an idle server.
-LIVE_WORK_METRICS = (
+#: Gauges of the requests a Sluicegate server holds, all 0 when it holds none.
+HELD_WORK_METRICS = (
     "sluicegate_requests_running",
     "sluicegate_requests_waiting",
     "sluicegate_streams_paused",
-    "sluicegate_kv_cache_usage_ratio",
 )
+#: Gauges of live work, all 0 on an idle server.
+LIVE_WORK_METRICS = (*HELD_WORK_METRICS, "sluicegate_kv_cache_usage_ratio")
 
 
 def scrape_live_work(base_url: str) -> dict[str, float]:
@@ -127,7 +128,7 @@ def wait_until_idle(base_url: str, timeout_seconds: float = 60.0) -> bool:
     pass; whether it went idle.  A plain engine keeps working through what a run's cut
     clients left it, and the next run would start behind it.  A server without usable
     ``/metrics`` counts as idle."""
-    names = (*LIVE_WORK_METRICS[:3], *ENGINE_WORK_METRICS)
+    names = (*HELD_WORK_METRICS, *ENGINE_WORK_METRICS)
     deadline = time.monotonic() + timeout_seconds
     with httpx.Client() as client:
         while True:

@@ -80,7 +80,7 @@ def _engine_starter(
 
     @contextlib.contextmanager
     def start_config(label: str) -> Iterator[str]:
-        log = out_dir / f"server-{'direct' if label == 'direct' else 'upstream'}.log"
+        log = out_dir / f"server-{label}.log"
         with start_server(engine_path, log, ready_timeout_seconds=ready) as engine:
             yield engine.base_url
 

@@ -16,7 +16,7 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 #: Bytes of GGUF's scalar value types, by type number (8 is a string, 9 an array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
+_STRING = 8
 #: Key-value pairs read before giving up (llama.cpp writes the architecture first).
 _MAX_KEYS = 64
 

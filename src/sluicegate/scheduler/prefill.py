@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from sluicegate.scheduler.cost_model import (
+    Coefficients,
     StepCostModel,
     StepShape,
     chunk_seconds,
@@ -92,6 +93,25 @@ MIN_OVERRUN_STEPS = 32
 MIN_STEP_FRACTION = 0.5
 
 
+def first_prompt_tokens(
+    coefficients: Coefficients,
+    start: int,
+    seconds_left: float,
+    floor: int,
+    share: int = 0,
+    seconds_to_objective: float | None = None,
+) -> int:
+    """The prompt tokens from ``start`` a step gives its first prompt: what fits in
+    ``seconds_left``, at least ``floor``, and at least the seat limit's ``share`` while
+    that fits in ``seconds_to_objective`` (the objective itself, beyond the headroom).
+    The scheduler's rule (:class:`StepTimeBudget`) and admission's estimate of it
+    (:meth:`~sluicegate.scheduler.seat_limit.ServiceEstimate.prefill_seconds`)."""
+    fits = chunk_tokens(coefficients, start, seconds_left)
+    if seconds_to_objective is not None:
+        share = min(share, chunk_tokens(coefficients, start, seconds_to_objective))
+    return max(fits, floor, share)
+
+
 class StepTimeBudget:
     """The seconds a step has left for prefill after its decoders (None: no limit)."""
 
@@ -118,12 +138,17 @@ class StepTimeBudget:
         the floor, and the share while it keeps the step within the objective."""
         if self.seconds_left is None or wanted <= 0:
             return max(0, wanted)
-        fits = chunk_tokens(self._coefficients, start, self.seconds_left)
-        if not self._given:
-            share = self._share
-            if self._to_objective is not None:
-                share = min(share, chunk_tokens(self._coefficients, start, self._to_objective))
-            fits = max(fits, self._floor, share)
+        if self._given:
+            fits = chunk_tokens(self._coefficients, start, self.seconds_left)
+        else:
+            fits = first_prompt_tokens(
+                self._coefficients,
+                start,
+                self.seconds_left,
+                self._floor,
+                self._share,
+                self._to_objective,
+            )
         if fits < wanted:
             self.limited = True
         return max(0, min(wanted, fits))
@@ -221,10 +246,8 @@ class PrefillPlanner:
     def step_target_seconds(self) -> float | None:
         """What a step with interactive decoders is aimed at, as the cost model counts
         (None: no time budget)."""
-        objective = self.config.tpot_objective_seconds
-        if not self.config.stall_free or objective is None:
-            return None
-        return self.step_fraction * objective / self.slowdown
+        objective = self.step_objective_seconds()
+        return None if objective is None else self.step_fraction * objective
 
     def step_objective_seconds(self) -> float | None:
         """The interactive TPOT objective as the cost model counts (None: no budget)."""
@@ -261,11 +284,13 @@ class PrefillPlanner:
         left = to_objective = None
         objectives = [o for r in decoders if (o := self.objective(r.priority)) is not None]
         target = self.idle_step_target_seconds() if not decoders else None
+        decoding = self.cost.predict(shape)
         if self.config.stall_free and objectives:
-            target = self.step_fraction * min(objectives) / self.slowdown
-            to_objective = min(objectives) / self.slowdown - self.cost.predict(shape)
+            objective = min(objectives) / self.slowdown  # as the cost model counts
+            target = self.step_fraction * objective
+            to_objective = objective - decoding
         if target is not None and self.cost.calibrated:
-            left = target - self.cost.predict(shape)
+            left = target - decoding
         self._last_left = left
         share = int(prefill_per_decode * len(decoders))
         return StepTimeBudget(self.cost, left, self.config.min_chunk_tokens, share, to_objective)

@@ -31,8 +31,8 @@ from sluicegate.scheduler.cost_model import (
     StepCostModel,
     StepShape,
     chunk_seconds,
-    chunk_tokens,
 )
+from sluicegate.scheduler.prefill import first_prompt_tokens
 from sluicegate.types import Clock
 
 
@@ -124,11 +124,11 @@ class ServiceEstimate:
         while done < total:
             chunk = budget
             if target is not None:
-                fits = chunk_tokens(cost, done, target - decode)
-                given = share
-                if objective is not None:
-                    given = min(share, chunk_tokens(cost, done, objective - decode))
-                chunk = max(1, min(budget, max(self.min_prefill_chunk_tokens, given, fits)))
+                to_objective = None if objective is None else objective - decode
+                fits = first_prompt_tokens(
+                    cost, done, target - decode, self.min_prefill_chunk_tokens, share, to_objective
+                )
+                chunk = max(1, min(budget, fits))
             length = min(total - done, max(chunk, stretch))
             steps = -(-length // chunk)
             size = length / steps

@@ -81,3 +81,17 @@ def engine(request: pytest.FixtureRequest) -> TorchEngine:
     name = "engine_f32" if request.param == "float32" else "engine_bf16"
     result: TorchEngine = request.getfixturevalue(name)
     return result
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(
+    smollm2_path: str, torch_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """SmolLM2 as a Hugging Face directory (``sluicegate export-hf``'s), made once a
+    session; read it, never write it (tests that need another model take its
+    tokenizer's files or its weights into a directory of their own)."""
+    from sluicegate.engine.torch.export import export_hf_directory
+
+    return export_hf_directory(
+        smollm2_path, tmp_path_factory.mktemp("smollm2-hf"), cache_dir=torch_cache_dir
+    )

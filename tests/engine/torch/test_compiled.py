@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -45,23 +46,20 @@ LENGTH = 256
 
 
 @pytest.fixture(scope="module")
-def cut_model(
-    smollm2_path: str, torch_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
+def cut_model(smollm2_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's first layer, as a Hugging Face directory."""
-    from sluicegate.engine.torch.export import export_hf_directory
-
-    out = export_hf_directory(
-        smollm2_path, tmp_path_factory.mktemp("smollm2-cut"), cache_dir=torch_cache_dir
-    )
-    with safe_open(out / "model.safetensors", "pt") as weights:  # reads only what it keeps
+    out = tmp_path_factory.mktemp("smollm2-cut")
+    for source in smollm2_hf_dir.iterdir():
+        if source.name not in ("model.safetensors", "config.json"):
+            shutil.copy(source, out / source.name)
+    with safe_open(smollm2_hf_dir / "model.safetensors", "pt") as weights:  # what it keeps
         kept = {
             name: weights.get_tensor(name)
             for name in weights.keys()  # noqa: SIM118 - safe_open handles are not mappings
             if not name.startswith("model.layers.") or name.startswith("model.layers.0.")
         }
     save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((smollm2_hf_dir / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1}))
     return out
 

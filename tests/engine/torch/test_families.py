@@ -41,16 +41,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(
-    smollm2_path: str, torch_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    from sluicegate.engine.torch.export import export_hf_directory
-
-    out = export_hf_directory(
-        smollm2_path, tmp_path_factory.mktemp("smollm2-hf"), cache_dir=torch_cache_dir
-    )
-    (out / "model.safetensors").unlink()  # only the tokenizer's files are wanted
-    return out
+def tokenizer_dir(smollm2_hf_dir: Path) -> Path:
+    """SmolLM2's directory: only its tokenizer's files are taken (:data:`TOKENIZER_FILES`)."""
+    return smollm2_hf_dir
 
 
 def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
@@ -100,10 +93,27 @@ def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
     return result
 
 
-def write_gguf(family: str, reference: Any, smollm2_path: str, out: Path) -> Path:
+@pytest.fixture(scope="module")
+def gguf_tokenizer(smollm2_path: str) -> list[tuple[str, Any, Any, Any]]:
+    """The SmolLM2 GGUF's ``tokenizer.*`` fields (name, value, type, element type), read
+    once: every GGUF written here carries them."""
+    import gguf
+
+    fields = []
+    for name, field in gguf.GGUFReader(smollm2_path).fields.items():
+        if name.startswith("tokenizer."):
+            types = field.types
+            sub_type = types[1] if types[0] == gguf.GGUFValueType.ARRAY else None
+            fields.append((name, field.contents(), types[0], sub_type))
+    return fields
+
+
+def write_gguf(
+    family: str, reference: Any, tokenizer: list[tuple[str, Any, Any, Any]], out: Path
+) -> Path:
     """``reference``'s weights as a float32 GGUF of architecture ``family``, with the
-    tokenizer of the SmolLM2 GGUF at ``smollm2_path`` (as llama.cpp's converter names
-    things; Qwen's query and key rows are not reordered)."""
+    ``tokenizer`` fields of the SmolLM2 GGUF (as llama.cpp's converter names things;
+    Qwen's query and key rows are not reordered)."""
     import gguf
 
     config = reference.config
@@ -119,12 +129,8 @@ def write_gguf(family: str, reference: Any, smollm2_path: str, out: Path) -> Pat
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    source = gguf.GGUFReader(smollm2_path)
-    for name, field in source.fields.items():
-        if name.startswith("tokenizer."):
-            types = field.types
-            sub_type = types[1] if types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), types[0], sub_type)
+    for name, value, kind, sub_type in tokenizer:
+        writer.add_key_value(name, value, kind, sub_type)
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -170,7 +176,7 @@ class Tiny:
 def tiny(
     request: pytest.FixtureRequest,
     tokenizer_dir: Path,
-    smollm2_path: str,
+    gguf_tokenizer: list[tuple[str, Any, Any, Any]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Tiny:
     """One tiny random model of the family, as a directory and (Qwen) as a GGUF file."""
@@ -179,7 +185,7 @@ def tiny(
     reference = write_tiny(family, tokenizer_dir, root / family)
     path = root / f"tiny-{family}.gguf"
     if family in GGUF_FAMILIES:
-        write_gguf(family, reference, smollm2_path, path)
+        write_gguf(family, reference, gguf_tokenizer, path)
     return Tiny(family, reference, root / family, path)
 
 

@@ -76,38 +76,35 @@ def run_chunks(
 SCALINGS = [None, RopeScaling("llama3", 4.0, 1.0, 4.0, 16), RopeScaling("linear", 2.0)]
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("scaling", SCALINGS, ids=["default", "llama3", "linear"])
-def test_matches_transformers(tied: bool, scaling: RopeScaling | None) -> None:
-    args = tiny_args(tied, scaling)
+def assert_matches_transformers(args: ModelArgs) -> torch.nn.Module:
+    """The tiny model of ``args`` gives the logits transformers' model of the same
+    family computes, prefilled 17 + 9 tokens then decoded one by one, in slot 3; returns
+    that reference."""
     model = tiny_model(args)
     hf = reference(args, model)
     tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = hf(tokens[None]).logits[0]  # [40, V]
-        # Prefill 17 + 9 tokens, then decode the rest one by one, in slot 3.
         sizes = [17, 9] + [1] * 14
         got = run_chunks(model, tokens, 3, sizes)
     ends = torch.tensor(sizes).cumsum(0) - 1
     torch.testing.assert_close(got, expected[ends], atol=1e-4, rtol=1e-4)
+    return hf
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("scaling", SCALINGS, ids=["default", "llama3", "linear"])
+def test_matches_transformers(tied: bool, scaling: RopeScaling | None) -> None:
+    assert_matches_transformers(tiny_args(tied, scaling))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_families_match_transformers(family: str) -> None:
     """Qwen2's query, key and value biases and Qwen3's per-head query and key norms, on
     the same tiny random model as the Llama one: logits as Qwen2ForCausalLM and
-    Qwen3ForCausalLM compute them, prefilled in chunks then decoded."""
-    args = tiny_args(family=family)
-    model = tiny_model(args)
-    hf = reference(args, model)
+    Qwen3ForCausalLM compute them."""
+    hf = assert_matches_transformers(tiny_args(family=family))
     assert type(hf).__name__.lower().startswith(family)
-    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        expected = hf(tokens[None]).logits[0]  # [40, V]
-        sizes = [17, 9] + [1] * 14
-        got = run_chunks(model, tokens, 3, sizes)
-    ends = torch.tensor(sizes).cumsum(0) - 1
-    torch.testing.assert_close(got, expected[ends], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

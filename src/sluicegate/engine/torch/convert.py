@@ -136,10 +136,9 @@ def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
     """A ``LlamaConfig``-compatible dict for these args (``Qwen2Config`` with attention
     biases, ``Qwen3Config`` with query and key norms; tests build the reference from it)."""
     family = "qwen3" if args.qk_norm else "qwen2" if args.attention_bias else "llama"
-    architecture = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[family]
     config: dict[str, Any] = {
         "model_type": family,
-        "architectures": [f"{architecture}ForCausalLM"],
+        "architectures": [f"{family.capitalize()}ForCausalLM"],
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
@@ -181,7 +180,7 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
     qwen = model_type in ("qwen2", "qwen3")
     # Qwen2 always has query, key and value biases (its config has no flag for them).
     attention_bias = model_type == "qwen2" or bool(config.get("attention_bias"))
-    if config.get("mlp_bias") or (attention_bias and model_type not in ("qwen2", "qwen3")):
+    if config.get("mlp_bias") or (attention_bias and not qwen):
         raise ValueError(f"unsupported architecture {model_type!r} with projection biases")
     # Qwen configs name a window but use it only with use_sliding_window.
     window = config.get("sliding_window")

@@ -16,7 +16,6 @@ from sluicegate.engine.families import SUPPORTED_GGUF_ARCHITECTURES
 from sluicegate.engine.torch.convert import fuse_layer_weights, unpermute_rotary_rows
 from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling
 
-_SUPPORTED_ARCHS = SUPPORTED_GGUF_ARCHITECTURES
 #: Architectures whose query and key rows llama.cpp's converter reorders for its rotary
 #: kernel (Llama's); Qwen's keep Hugging Face's layout (its rotation is NEOX-style).
 _PERMUTED_ARCHS = ("llama",)
@@ -67,8 +66,10 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
     """``ModelArgs`` from llama.cpp's metadata keys (``llama.block_count``, ...)."""
     md = gguf.metadata
     arch = str(md.get("general.architecture"))
-    if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only {_SUPPORTED_ARCHS})")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (only {SUPPORTED_GGUF_ARCHITECTURES})"
+        )
 
     def key(name: str, default: Any = None) -> Any:
         value = md.get(f"{arch}.{name}", default)
