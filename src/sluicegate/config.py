@@ -19,15 +19,16 @@ from sluicegate.admission.tenants import TenantConfig, validate_tenants
 from sluicegate.flow_settings import FlowSettings
 from sluicegate.pipeline_settings import PipelineSettings, validate_pipelines
 from sluicegate.prefill_settings import PrefillSettings
-from sluicegate.sizes import parse_memory_size
+from sluicegate.torch_settings import TorchSettings
 from sluicegate.upstream_settings import UpstreamConfig
 
 EngineKind = Literal["torch", "sim", "upstream"]
 
 
-class Settings(FlowSettings, PrefillSettings, BaseSettings):
-    """Every knob of the server, with a default that works on a laptop (flow control and
-    pacing, prefill: the :class:`FlowSettings` and :class:`PrefillSettings` it inherits)."""
+class Settings(TorchSettings, FlowSettings, PrefillSettings, BaseSettings):
+    """Every knob of the server, with a default that works on a laptop (the torch engine,
+    flow control and pacing, prefill: the :class:`TorchSettings`, :class:`FlowSettings` and
+    :class:`PrefillSettings` it inherits)."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICEGATE_", extra="forbid")
 
@@ -82,35 +83,9 @@ class Settings(FlowSettings, PrefillSettings, BaseSettings):
     served_model_name: str | None = Field(
         None, description="Name in /v1/models and responses; default: derived from the engine."
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Torch engine dtype.")
     cache_dir: str | None = Field(
         None,
         description="Converted weights and the default job journal (default ~/.cache/sluicegate).",
-    )
-    torch_threads: int | None = Field(
-        None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
-    )
-    reuse_calibration: bool = Field(
-        True,
-        description="Torch engine: save the start-up calibration of the cost model under "
-        "cache_dir and, at the next start, reuse it when a few cheap steps confirm it "
-        "(a warm start in ~1 s instead of ~4.5 s; docs/admission.md).",
-    )
-    engine_compile: Literal["off", "decode"] = Field(
-        "off",
-        description="Torch engine: decode through a compiled step (AOTInductor; built once "
-        "per model and cache shape in a background process, cached under cache_dir; eager "
-        "until ready). 1.3-1.6x the eager decode speed through the server; logits differ "
-        "from eager in the last bits "
-        "(docs/engine-performance.md).",
-    )
-    kv_cache_memory: str = Field(
-        "auto",
-        description="Memory of the torch engine's KV cache, allocated in full at start: a "
-        "size (512MiB, 2GiB, 1.5GB, 800000000 bytes) or auto, what max_num_seqs x "
-        "max_model_len positions need but at most 25% of MemTotal and 50% of MemAvailable, "
-        "never below one sequence. Slots that do not fit are not served: the engine runs "
-        "min(max_num_seqs, budget / one sequence's need) sequences at once.",
     )
 
     # --- sim engine ---
@@ -358,19 +333,6 @@ class Settings(FlowSettings, PrefillSettings, BaseSettings):
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value
 
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _check_kv_cache_memory(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = str(value)  # a YAML number: bytes
-        if isinstance(value, str):
-            try:
-                parse_memory_size(value)
-            except ValueError as exc:
-                raise ValueError(f"kv_cache_memory {exc}") from None
-            return value.strip()
-        return value
-
     @field_validator("ttft_slo_ms", mode="before")
     @classmethod
     def _check_ttft_slo_ms(cls, value: Any) -> Any:
@@ -459,11 +421,6 @@ class Settings(FlowSettings, PrefillSettings, BaseSettings):
             for url in self.upstream
         ]
         return [*self.upstreams, *flags]
-
-    @property
-    def kv_cache_memory_bytes(self) -> int | None:
-        """``kv_cache_memory`` in bytes; None for ``auto`` (the engine applies the rule)."""
-        return parse_memory_size(self.kv_cache_memory)
 
     @classmethod
     def settings_customise_sources(

@@ -30,6 +30,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("Server", "host"),
     ("Connections (docs/security.md)", "max_connections"),
     ("Engine", "engine"),
+    ("Torch engine (docs/engine.md)", "dtype"),
     ("Sim engine", "sim_step_base_ms"),
     ("Upstream engine (docs/upstream.md)", "upstream"),
     ("Scheduler", "max_num_seqs"),

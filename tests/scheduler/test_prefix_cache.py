@@ -97,3 +97,21 @@ def test_a_preempted_sequence_re_prefills_from_its_own_cached_slot() -> None:
     assert b.reuse.num_cached_tokens >= 16  # the re-prefill reused what it had computed
     assert a.num_output_tokens == b.num_output_tokens == 40
     assert sched.make_stats().kv_cache.num_used_blocks == 0
+
+
+def test_an_engine_whose_answers_compute_otherwise_offers_only_its_prompts_positions() -> None:
+    """With 4-bit weights an answer's tokens take other weights than a prompt's: a later
+    prompt that repeats an earlier prompt and its answer reuses only the prompt's blocks
+    (computing the answer's tokens as a prompt's), where otherwise it reuses both."""
+    reused = {}
+    for cache_answers in (True, False):
+        sched = Scheduler(
+            config(prefix_caching=True, cache_answers=cache_answers, max_num_batched_tokens=256)
+        )
+        first = request("first", list(range(1, 33)), max_tokens=40)  # 2 blocks of prompt
+        sched.add_request(first)
+        run_to_completion(sched, FakeEngine())
+        assert sched.kv.prefix is not None
+        reused[cache_answers] = sched.kv.prefix.peek(request("next", [*first.all_token_ids, 7]))
+    # 72 tokens, of which the last (sampled, never computed) holds no position.
+    assert reused == {True: 71, False: 32}

@@ -25,6 +25,7 @@ LONGEST_FIRST = (
     "tests/tools/test_model.py",
     "tests/clients/test_embedded_model.py",
     "tests/engine/torch/test_families.py",
+    "tests/engine/torch/test_q4_server.py",
     "tests/upstream/test_peers.py",
     "tests/web/test_playground.py",
     "tests/resume/test_responses_resume.py",
@@ -81,6 +82,7 @@ SHARED_FIXTURES = {
     "model_server": "smollm2-server",
     "engine_f32": "smollm2-in-process",
     "engine_bf16": "smollm2-in-process",
+    "engine_q4": "smollm2-in-process",
 }
 
 #: The files of each group; :func:`check_groups` fails a run where a file uses a shared

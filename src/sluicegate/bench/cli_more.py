@@ -108,15 +108,28 @@ def engine_peer_command(
         typer.Option("--peer-llama-server", help="A llama-server binary to measure too."),
     ] = None,
     seconds: Annotated[float, typer.Option("--seconds", min=5.0, help="Per concurrency.")] = 30.0,
+    config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--config",
+            help="Our servers to measure, in order (repeat): sluicegate (defaults), "
+            "'sluicegate compiled', 'sluicegate q4'; default: all three.",
+        ),
+    ] = None,
     out: OutOption = Path("bench-engine-peer"),
 ) -> None:
     """The embedded engine through the real server against llama.cpp's llama-server on
     the same GGUF: output tokens/s at 1, 8 and 32 closed-loop streams, and the prompt
     rate (docs/engine-performance.md has how to build llama-server)."""
-    from sluicegate.bench.peer_engine import engine_vs_peer, table
+    from sluicegate.bench.peer_engine import CONFIGS, engine_vs_peer, table
 
+    unknown = [c for c in config or () if c not in CONFIGS]
+    if unknown:
+        fail(f"unknown --config {unknown}: choose from {list(CONFIGS)}")
     try:
-        runs = engine_vs_peer(out, peer_llama_server, seconds=seconds)
+        runs = engine_vs_peer(
+            out, peer_llama_server, seconds=seconds, configs=config or list(CONFIGS)
+        )
     except (RuntimeError, OSError, httpx.HTTPError) as exc:
         fail(str(exc))
     for line in table(runs):
@@ -234,6 +247,34 @@ def idle_command(
     typer.echo(result.line())
 
 
+def perplexity_command(
+    model: Annotated[
+        str | None, typer.Option("--model", help="GGUF file or directory (default SmolLM2).")
+    ] = None,
+    llama_perplexity: Annotated[
+        str | None,
+        typer.Option("--llama-perplexity", help="llama.cpp's llama-perplexity, to compare."),
+    ] = None,
+) -> None:
+    """The embedded model's perplexity of a fixed text with full and 4-bit weights (and
+    llama.cpp's on the same GGUF): what --weights q4 costs in quality."""
+    from sluicegate.bench.perplexity import engine_perplexity, llama_perplexity_of
+    from sluicegate.engine.torch.loader import default_model_path
+
+    try:
+        runs = [engine_perplexity("full", model), engine_perplexity("q4", model)]
+        if llama_perplexity:
+            runs.append(llama_perplexity_of(llama_perplexity, model or default_model_path()))
+    except (RuntimeError, ValueError, OSError) as exc:
+        fail(str(exc))
+    base = runs[0].perplexity
+    for run in runs:
+        typer.echo(
+            f"{run.label}: perplexity {run.perplexity:.3f} over {run.scored_tokens} tokens "
+            f"({run.perplexity / base - 1:+.2%} against full weights)"
+        )
+
+
 def relay_command(
     streams: Annotated[int, typer.Option("--streams", min=1, help="Streams at once.")] = 32,
     max_tokens: Annotated[
@@ -267,3 +308,4 @@ def register_more(app: typer.Typer) -> None:
     app.command("long-prompts")(long_prompts_command)
     app.command("idle")(idle_command)
     app.command("relay")(relay_command)
+    app.command("perplexity")(perplexity_command)

@@ -218,8 +218,13 @@ def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> Peer
     return run
 
 
-#: Our second server: the compiled decode step (built once, then loaded at start).
-COMPILED = ["--engine-compile", "decode"]
+#: Our servers, by label: the defaults, the compiled decode step (built once, then
+#: loaded at start), and 4-bit weights for answers (``--weights q4``).
+CONFIGS: dict[str, list[str]] = {
+    "sluicegate": [],
+    "sluicegate compiled": ["--engine-compile", "decode"],
+    "sluicegate q4": ["--dtype", "bfloat16", "--weights", "q4"],
+}
 
 
 def wait_compiled(base_url: str, timeout: float = 900.0) -> None:
@@ -238,21 +243,28 @@ def wait_compiled(base_url: str, timeout: float = 900.0) -> None:
 
 
 def engine_vs_peer(
-    out: Path, llama_server_binary: str | None, seconds: float = 30.0, max_tokens: int = 128
+    out: Path,
+    llama_server_binary: str | None,
+    seconds: float = 30.0,
+    max_tokens: int = 128,
+    configs: Sequence[str] = tuple(CONFIGS),
 ) -> list[PeerRun]:
+    """Each of our ``configs`` (labels of :data:`CONFIGS`) in turn, then llama-server."""
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for label, extra in (("sluicegate", []), ("sluicegate compiled", COMPILED)):
+    for label in configs:
+        extra = CONFIGS[label]
+        compiles = "--engine-compile" in extra
         launched = time.monotonic()
         server = start_server_with_args(["--max-num-seqs", "32", *extra], out / f"{label}.log")
         ready = time.monotonic() - launched
         try:
-            if extra:
+            if compiles:
                 wait_compiled(server.base_url)
             compiled = time.monotonic() - launched
             run = _measure(label, server.base_url, seconds, max_tokens)
             run.ready_seconds = ready
-            if extra:
+            if compiles:
                 run.compiled_seconds = compiled
                 run.built = "building in the background" in server.log()
             runs.append(run)
@@ -269,30 +281,24 @@ def engine_vs_peer(
 
 
 def table(runs: Sequence[PeerRun]) -> list[str]:
-    eager, ours = runs[0], runs[1]
-    peer = runs[2] if len(runs) > 2 else None
+    """Output tokens/s of each run at each concurrency, and each of ours against the peer."""
+    peer = runs[-1] if runs[-1].label == "llama-server" else None
+    ours = [r for r in runs if r is not peer]
+    head = "| concurrent streams | " + " | ".join(f"{r.label} tok/s" for r in runs)
+    ratios = [f"{r.label} / llama-server" for r in ours] if peer else []
     lines = [
-        "| concurrent streams | Sluicegate eager tok/s | compiled tok/s | llama-server tok/s "
-        "| compiled / llama-server | eager / llama-server | TTFT p50 (compiled / peer) |",
-        "|---|---|---|---|---|---|---|",
+        head + "".join(f" | {name}" for name in ratios) + " | TTFT p50 |",
+        "|---" * (2 + len(runs) + len(ratios)) + "|",
     ]
-    for i, point in enumerate(ours.points):
-        base = eager.points[i].tokens_per_second
-        if peer is None:
-            lines.append(
-                f"| {point.streams} | {base:.1f} | {point.tokens_per_second:.1f} | – "
-                f"| – | – | {point.ttft_p50 * 1000:.0f} ms |"
-            )
-            continue
-        other = peer.points[i]
-        theirs = other.tokens_per_second or float("nan")
-        lines.append(
-            f"| {point.streams} | {base:.1f} | {point.tokens_per_second:.1f} | {theirs:.1f} "
-            f"| **{point.tokens_per_second / theirs:.2f}** | {base / theirs:.2f} "
-            f"| {point.ttft_p50 * 1000:.0f} / {other.ttft_p50 * 1000:.0f} ms |"
-        )
+    for i, point in enumerate(ours[0].points):
+        cells = [f"{r.points[i].tokens_per_second:.1f}" for r in runs]
+        if peer is not None:
+            theirs = peer.points[i].tokens_per_second or float("nan")
+            cells += [f"**{r.points[i].tokens_per_second / theirs:.2f}**" for r in ours]
+        ttft = " / ".join(f"{r.points[i].ttft_p50 * 1000:.0f}" for r in runs)
+        lines.append(f"| {point.streams} | " + " | ".join(cells) + f" | {ttft} ms |")
     lines.append("")
-    for run in (eager, ours):
+    for run in ours:
         lines.append(
             f"prompt rate, {run.label} ({run.prompt_tokens}-token prompts, uncached): "
             f"{run.prompt_rate:.0f} tokens/s"
@@ -307,21 +313,21 @@ def table(runs: Sequence[PeerRun]) -> list[str]:
             lines.append(
                 f"{run.label} refused {refused} requests (429), each retried after Retry-After"
             )
-    for run in (eager, ours):
         lines.append(f"start-up, {run.label}: ready {run.ready_seconds:.1f} s after launch")
-    if ours.compiled_seconds:
-        how = "built, then loaded" if ours.built else "loaded from the cache"
-        lines.append(
-            f"compiled decode step in use {ours.compiled_seconds:.1f} s after launch ({how})"
-        )
+        if run.compiled_seconds:
+            how = "built, then loaded" if run.built else "loaded from the cache"
+            lines.append(
+                f"compiled decode step in use {run.compiled_seconds:.1f} s after launch ({how})"
+            )
     if peer is None:
         lines.append("llama-server: skipped (no --peer-llama-server binary)")
     elif peer.own_decode_rate:
         # What any engine over llama.cpp's kernels could reach at one stream.
+        best = max(ours, key=lambda r: r.points[0].tokens_per_second)
         lines.append(
             f"llama-server's own one-stream decode rate (its timings: kernels, no HTTP): "
             f"{peer.own_decode_rate:.0f} tokens/s, against {peer.points[0].tokens_per_second:.0f}"
-            f" through HTTP; ours compiled at one stream: "
-            f"{ours.points[0].tokens_per_second / peer.own_decode_rate:.2f}x it"
+            f" through HTTP; {best.label} at one stream: "
+            f"{best.points[0].tokens_per_second / peer.own_decode_rate:.2f}x it"
         )
     return lines

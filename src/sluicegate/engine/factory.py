@@ -48,6 +48,9 @@ class LoadedEngine:
     #: Where the start-up calibration is saved and reused from (``reuse_calibration``;
     #: the torch engine only: the sim's is instant, an upstream calibrates otherwise).
     calibration_path: Path | None = None
+    #: Whether an answer's computed positions may serve a later prompt as its prefix (not
+    #: where answers compute differently from prompts: the torch engine's 4-bit weights).
+    caches_answers: bool = True
 
 
 def build_engine(settings: Settings) -> LoadedEngine:
@@ -93,6 +96,7 @@ def build_engine(settings: Settings) -> LoadedEngine:
         num_threads=settings.torch_threads,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         compile=settings.engine_compile,
+        weights=settings.weights,
     )
     name = settings.served_model_name or engine.model_name
     return LoadedEngine(
@@ -103,6 +107,7 @@ def build_engine(settings: Settings) -> LoadedEngine:
         engine.max_num_seqs,
         sampling_defaults(settings, engine.sampling_defaults),
         engine.calibration_path() if settings.reuse_calibration else None,
+        caches_answers=engine.caches_answers,
     )
 
 
@@ -187,6 +192,7 @@ def build_scheduler(settings: Settings, loaded: LoadedEngine) -> Scheduler:
             kv_block_size=settings.kv_block_size,
             num_kv_blocks=settings.num_kv_blocks,
             prefix_caching=settings.prefix_caching,
+            cache_answers=loaded.caches_answers,
             speculation=SpeculationConfig(
                 num_tokens=speculative_tokens(settings), max_batch=settings.speculative_max_batch
             ),

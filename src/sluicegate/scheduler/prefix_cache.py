@@ -75,8 +75,11 @@ class PrefixCacheStats:
 class PrefixCache:
     """Which slot holds which blocks.  Owned by the scheduler (one thread)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, cache_answers: bool = True) -> None:
         self.block_size = block_size
+        #: Index an answer's positions too (False: a prompt's only; see
+        #: ``SchedulerConfig.cache_answers``).
+        self.cache_answers = cache_answers
         #: Block key -> the slot holding it (the latest to register it).
         self._index: dict[bytes, int] = {}
         #: Slot -> the keys it holds, in order.
@@ -164,11 +167,12 @@ class PrefixCache:
 
     def remember(self, request: Request) -> None:
         """Index the blocks a sequence has computed in its slot (for others to reuse)."""
-        if request.kv_slot is not None and request.num_computed_tokens:
-            keys = self.keys_of(request, request.num_computed_tokens)
-            self.register(
-                request.kv_slot, keys, request.all_token_ids[: request.num_computed_tokens]
-            )
+        computed = request.num_computed_tokens
+        if not self.cache_answers:
+            computed = min(computed, request.num_prompt_tokens)
+        if request.kv_slot is not None and computed:
+            keys = self.keys_of(request, computed)
+            self.register(request.kv_slot, keys, request.all_token_ids[:computed])
 
     def record_query(self, num_tokens: int, hit_tokens: int, copied: bool) -> None:
         stats = self.stats

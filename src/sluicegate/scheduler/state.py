@@ -28,6 +28,9 @@ class SchedulerConfig:
     tpot_objective_seconds: float | None = None
     #: Keep computed KV in a slot after its sequence and reuse it for shared prefixes.
     prefix_caching: bool = False
+    #: Offer an answer's positions for reuse too (False: only a prompt's; an engine whose
+    #: answers compute differently from prompts says so, ``LoadedEngine.caches_answers``).
+    cache_answers: bool = True
     #: Pace-aware scheduling (default: off, first come first served).
     pacing: PacingConfig = field(default_factory=PacingConfig)
     #: Stall-free prefill and length-aware lanes (the budget needs an objective in it).

@@ -47,7 +47,9 @@ def smollm2_path() -> str:
 TEST_THREADS = int(os.environ.get("SLUICEGATE_TORCH_THREADS", "0")) or None
 
 
-def _smollm2_engine(path: str, cache_dir: Path, dtype: str) -> Iterator[TorchEngine]:
+def _smollm2_engine(
+    path: str, cache_dir: Path, dtype: str, weights: str = "full"
+) -> Iterator[TorchEngine]:
     """SmolLM2 in ``dtype``, 8 slots of 512 positions."""
     from sluicegate.engine.torch import TorchEngine
 
@@ -58,6 +60,7 @@ def _smollm2_engine(path: str, cache_dir: Path, dtype: str) -> Iterator[TorchEng
         max_model_len=512,
         cache_dir=str(cache_dir),
         num_threads=TEST_THREADS,
+        weights=weights,
     )
     yield engine
     engine.close()
@@ -73,6 +76,16 @@ def engine_f32(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine
 def engine_bf16(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
     """SmolLM2 in bfloat16 (the fast dtype)."""
     yield from _smollm2_engine(smollm2_path, torch_cache_dir, "bfloat16")
+
+
+@pytest.fixture(scope="session")
+def engine_q4(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
+    """SmolLM2 in bfloat16 with 4-bit weights for answers (the GGUF's own blocks)."""
+    from sluicegate.engine.torch.q4 import supported
+
+    if not supported():
+        pytest.skip("no int4 CPU kernel in this torch")
+    yield from _smollm2_engine(smollm2_path, torch_cache_dir, "bfloat16", weights="q4")
 
 
 @pytest.fixture(params=["float32", "bfloat16"])

@@ -240,14 +240,17 @@ def answers(recorder: RecordingEngine, requests: list[Request]) -> list[Answer]:
     return [(r.output_token_ids, recorder.logprobs.get(r.request_id)) for r in requests]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+#: The engines that must be batch-invariant bit for bit: each dtype, and bfloat16 with
+#: 4-bit weights (where an answer's tokens take other weights than its prompt's).
+ENGINES = {"float32": "engine_f32", "bfloat16": "engine_bf16", "q4": "engine_q4"}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
 def alone_answers(request: pytest.FixtureRequest) -> AloneAnswers:
-    """Each dtype in turn (both must be batch-invariant bit for bit): five answers of
-    :data:`NUM_TOKENS` tokens (:func:`answer_sampling`; the last two to the same
-    question), each computed alone, for the tests to compute again in other ways."""
-    engine: TorchEngine = request.getfixturevalue(
-        "engine_f32" if request.param == "float32" else "engine_bf16"
-    )
+    """Each engine of :data:`ENGINES` in turn: five answers of :data:`NUM_TOKENS` tokens
+    (:func:`answer_sampling`; the last two to the same question), each computed alone, for
+    the tests to compute again in other ways."""
+    engine: TorchEngine = request.getfixturevalue(ENGINES[request.param])
     prompts = chat_prompts(engine)[:4]
     prompts.append(prompts[-1])
     reference = AloneAnswers(engine, prompts, answer_sampling(), [])

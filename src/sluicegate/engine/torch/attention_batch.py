@@ -48,6 +48,31 @@ class PrefillChunk:
         return int(self.bias.shape[-1])
 
 
+@dataclass(frozen=True, slots=True)
+class AnswerRows:
+    """Which rows of a batch are tokens of an answer rather than of a prompt: with 4-bit
+    weights their projections take the 4-bit kernel (:mod:`~sluicegate.engine.torch.q4`)."""
+
+    answer: Tensor  # [A] int64 row indices
+    prompt: Tensor  # [T - A] int64 row indices
+
+    @staticmethod
+    def of(flags: Sequence[bool]) -> AnswerRows:
+        answer = [i for i, flag in enumerate(flags) if flag]
+        prompt = [i for i, flag in enumerate(flags) if not flag]
+        return AnswerRows(
+            torch.tensor(answer, dtype=torch.long), torch.tensor(prompt, dtype=torch.long)
+        )
+
+    @property
+    def all(self) -> bool:
+        return self.prompt.numel() == 0
+
+    @property
+    def none(self) -> bool:
+        return self.answer.numel() == 0
+
+
 @dataclass(slots=True)
 class AttentionBatch:
     """Where each token of a flattened batch lives, built once per step for all layers.
@@ -70,6 +95,9 @@ class AttentionBatch:
     #: ``[T * KVH]`` rows of a layer's cache viewed as ``[S * KVH * L, hd]`` where the new
     #: keys and values go (set by ``Transformer.forward``, which knows ``L``).
     cache_rows: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    #: The rows that are answer tokens, and among the logit rows those that are.
+    answers: AnswerRows = field(default_factory=lambda: AnswerRows.of(()))
+    logit_answers: AnswerRows = field(default_factory=lambda: AnswerRows.of(()))
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +114,9 @@ class SequenceChunk:
     #: Logit rows wanted: for the chunk's last this many tokens (1 to sample the next
     #: token; more to verify draft tokens; 0 for a prompt chunk that samples nothing).
     num_logits: int
+    #: The sequence's first answer position: the chunk's tokens from there on are its
+    #: answer's (None: all of them are a prompt's).
+    answer_start: int | None = None
 
 
 def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[int]]:
@@ -101,11 +132,14 @@ def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[i
     positions: list[int] = []
     slots: list[int] = []
     logits_indices: list[int] = []
+    answer: list[bool] = []
     prefills: list[PrefillChunk] = []
     for i in order:
         c = chunks[i]
         offset = len(positions)
         positions.extend(range(c.start, c.start + c.length))
+        first_answer = c.start + c.length if c.answer_start is None else c.answer_start
+        answer.extend(p >= first_answer for p in range(c.start, c.start + c.length))
         slots.extend([c.slot] * c.length)
         logits_indices.extend(range(offset + c.length - c.num_logits, offset + c.length))
         if c.length > 1:
@@ -128,5 +162,7 @@ def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[i
         decode_max_len=max_len,
         prefills=prefills,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        answers=AnswerRows.of(answer),
+        logit_answers=AnswerRows.of([answer[i] for i in logits_indices]),
     )
     return batch, order

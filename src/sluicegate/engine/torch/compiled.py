@@ -169,6 +169,24 @@ def package_path(
     return entry.with_name(f"{entry.name}.pt2")
 
 
+def compiled_decode(
+    model_path: str,
+    dtype: torch.dtype,
+    num_slots: int,
+    max_model_len: int,
+    num_threads: int,
+    cache_dir: str | None,
+) -> CompiledDecode:
+    """The compiled decode step of an engine: its package, and how to build it."""
+    build = ["--model", model_path, "--dtype", str(dtype).removeprefix("torch.")]
+    build += ["--slots", str(num_slots), "--max-model-len", str(max_model_len)]
+    build += ["--threads", str(num_threads)]
+    if cache_dir is not None:
+        build += ["--cache-dir", cache_dir]
+    package = package_path(model_path, dtype, num_slots, max_model_len, cache_dir)
+    return CompiledDecode(package, build)
+
+
 def build_package(model: Transformer, out: Path) -> None:
     """Export and compile :class:`DecodeGraph` of ``model`` (caches set up, weights not
     prepacked: ``build_model(..., pack=False)``) into ``out``."""

@@ -18,7 +18,7 @@ from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling
 
 #: Architectures whose query and key rows llama.cpp's converter reorders for its rotary
 #: kernel (Llama's); Qwen's keep Hugging Face's layout (its rotation is NEOX-style).
-_PERMUTED_ARCHS = ("llama",)
+PERMUTED_ARCHS = ("llama",)
 
 # GGUF tensor names -> Hugging Face names (per layer: "blk.N." -> "model.layers.N.").
 _GLOBAL_NAMES = {
@@ -119,7 +119,7 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
     """Dequantise every tensor, undo llama.cpp's Q/K permutation and fuse, in ``dtype``."""
     if "rope_freqs.weight" in gguf.tensors:
         raise ValueError("GGUF rope frequency factors (Llama 3.1 scaling) are not supported")
-    permuted = gguf.metadata.get("general.architecture") in _PERMUTED_ARCHS
+    permuted = gguf.metadata.get("general.architecture") in PERMUTED_ARCHS
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in gguf.tensors.items():
         if name in _GLOBAL_NAMES:

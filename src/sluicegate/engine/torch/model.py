@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sluicegate.engine.torch.attention_batch import AttentionBatch, align_keys
+from sluicegate.engine.torch.attention_batch import AnswerRows, AttentionBatch, align_keys
 from sluicegate.engine.torch.model_args import (
     ModelArgs,
     apply_rope,
@@ -54,6 +54,7 @@ from sluicegate.engine.torch.packed_linear import (
     pack_weight,
     packing_supported,
 )
+from sluicegate.engine.torch.q4 import Q4Weight, by_origin
 
 
 class RMSNorm(nn.Module):
@@ -116,7 +117,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         group = nh // nkv
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = self.project(x, cos, sin, batch.answers)
 
         # Write before attending, so each token sees itself through the cache: row
         # batch.cache_rows[t * KVH + h] of the cache seen as [S * KVH * L, hd] is token t's
@@ -160,15 +161,17 @@ class Attention(nn.Module):
                 out = out.view(nkv, rows, group, hd).transpose(0, 1)
                 outputs.append(out.reshape(rows, nh * hd))
         attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)  # [T, H * hd]
-        result: Tensor = self.wo(attn)  # [T, D]
+        result: Tensor = self.wo(attn, batch.answers)  # [T, D]
         return result
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(
+        self, x: Tensor, cos: Tensor, sin: Tensor, answers: AnswerRows | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` ``[T, D]`` to rotated ``q`` ``[T, H, hd]``, rotated ``k`` and ``v``
         ``[T, KVH, hd]``."""
         num_tokens = x.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv: Tensor = self.wqkv(x)  # [T, (H + 2 KVH) * hd]
+        qkv: Tensor = self.wqkv(x, answers)  # [T, (H + 2 KVH) * hd]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : (nh + nkv) * hd].view(num_tokens, nh + nkv, hd)
@@ -205,10 +208,10 @@ class FeedForward(nn.Module):
         self.w_down = Linear(args.intermediate_size, args.dim)
         self.gelu = args.gemma
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, I] each
+    def forward(self, x: Tensor, answers: AnswerRows | None = None) -> Tensor:
+        gate, up = self.w_gate_up(x, answers).chunk(2, dim=-1)  # [T, I] each
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        result: Tensor = self.w_down(act * up)  # [T, D]
+        result: Tensor = self.w_down(act * up, answers)  # [T, D]
         return result
 
 
@@ -239,7 +242,7 @@ class TransformerBlock(nn.Module):
         if self.attention_post_norm is not None:
             a = self.attention_post_norm(a)
         h = x + a
-        f = self.feed_forward(self.ffn_norm(h))
+        f = self.feed_forward(self.ffn_norm(h), batch.answers)
         if self.ffn_post_norm is not None:
             f = self.ffn_post_norm(f)
         out: Tensor = h + f  # [T, D]
@@ -273,6 +276,8 @@ class Transformer(nn.Module):
         )
         #: The output projection packed for oneDNN (:meth:`pack_weights`), tied or not.
         self._output_packed: Tensor | None = None
+        #: The output projection in 4 bits (``--weights q4``), tied or not.
+        self.output_q4: Q4Weight | None = None
         # Plain attributes, not buffers: they are runtime state, never part of a checkpoint.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -354,7 +359,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, k_cache, v_cache, batch)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.args.vocab_size)
-        return self.logits(x[batch.logits_indices])
+        return self.logits(x[batch.logits_indices], batch.logit_answers)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """``tokens`` ``[T]`` to ``[T, D]`` (Gemma: scaled by ``sqrt(dim)`` in the dtype)."""
@@ -363,11 +368,15 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.args.dim**0.5, dtype=x.dtype)
         return x
 
-    def logits(self, x: Tensor) -> Tensor:
-        """The final norm and the output projection: ``[N, D]`` to float32 ``[N, V]``."""
+    def logits(self, x: Tensor, answers: AnswerRows | None = None) -> Tensor:
+        """The final norm and the output projection: ``[N, D]`` to float32 ``[N, V]``
+        (``answers``: which rows are an answer's, for 4-bit weights)."""
         h = self.norm(x)  # [N, D]
         cap = self.args.final_logit_softcapping
+        return soft_cap(by_origin(h, answers, self.output_q4, self._output).float(), cap)
+
+    def _output(self, h: Tensor) -> Tensor:
         if self._output_packed is not None:
-            return soft_cap(linear_packed(h, self._output_packed).float(), cap)  # [N, V]
+            return linear_packed(h, self._output_packed)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return soft_cap(F.linear(h, weight).float(), cap)  # [N, V]
+        return F.linear(h, weight)

@@ -8,10 +8,17 @@ call (see :mod:`~sluicegate.engine.torch.model`).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from sluicegate.engine.torch.q4 import by_origin
+
+if TYPE_CHECKING:
+    from sluicegate.engine.torch.attention_batch import AnswerRows
+    from sluicegate.engine.torch.q4 import Q4Weight
 
 #: Most rows :func:`linear_packed` hands oneDNN in one call where it computes bfloat16 on
 #: AMX tiles (see :func:`max_rows_per_call`).
@@ -29,16 +36,24 @@ class Linear(nn.Linear):
     share the call, so it is also what keeps float32 batch-invariant (see
     :mod:`~sluicegate.engine.torch.model`).
     The plain weight stays the parameter (state dicts, conversion) and the fallback.
+
+    With 4-bit weights (:attr:`q4`), the rows that ``answers`` names go through them
+    instead (:mod:`~sluicegate.engine.torch.q4`).
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.packed: Tensor | None = None
+        self.q4: Q4Weight | None = None
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, answers: AnswerRows | None = None) -> Tensor:
+        return by_origin(x, answers, self.q4, self.full)
+
+    def full(self, x: Tensor) -> Tensor:
+        """``x`` through the model-dtype weight."""
         if self.packed is None:
             return F.linear(x, self.weight)
         return linear_packed(x, self.packed)

