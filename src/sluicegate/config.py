@@ -110,6 +110,13 @@ class Settings(TorchSettings, FlowSettings, PrefillSettings, BaseSettings):
     upstream_health_interval_seconds: float = Field(
         2.0, gt=0.0, description="How often each upstream's health and load are checked."
     )
+    upstream_share_interval_seconds: float = Field(
+        0.25,
+        ge=0.0,
+        description="With a Redis store: how often at least gateway replicas exchange what "
+        "each holds at each upstream, so that together they hold no more than its limit "
+        "(docs/upstream.md); 0: each counts alone.",
+    )
     upstream_connect_timeout_seconds: float = Field(
         2.0, gt=0.0, description="Connecting to an upstream takes at most this long."
     )

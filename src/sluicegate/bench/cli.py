@@ -293,6 +293,9 @@ def upstream_command(
             help="Settings of the gateway (default: the defaults).",
         ),
     ] = None,
+    two_gateways: Annotated[
+        bool, typer.Option("--two-gateways", help="Then two replicas sharing a Redis.")
+    ] = False,
     out: OutOption = Path("bench-upstream"),
     duration_seconds: DurationOption = None,
     capacity_rps: CapacityOption = None,
@@ -319,6 +322,7 @@ def upstream_command(
             seed=seed,
             console=_console(),
             show_progress=progress,
+            two_gateways=two_gateways,
         )
     except (BenchError, RuntimeError, ValueError) as exc:
         fail(str(exc))

@@ -74,6 +74,9 @@ class ClientContext:
     prompt_model: PromptModel
     run_start: float
     default_api_key: str | None = None
+    #: Further servers sharing the load: request ``i`` (all its attempts) goes to
+    #: ``(target, *more_targets)[i % n]`` (gateway replicas behind no balancer).
+    more_targets: tuple[Target, ...] = ()
     #: Set when the run is cut: reads stop, retry waits end.
     stop: threading.Event = field(default_factory=threading.Event)
     _live: dict[int, socket.socket] = field(default_factory=dict)
@@ -188,20 +191,20 @@ def run_attempt(
 ) -> Attempt:
     """One HTTP attempt, timed from just before connecting."""
     limits = ctx.scenario.limits
+    targets = (ctx.target, *ctx.more_targets)
+    target = targets[planned.index % len(targets)]
     slow = planned.client_class is ClientClass.SLOW
     sent = time.monotonic()
     attempt = Attempt(sent_offset_seconds=sent - ctx.run_start)
     receive_buffer = ctx.scenario.slow_readers.receive_buffer_bytes if slow else None
     try:
-        sock = connect(ctx.target, receive_buffer, limits.request_timeout_seconds)
+        sock = connect(target, receive_buffer, limits.request_timeout_seconds)
     except OSError as exc:
         attempt.error = f"connect failed: {exc}"
         return attempt
     ctx.register(planned.index, sock)
     try:
-        stream = send_request(
-            sock, ctx.target, ctx.target.path(ctx.scenario.endpoint), body, headers
-        )
+        stream = send_request(sock, target, target.path(ctx.scenario.endpoint), body, headers)
         head_at = time.monotonic()
         attempt.status = stream.status
         if stream.status != 200:

@@ -118,7 +118,8 @@ def _resume(
 
 
 @contextlib.contextmanager
-def _redis(workdir: Path, given: str | None) -> Iterator[str]:
+def redis_for_bench(workdir: Path, given: str | None) -> Iterator[str]:
+    """``given``, or a Redis of the bench's own from ``redis-server`` on the PATH."""
     if given is not None:
         yield given
         return
@@ -151,7 +152,7 @@ def resume_latency(
     ``redis_url``: a Redis to use (else one is started from ``redis-server``)."""
     out.mkdir(parents=True, exist_ok=True)
     result = ResumeResult()
-    with tempfile.TemporaryDirectory() as tmp, _redis(Path(tmp), redis_url) as redis_url:
+    with tempfile.TemporaryDirectory() as tmp, redis_for_bench(Path(tmp), redis_url) as redis_url:
         config = Path(tmp) / "tenants.yaml"
         config.write_text(f"tenants:\n  - {{name: bench, api_key: {KEY}}}\n")
         args = [

@@ -99,8 +99,11 @@ class Runner:
         console: Console | None = None,
         show_progress: bool = True,
         scrape_interval_seconds: float = 0.5,
+        more_targets: tuple[Target, ...] = (),
     ) -> None:
         self.target = target
+        #: Servers sharing the load with ``target`` (its metrics are the ones scraped).
+        self.more_targets = more_targets
         self.scenario = scenario
         self.api_key = api_key
         self.console = console or Console(stderr=True)
@@ -206,7 +209,13 @@ class Runner:
         scraper.run_start = run_start
         scraper.start()
         ctx = ClientContext(
-            self.target, self.scenario, model, calibration.prompt_model, run_start, self.api_key
+            self.target,
+            self.scenario,
+            model,
+            calibration.prompt_model,
+            run_start,
+            self.api_key,
+            more_targets=self.more_targets,
         )
         planned = schedule.requests
         samples: list[Sample | None] = [None] * len(planned)

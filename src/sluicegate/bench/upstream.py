@@ -4,7 +4,9 @@
 ``U.yaml`` (any ``sluicegate serve`` config: the sim engine, say, standing in for a GPU
 engine), drives the scenario at it directly, then starts it afresh with a gateway
 (``--engine upstream``, the settings of ``--gateway G.yaml`` if given) in front of it and
-drives the same schedule through the gateway.  The two runs are in turn, never at once.
+drives the same schedule through the gateway.  The runs are in turn, never at once.
+``--two-gateways`` adds a third run: two gateway replicas sharing a Redis in front of a
+fresh engine, each sent every other request (what a round-robin balancer does).
 The engine runs with admission ``static`` and no breaker unless ``U.yaml`` says
 otherwise: a plain engine, which queues what it cannot run, like vLLM or llama.cpp.
 
@@ -31,6 +33,7 @@ from sluicegate.bench.capacity import CapacityResult
 from sluicegate.bench.client import Target
 from sluicegate.bench.compare import Outputs, headline_line, measure_capacity, write_outputs
 from sluicegate.bench.prefix import run_llama_server
+from sluicegate.bench.resume_latency import redis_for_bench
 from sluicegate.bench.runner import Runner, RunResult
 from sluicegate.bench.scenario import Scenario
 from sluicegate.bench.schedule import Schedule, build_schedule
@@ -100,6 +103,7 @@ def run_upstream_compare(
     console: Console | None = None,
     show_progress: bool = True,
     ready_timeout_seconds: float = 180.0,
+    two_gateways: bool = False,
 ) -> tuple[list[RunResult], CapacityResult | None, Outputs]:
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,10 +115,14 @@ def run_upstream_compare(
     capacity: CapacityResult | None = None
     schedule: Schedule | None = None
 
-    def drive(label: str, base_url: str) -> None:
+    def drive(label: str, base_url: str, *more_urls: str) -> None:
         nonlocal capacity, capacity_rps, schedule
         runner = Runner(
-            Target.parse(base_url), scenario, console=console, show_progress=show_progress
+            Target.parse(base_url),
+            scenario,
+            console=console,
+            show_progress=show_progress,
+            more_targets=tuple(Target.parse(url) for url in more_urls),
         )
         if schedule is None:
             if scenario.needs_capacity and capacity_rps is None:
@@ -129,10 +137,11 @@ def run_upstream_compare(
         results.append(result)
         console.print("  " + headline_line(label, result.summary()["all"]), highlight=False)
 
-    console.print(f"[bold][1/2] direct[/bold]: the engine alone ({what})")
+    phases = 3 if two_gateways else 2
+    console.print(f"[bold][1/{phases}] direct[/bold]: the engine alone ({what})")
     with start_engine("direct") as engine_url:
         drive("direct", engine_url)
-    console.print("[bold][2/2] gateway[/bold]: Sluicegate in front of a fresh engine")
+    console.print(f"[bold][2/{phases}] gateway[/bold]: Sluicegate in front of a fresh engine")
     with start_engine("upstream") as engine_url:
         gateway_path = _write(
             out_dir / "gateway.yaml",
@@ -144,6 +153,30 @@ def run_upstream_compare(
             ready_timeout_seconds=ready_timeout_seconds,
         ) as gateway:
             drive("gateway", gateway.base_url)
+    if two_gateways:
+        console.print(
+            f"[bold][3/{phases}] two gateways[/bold]: two replicas sharing a Redis in front "
+            "of a fresh engine, each sent every other request"
+        )
+        with (
+            start_engine("upstream-shared") as engine_url,
+            redis_for_bench(out_dir, None) as redis_url,
+        ):
+            values = {**gateway_values, "engine": "upstream", "upstream": [engine_url]}
+            values["store"] = redis_url
+            path = _write(out_dir / "gateway-replica.yaml", values)
+            with contextlib.ExitStack() as held:
+                replicas = [
+                    held.enter_context(
+                        start_server(
+                            path,
+                            out_dir / f"server-gateway-replica-{i}.log",
+                            ready_timeout_seconds=ready_timeout_seconds,
+                        )
+                    )
+                    for i in (1, 2)
+                ]
+                drive("two gateways", replicas[0].base_url, replicas[1].base_url)
     return results, capacity, write_outputs(out_dir, results, capacity)
 
 

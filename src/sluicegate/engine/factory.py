@@ -16,7 +16,8 @@ from sluicegate.engine.sampling_defaults import SamplingDefaults, with_settings
 from sluicegate.engine.sim import SimEngine
 from sluicegate.engine.tokenizer import TextTokenizer, byte_level_tokenizer
 from sluicegate.engine.upstream.core import UpstreamCore
-from sluicegate.engine.upstream.pool import PoolCollector, UpstreamPool
+from sluicegate.engine.upstream.pool import UpstreamPool
+from sluicegate.engine.upstream.pool_metrics import PoolCollector
 from sluicegate.scheduler.pacing import PacingConfig, seat_objective_seconds
 from sluicegate.scheduler.prefill import PrefillConfig
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig

@@ -91,8 +91,9 @@ class DispatchCapacity:
             if any(r.request_id in self._holding for r in requests):
                 return False
             num_seats = self._num_seats + len(requests)
+            alone = self._num_seats == 0 and self.seat_limit > 0
             seats = num_seats <= self.seat_limit or (
-                (self._num_seats == 0 or booked) and num_seats <= self.max_num_seqs
+                (alone or booked) and num_seats <= self.max_num_seqs
             )
             if not seats or self._kv_tokens + sum(kv) > self.kv_capacity_tokens:
                 return False
@@ -119,9 +120,11 @@ class DispatchCapacity:
                 h.request for h in self._holding.values() if h.request is not None and not h.idle
             ]
 
-    def set_seat_limit(self, limit: int) -> None:
-        """Open or close seats (at most ``max_num_seqs``); held seats are never taken back."""
-        limit = max(1, min(self.max_num_seqs, limit))
+    def set_seat_limit(self, limit: int, floor: int = 1) -> None:
+        """Open or close seats (at most ``max_num_seqs``, at least ``floor``: 0 only where
+        the places are all taken by others, as other gateway replicas at an upstream); held
+        seats are never taken back."""
+        limit = max(floor, min(self.max_num_seqs, limit))
         with self._lock:
             grew = limit > self.seat_limit
             self.seat_limit = limit

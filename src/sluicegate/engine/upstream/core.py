@@ -246,8 +246,14 @@ class UpstreamCore:
             on_measured()
 
     def _pool_changed(self) -> None:
-        """A limit changed or an upstream came or went: the seats follow the places."""
-        self._capacity.set_seat_limit(max(1, self.pool.total_limit))
+        """A limit changed, an upstream came or went, or other replicas took or left
+        places: the seats follow the places, and a request waiting for one looks again."""
+        pool = self.pool
+        # None where other replicas hold every place: requests wait in this queue, not
+        # for a place inside _find_room, where admission's prediction does not see them.
+        taken = pool.share is not None and pool.num_healthy > 0
+        self._capacity.set_seat_limit(pool.total_limit, floor=0 if taken else 1)
+        self._room.set()
         if self._capacity.on_change is not None:
             self._capacity.on_change()
 
@@ -275,18 +281,13 @@ class UpstreamCore:
         calls per upstream, even when the same one comes back healthy each time."""
         rid = live.request.request_id
         while True:
-            upstream = self._choose(live)
-            if upstream is None:
-                upstream = await self._find_room(live)
-            if upstream is None:
-                raise ClientError(self._unavailable(live))
+            upstream = await self._place(live)
             # Mid-answer, moved from the upstream that failed it (counted there).
             previous = None if live.upstream == upstream.name else live.upstream
             if previous is not None and live.delivered and (failed := self.pool.by_name(previous)):
                 failed.failovers_total += 1
             live.upstream = upstream.name
             live.holding = upstream
-            self.pool.hold(upstream, rid, live.request.max_total_tokens)
             try:
                 outcome = await self.relay.call(live, upstream)
             finally:
@@ -301,6 +302,20 @@ class UpstreamCore:
                 live.preempted = False
             elif live.num_failed_calls >= MAX_FAILED_CALLS_PER_UPSTREAM * len(self.pool.upstreams):
                 raise ClientError(_gave_up(live))
+
+    async def _place(self, live: Live) -> Upstream:
+        """An upstream with a place for it, held (waiting for one if need be; raises if
+        none comes).  With other gateway replicas the place is claimed in the shared
+        count: one they took first means waiting for the next."""
+        rid = live.request.request_id
+        while True:
+            upstream = self._choose(live) or await self._find_room(live)
+            if upstream is None:
+                raise ClientError(self._unavailable(live))
+            self.pool.hold(upstream, rid, live.request.max_total_tokens)
+            if await self.pool.claim(upstream):
+                return upstream
+            self.pool.unhold(upstream, rid)
 
     def _choose(self, live: Live) -> Upstream | None:
         return self.pool.choose(

@@ -29,15 +29,15 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sluicegate.config import Settings
 from sluicegate.engine.upstream.network import bounded_transport
 from sluicegate.engine.upstream.props import llama_props
+from sluicegate.engine.upstream.share import HeldElsewhere, PoolShare
 from sluicegate.engine.upstream.signals import Latency, context_length, load_signals, split_models
 from sluicegate.upstream_settings import ContinueStyle, UpstreamConfig
 
@@ -80,6 +80,12 @@ class Upstream:
     #: How many it says it runs at once (another Sluicegate's concurrency limit): never
     #: more than that.
     reported_seats: int | None = None
+    #: Requests the other gateway replicas hold there, and how many they are
+    #: (:mod:`.share`; 0 alone).
+    held_elsewhere: int = 0
+    replicas_elsewhere: int = 0
+    #: The places this replica may fill there until the next exchange (None: alone).
+    allowance: int | None = None
     _ceiling_time: float = -math.inf
     _last_grow: float = -math.inf
     _last_cut: float = -math.inf
@@ -94,8 +100,21 @@ class Upstream:
         return self.outstanding_tokens / self.config.weight
 
     @property
+    def held(self) -> int:
+        """Requests it holds from every replica (this one's and the others')."""
+        return len(self.outstanding) + self.held_elsewhere
+
+    @property
     def has_room(self) -> bool:
-        return self.healthy and len(self.outstanding) < self.limit
+        return self.healthy and self.held < self.limit
+
+    @property
+    def places_here(self) -> int:
+        """Places this replica may fill: alone, the limit less what others hold; beside
+        live replicas, its :attr:`allowance`."""
+        if self.allowance is None:
+            return max(0, self.limit - self.held_elsewhere)
+        return self.allowance
 
     def upstream_model(self, served: str) -> str:
         """The upstream's name for a served model."""
@@ -141,7 +160,7 @@ class Upstream:
             return
         if self.reported_seats is not None and self.limit >= self.reported_seats:
             return
-        if now - self._last_cut < 5.0 or len(self.outstanding) < self.limit:
+        if now - self._last_cut < 5.0 or self.held < self.limit:
             return
         probing = self.ceiling is not None and self.limit >= self.ceiling
         if probing and now - max(self._last_cut, self._ceiling_time) < 30.0:
@@ -158,6 +177,8 @@ class Upstream:
             "limit": self.limit,
             "max_concurrent": self.config.max_concurrent,
             "outstanding_requests": len(self.outstanding),
+            "held_elsewhere": self.held_elsewhere,
+            "replicas_elsewhere": self.replicas_elsewhere,
             "outstanding_tokens": self.outstanding_tokens,
             "waiting_inside": self.waiting_inside,
             "kv_usage": self.kv_usage,
@@ -214,6 +235,12 @@ class UpstreamPool:
         #: Set once some upstream has passed a health check.
         self.any_healthy = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: The places other gateway replicas hold, through a shared Redis store.
+        self.share: PoolShare | None = None
+        interval = settings.upstream_share_interval_seconds
+        if settings.store.startswith(("redis://", "rediss://", "unix://")) and interval > 0:
+            held = HeldElsewhere(settings.store, interval)
+            self.share = PoolShare(held, self.upstreams, self._changed)
 
     # --- lifecycle ---
 
@@ -221,12 +248,16 @@ class UpstreamPool:
         """Check every upstream once (so the model list is known), then keep checking."""
         await asyncio.gather(*(self.check(u) for u in self.upstreams))
         self._task = asyncio.create_task(self._health_loop(), name="sluicegate-upstream-health")
+        if self.share is not None:
+            await self.share.start()
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.share is not None:
+            await self.share.close()
         await asyncio.gather(*(u.client.aclose() for u in self.upstreams))
 
     # --- what the pool serves ---
@@ -250,7 +281,9 @@ class UpstreamPool:
 
     @property
     def total_limit(self) -> int:
-        return sum(u.limit for u in self.upstreams if u.healthy)
+        """Places this replica may fill at the healthy upstreams (their limits, less what
+        other replicas hold and their share of the free places)."""
+        return sum(u.places_here for u in self.upstreams if u.healthy)
 
     @property
     def num_healthy(self) -> int:
@@ -286,10 +319,23 @@ class UpstreamPool:
         upstream.outstanding_tokens += tokens
         upstream.requests_total += 1
 
+    async def claim(self, upstream: Upstream) -> bool:
+        """With other replicas: take the place the last :meth:`hold` asked for there, in
+        the shared count (False: another replica took the last one first).  Alone: yes."""
+        return self.share is None or await self.share.claim(upstream)
+
+    def unhold(self, upstream: Upstream, request_id: str) -> None:
+        """Undo a :meth:`hold` whose place another replica took first."""
+        if request_id in upstream.outstanding:
+            upstream.requests_total -= 1
+        self.release(upstream, request_id)
+
     def release(self, upstream: Upstream, request_id: str) -> None:
         tokens = upstream.outstanding.pop(request_id, None)
         if tokens is not None:
             upstream.outstanding_tokens -= tokens
+            if self.share is not None:
+                self.share.let_go()
         self._changed()
 
     # --- outcomes ---
@@ -396,7 +442,7 @@ class UpstreamPool:
         # of what it holds, is not yet a line.)
         lasting = min(before, waiting)
         now = self._clock()
-        held = len(upstream.outstanding)
+        held = upstream.held  # every replica's: the line is theirs too
         if held and lasting >= max(2.0, 0.2 * held):
             runs = max(1, held - math.ceil(lasting))
             upstream.ceiling, upstream._ceiling_time = runs, now
@@ -435,59 +481,3 @@ def _auth(config: UpstreamConfig) -> dict[str, str]:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
-
-
-class PoolCollector:
-    """Each upstream's state as Prometheus metrics (label ``upstream``: the configured
-    names, a handful), read at scrape time."""
-
-    def __init__(self, pool: UpstreamPool) -> None:
-        self.pool = pool
-
-    def collect(self) -> Iterator[Metric]:
-        p = "sluicegate_upstream_"
-        gauges: dict[str, tuple[str, Callable[[Upstream], float]]] = {
-            "healthy": ("1 if it passes its health checks.", lambda u: 1.0 if u.healthy else 0.0),
-            "limit": ("Requests it may hold at once (adaptive).", lambda u: u.limit),
-            "outstanding_requests": ("Requests it holds.", lambda u: len(u.outstanding)),
-            "outstanding_tokens": (
-                "Prompt + max_tokens of the requests it holds.",
-                lambda u: u.outstanding_tokens,
-            ),
-            "waiting_inside": (
-                "Requests waiting inside it, from its own metrics.",
-                lambda u: u.waiting_inside,
-            ),
-            "ttft_seconds": (
-                "Its measured time to first token (moving average).",
-                lambda u: u.latency.ttft_seconds or 0.0,
-            ),
-            "tpot_seconds": (
-                "Its measured time per output token (moving average).",
-                lambda u: u.latency.tpot_seconds or 0.0,
-            ),
-        }
-        counters: dict[str, tuple[str, Callable[[Upstream], float]]] = {
-            "requests": ("Requests sent to it.", lambda u: u.requests_total),
-            "failures": ("Failed requests and health checks.", lambda u: u.failures_total),
-            "aborts": ("Requests let go for a paused reader.", lambda u: u.aborts_total),
-            "failovers": ("Answers moved away from it mid-stream.", lambda u: u.failovers_total),
-            "pushbacks": ("Times it answered 429 or 503.", lambda u: u.pushbacks_total),
-        }
-        upstreams = list(self.pool.upstreams)
-        for name, (doc, read) in gauges.items():
-            gauge = GaugeMetricFamily(p + name, doc, labels=["upstream"])
-            for upstream in upstreams:
-                gauge.add_metric([upstream.name], float(read(upstream)))
-            yield gauge
-        for name, (doc, read) in counters.items():
-            counter = CounterMetricFamily(p + name, doc, labels=["upstream"])
-            for upstream in upstreams:
-                counter.add_metric([upstream.name], float(read(upstream)))
-            yield counter
-        doc = "Answers cut for breaking the protocol (max_tokens, event_too_large)."
-        errors = CounterMetricFamily(p + "protocol_errors", doc, labels=["upstream", "reason"])
-        for upstream in upstreams:
-            for reason, count in sorted(upstream.protocol_errors.items()):
-                errors.add_metric([upstream.name, reason], float(count))
-        yield errors
