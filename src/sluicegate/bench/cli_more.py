@@ -113,7 +113,8 @@ def engine_peer_command(
         typer.Option(
             "--config",
             help="Our servers to measure, in order (repeat): sluicegate (defaults), "
-            "'sluicegate compiled', 'sluicegate q4'; default: all three.",
+            "'sluicegate compiled', 'sluicegate q4', 'sluicegate one budget' "
+            "(--no-stall-free-prefill); default: the first three.",
         ),
     ] = None,
     out: OutOption = Path("bench-engine-peer"),
@@ -121,14 +122,14 @@ def engine_peer_command(
     """The embedded engine through the real server against llama.cpp's llama-server on
     the same GGUF: output tokens/s at 1, 8 and 32 closed-loop streams, and the prompt
     rate (docs/engine-performance.md has how to build llama-server)."""
-    from sluicegate.bench.peer_engine import CONFIGS, engine_vs_peer, table
+    from sluicegate.bench.peer_engine import CONFIGS, DEFAULT_CONFIGS, engine_vs_peer, table
 
     unknown = [c for c in config or () if c not in CONFIGS]
     if unknown:
         fail(f"unknown --config {unknown}: choose from {list(CONFIGS)}")
     try:
         runs = engine_vs_peer(
-            out, peer_llama_server, seconds=seconds, configs=config or list(CONFIGS)
+            out, peer_llama_server, seconds=seconds, configs=config or DEFAULT_CONFIGS
         )
     except (RuntimeError, OSError, httpx.HTTPError) as exc:
         fail(str(exc))

@@ -463,3 +463,12 @@ def test_step_runs_on_another_thread(engine_f32: TorchEngine) -> None:
     worker.start()
     worker.join()
     assert result == [expected]
+
+
+def test_4_bit_weights_keep_a_calibration_of_their_own(
+    engine_bf16: TorchEngine, engine_q4: TorchEngine
+) -> None:
+    """An answer's token costs otherwise with 4-bit weights: a saved calibration of the
+    full weights must not be reused for them (nor the other way round)."""
+    assert engine_bf16.calibration_path() != engine_q4.calibration_path()
+    assert engine_bf16.calibration_path().parent == engine_q4.calibration_path().parent

@@ -252,8 +252,9 @@ class TorchEngine:
 
     def calibration_path(self) -> Path:
         """Where the start-up calibration of this engine is saved
-        (:func:`~sluicegate.engine.calibrate.warm_up`): per model file, dtype, threads,
-        torch build and CPU; the file records the shapes it measured."""
+        (:func:`~sluicegate.engine.calibrate.warm_up`): per model file, dtype, weights
+        (4-bit answers decode at other costs), threads, torch build and CPU; the file
+        records the shapes it measured."""
         entry = cache_entry(
             Path(self.model_path),
             self._cache_dir,
@@ -262,6 +263,7 @@ class TorchEngine:
             self.num_threads,
             torch.__version__,
             cpu_name(),
+            *(["q4"] if self.q4_bytes else []),
         )
         return entry.with_name(f"{entry.name}.json")
 
