@@ -259,11 +259,11 @@ def perplexity_command(
 ) -> None:
     """The embedded model's perplexity of a fixed text with full and 4-bit weights (and
     llama.cpp's on the same GGUF): what --weights q4 costs in quality."""
-    from sluicegate.bench.perplexity import engine_perplexity, llama_perplexity_of
+    from sluicegate.bench.perplexity import engine_perplexities, llama_perplexity_of
     from sluicegate.engine.torch.loader import default_model_path
 
     try:
-        runs = [engine_perplexity("full", model), engine_perplexity("q4", model)]
+        runs = engine_perplexities(model)
         if llama_perplexity:
             runs.append(llama_perplexity_of(llama_perplexity, model or default_model_path()))
     except (RuntimeError, ValueError, OSError) as exc:

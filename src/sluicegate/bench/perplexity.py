@@ -18,8 +18,12 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sluicegate.engine.torch.runner import TorchEngine
 
 #: Tokens a window holds; its second half is scored.
 CONTEXT = 256
@@ -36,45 +40,51 @@ class Perplexity:
     scored_tokens: int
 
 
-def engine_perplexity(
-    weights: str,
-    model: str | None = None,
-    context: int = CONTEXT,
-    dtype: str = "bfloat16",
-    cache_dir: str | None = None,
-) -> Perplexity:
-    """The embedded model's perplexity of :func:`text` (``weights``: ``full`` or ``q4``)."""
-    from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
+def engine_perplexities(
+    model: str | None = None, context: int = CONTEXT, cache_dir: str | None = None
+) -> list[Perplexity]:
+    """The embedded model's perplexity of :func:`text` with full weights and with 4-bit
+    ones: one bfloat16 engine with ``--weights q4`` computes both (its prompt rows take
+    the full weights, its answer rows the 4-bit ones)."""
     from sluicegate.engine.torch.runner import TorchEngine
 
-    engine = TorchEngine(model, dtype, 1, context, cache_dir=cache_dir, weights=weights)
+    engine = TorchEngine(model, "bfloat16", 1, context, cache_dir=cache_dir, weights="q4")
     try:
-        tokens = engine.tokenizer.encode(text())
-        windows = [tokens[i : i + context] for i in range(0, len(tokens) - context + 1, context)]
-        if not windows:
-            raise ValueError(f"the text has fewer than {context} tokens")
-        answer_start = 0 if weights == "q4" else None
-
-        def window_nll(window: list[int]) -> tuple[float, int]:
-            chunk = SequenceChunk(0, 0, len(window), len(window), answer_start)
-            batch, _ = build_batch([chunk])
-            with torch.inference_mode():
-                logits = engine.model(torch.tensor(window), batch)  # [C, V] float32
-            logprobs = torch.log_softmax(logits, dim=-1)
-            # As llama-perplexity: rows first .. C - 2 predict the tokens after them.
-            first = context // 2
-            targets = torch.tensor(window[first + 1 :])
-            picked = logprobs[first:-1].gather(1, targets[:, None])
-            return -float(picked.sum()), len(targets)
-
-        total, count = 0.0, 0
-        for window in windows:
-            nll, n = engine.call(window_nll, window)
-            total += nll
-            count += n
-        return Perplexity(f"sluicegate {dtype} weights={weights}", math.exp(total / count), count)
+        return [perplexity(engine, "full", context), perplexity(engine, "q4", context)]
     finally:
         engine.close()
+
+
+def perplexity(engine: TorchEngine, weights: str, context: int = CONTEXT) -> Perplexity:
+    """``engine``'s perplexity of :func:`text`, every token computed as a prompt's
+    (``weights="full"``) or as an answer's (``"q4"``: the 4-bit weights, if it has them)."""
+    from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
+
+    tokens = engine.tokenizer.encode(text())
+    windows = [tokens[i : i + context] for i in range(0, len(tokens) - context + 1, context)]
+    if not windows:
+        raise ValueError(f"the text has fewer than {context} tokens")
+    answer_start = 0 if weights == "q4" else None
+
+    def window_nll(window: list[int]) -> tuple[float, int]:
+        chunk = SequenceChunk(0, 0, len(window), len(window), answer_start)
+        batch, _ = build_batch([chunk])
+        with torch.inference_mode():
+            logits = engine.model(torch.tensor(window), batch)  # [C, V] float32
+        logprobs = torch.log_softmax(logits, dim=-1)
+        # As llama-perplexity: rows first .. C - 2 predict the tokens after them.
+        first = context // 2
+        targets = torch.tensor(window[first + 1 :])
+        picked = logprobs[first:-1].gather(1, targets[:, None])
+        return -float(picked.sum()), len(targets)
+
+    total, count = 0.0, 0
+    for window in windows:
+        nll, n = engine.call(window_nll, window)
+        total += nll
+        count += n
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return Perplexity(f"sluicegate {dtype} weights={weights}", math.exp(total / count), count)
 
 
 def llama_perplexity_of(binary: str, model: str, context: int = CONTEXT) -> Perplexity:

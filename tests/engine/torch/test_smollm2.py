@@ -472,3 +472,14 @@ def test_4_bit_weights_keep_a_calibration_of_their_own(
     full weights must not be reused for them (nor the other way round)."""
     assert engine_bf16.calibration_path() != engine_q4.calibration_path()
     assert engine_bf16.calibration_path().parent == engine_q4.calibration_path().parent
+
+
+def test_4_bit_weights_keep_the_perplexity_of_a_text(engine_q4: TorchEngine) -> None:
+    """``bench perplexity``'s measure, on the engine with 4-bit weights: its prompt rows
+    (full weights) and its answer rows (the GGUF's own 4-bit blocks) within 1%."""
+    from sluicegate.bench.perplexity import perplexity
+
+    full, q4 = perplexity(engine_q4, "full"), perplexity(engine_q4, "q4")
+    assert full.scored_tokens == q4.scored_tokens > 400
+    assert 10 < full.perplexity < 100
+    assert abs(q4.perplexity / full.perplexity - 1) < 0.01
