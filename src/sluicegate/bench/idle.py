@@ -85,11 +85,7 @@ def run(out: Path, idle_seconds: float, warm: int = 8, after: int = 4) -> IdleRu
     out.mkdir(parents=True, exist_ok=True)
     server = start_server_with_args([], out / "server.log")
     try:
-        give_up = time.monotonic() + 180.0
-        while not server.stats().get("calibration", {}).get("complete", True):
-            if time.monotonic() > give_up:
-                break
-            time.sleep(0.5)
+        server.wait_calibrated()
         return measure(server, idle_seconds, warm, after)
     finally:
         server.stop()

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import orjson
 
-from sluicegate.bench.server_process import ServerProcess, start_server_with_args
+from sluicegate.bench.server_process import start_server_with_args
 
 #: The configurations compared, by label: the server flags of each.
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -229,15 +229,6 @@ async def run_phase(base_url: str, seconds: float, load: Load) -> PhaseResult:
     return result
 
 
-def _wait_calibrated(server: ServerProcess, timeout_seconds: float = 180.0) -> None:
-    """Until the server's background warm-up is done (its steps would be measured too)."""
-    give_up = time.monotonic() + timeout_seconds
-    while time.monotonic() < give_up:
-        if server.stats().get("calibration", {}).get("complete", True):
-            return
-        time.sleep(0.5)
-
-
 def run(
     out: Path,
     *,
@@ -261,7 +252,7 @@ def run(
         slug = label.replace(" ", "-")
         server = start_server_with_args(args, out / f"server-{slug}.log")
         try:
-            _wait_calibrated(server)
+            server.wait_calibrated()
             quiet_load = Load(streams, stream_tokens, probe_interval_seconds, None, words)
             quiet = asyncio.run(run_phase(server.base_url, phase_seconds, quiet_load))
             loaded_load = replace(quiet_load, long_interval_seconds=long_interval_seconds)

@@ -246,21 +246,6 @@ def wait_compiled(base_url: str, timeout: float = 900.0) -> None:
         time.sleep(0.1 if status == "loading" else 3)
 
 
-def wait_calibrated(base_url: str, timeout: float = 180.0) -> None:
-    """Until the server's start-up calibration is complete (it finishes it while idle,
-    ~30-40 s after launch here): a first fit from three shapes timed once can be far
-    off on a shared machine, and under load from the first second it stays the fit the
-    seats are sized by for minutes (two runs of this bench started at once measured one
-    configuration's 32 streams at 68 and 196 tokens/s)."""
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{base_url}/v1/stats", timeout=30).json().get("calibration") != {
-        "complete": True
-    }:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the server's calibration did not complete while idle")
-        time.sleep(1.0)
-
-
 def engine_vs_peer(
     out: Path,
     llama_server_binary: str | None,
@@ -281,7 +266,11 @@ def engine_vs_peer(
             if compiles:
                 wait_compiled(server.base_url)
             compiled = time.monotonic() - launched
-            wait_calibrated(server.base_url)
+            # A first fit from three shapes timed once can be far off on a shared machine,
+            # and under load from the first second it sizes the seats for minutes (two
+            # runs of one configuration measured 68 and 196 tokens/s at 32 streams).
+            if not server.wait_calibrated():
+                raise RuntimeError("the server's calibration did not complete while idle")
             run = _measure(label, server.base_url, seconds, max_tokens)
             run.ready_seconds = ready
             if compiles:

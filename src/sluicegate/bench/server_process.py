@@ -61,6 +61,16 @@ class ServerProcess:
         response.raise_for_status()
         return parse_metrics(response.text)
 
+    def wait_calibrated(self, timeout_seconds: float = 180.0, poll_seconds: float = 0.5) -> bool:
+        """Until the server's start-up calibration is complete (it finishes it while idle;
+        a server without one counts as complete); False if not within the timeout."""
+        give_up = time.monotonic() + timeout_seconds
+        while time.monotonic() < give_up:
+            if self.stats().get("calibration", {}).get("complete", True):
+                return True
+            time.sleep(poll_seconds)
+        return False
+
     def log(self) -> str:
         """Everything the server has written to its log so far."""
         return self.log_path.read_text(errors="replace")

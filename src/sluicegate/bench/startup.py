@@ -147,12 +147,8 @@ def _first_token_seconds(server: ServerProcess) -> float:
 
 
 def _calibrated(server: ServerProcess, launched: float) -> float:
-    deadline = time.monotonic() + CALIBRATION_TIMEOUT_SECONDS
-    while time.monotonic() < deadline:
-        calibration = server.stats().get("calibration", {"complete": True})
-        if calibration.get("complete"):
-            return time.monotonic() - launched
-        time.sleep(0.2)
+    if server.wait_calibrated(CALIBRATION_TIMEOUT_SECONDS, poll_seconds=0.2):
+        return time.monotonic() - launched
     return -1.0
 
 

@@ -29,7 +29,12 @@ class KVCacheManager:
     """Slot and block bookkeeping.  Not thread-safe: owned by the scheduler."""
 
     def __init__(
-        self, num_slots: int, num_blocks: int, block_size: int, prefix_caching: bool = False
+        self,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = False,
+        cache_answers: bool = True,
     ) -> None:
         self.num_slots = num_slots
         self.num_blocks = num_blocks
@@ -40,7 +45,9 @@ class KVCacheManager:
         self._blocks_by_request: dict[str, int] = {}
         self._num_used_blocks = 0
         #: Slots whose content outlives their sequence (None: prefix caching off).
-        self.prefix: PrefixCache | None = PrefixCache(block_size) if prefix_caching else None
+        self.prefix: PrefixCache | None = (
+            PrefixCache(block_size, cache_answers) if prefix_caching else None
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

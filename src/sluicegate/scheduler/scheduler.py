@@ -27,7 +27,6 @@ from sluicegate.scheduler.idle import IdleSequences, is_idle
 from sluicegate.scheduler.kv_cache import KVCacheManager
 from sluicegate.scheduler.pacing import ReaderPacing
 from sluicegate.scheduler.prefill import PrefillCandidate, PrefillPlanner
-from sluicegate.scheduler.prefix_cache import PrefixCache
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.seat_limit import SeatLimitConfig, SeatLimiter
 from sluicegate.scheduler.speculation import Speculator
@@ -61,9 +60,13 @@ class Scheduler:
         #: this lends its seat.
         self._last_step_seconds = 0.0
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv = KVCacheManager(config.max_num_seqs, config.total_kv_blocks, config.kv_block_size)
-        if config.prefix_caching:
-            self.kv.prefix = PrefixCache(config.kv_block_size, config.cache_answers)
+        self.kv = KVCacheManager(
+            config.max_num_seqs,
+            config.total_kv_blocks,
+            config.kv_block_size,
+            prefix_caching=config.prefix_caching,
+            cache_answers=config.cache_answers,
+        )
         #: What the dispatcher may still hand over; kept by this scheduler alone.
         self.capacity = DispatchCapacity(
             config.max_num_seqs, config.total_kv_blocks * config.kv_block_size, config.kv_block_size

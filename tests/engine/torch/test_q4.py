@@ -112,6 +112,8 @@ def test_a_chunks_rows_from_its_answer_start_are_answer_rows() -> None:
 
 
 def tiny_model(dtype: torch.dtype) -> Transformer:
+    """A random model whose widths are multiples of the 4-bit groups (test_model.py's tiny
+    one has 48 and 80), with its cache in ``dtype``."""
     args = ModelArgs(
         dim=64,
         n_layers=2,

@@ -73,6 +73,10 @@ class AnswerRows:
         return self.answer.numel() == 0
 
 
+#: A batch without answer rows marked (no 4-bit weights): every row takes the full weights.
+NO_ANSWERS = AnswerRows.of(())
+
+
 @dataclass(slots=True)
 class AttentionBatch:
     """Where each token of a flattened batch lives, built once per step for all layers.
@@ -96,8 +100,8 @@ class AttentionBatch:
     #: keys and values go (set by ``Transformer.forward``, which knows ``L``).
     cache_rows: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     #: The rows that are answer tokens, and among the logit rows those that are.
-    answers: AnswerRows = field(default_factory=lambda: AnswerRows.of(()))
-    logit_answers: AnswerRows = field(default_factory=lambda: AnswerRows.of(()))
+    answers: AnswerRows = NO_ANSWERS
+    logit_answers: AnswerRows = NO_ANSWERS
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +119,7 @@ class SequenceChunk:
     #: token; more to verify draft tokens; 0 for a prompt chunk that samples nothing).
     num_logits: int
     #: The sequence's first answer position: the chunk's tokens from there on are its
-    #: answer's (None: all of them are a prompt's).
+    #: answer's (None: all of them are a prompt's; set only with 4-bit weights).
     answer_start: int | None = None
 
 
@@ -138,8 +142,11 @@ def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[i
         c = chunks[i]
         offset = len(positions)
         positions.extend(range(c.start, c.start + c.length))
-        first_answer = c.start + c.length if c.answer_start is None else c.answer_start
-        answer.extend(p >= first_answer for p in range(c.start, c.start + c.length))
+        if c.answer_start is not None:
+            before = max(0, min(c.length, c.answer_start - c.start))
+            answer.extend([False] * before + [True] * (c.length - before))
+        else:
+            answer.extend([False] * c.length)
         slots.extend([c.slot] * c.length)
         logits_indices.extend(range(offset + c.length - c.num_logits, offset + c.length))
         if c.length > 1:
@@ -162,7 +169,8 @@ def build_batch(chunks: Sequence[SequenceChunk]) -> tuple[AttentionBatch, list[i
         decode_max_len=max_len,
         prefills=prefills,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-        answers=AnswerRows.of(answer),
-        logit_answers=AnswerRows.of([answer[i] for i in logits_indices]),
     )
+    if any(answer):
+        batch.answers = AnswerRows.of(answer)
+        batch.logit_answers = AnswerRows.of([answer[i] for i in logits_indices])
     return batch, order

@@ -359,7 +359,7 @@ class TorchEngine:
                 s.start_position,
                 s.num_scheduled_tokens,
                 1 + len(s.draft_token_ids) if s.sample else 0,
-                s.num_prompt_tokens,
+                s.num_prompt_tokens if self.q4_bytes else None,
             )
             for s in sequences
         ]
