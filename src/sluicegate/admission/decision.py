@@ -206,14 +206,23 @@ def slo_rejection(
     *,
     held: bool = True,
     promised: int = 0,
+    delayed: int = 0,
 ) -> Rejection:
     """Admitting it now would miss its time-to-first-token objective (or, with
-    ``promised``, make clients promised a seat miss theirs).  ``held``: a seat is held for
-    it at ``retry_after_seconds`` (else the server is overloaded past what it promises)."""
+    ``promised``, make clients promised a seat miss theirs; with ``delayed``, make
+    requests whose prompts the engine prefills together with it miss theirs).  ``held``: a
+    seat is held for it at ``retry_after_seconds`` (else the server is overloaded past
+    what it promises)."""
     if promised:
         why = (
             f"the seats that free within it are promised to {promised} client(s) refused "
             f"earlier (it would start in {predicted_ttft_seconds:.2f}s and make them late)"
+        )
+    elif delayed:
+        why = (
+            f"the engine prefills the prompts it holds together: it would see its first "
+            f"token in {predicted_ttft_seconds:.2f}s and make {delayed} request(s) being "
+            "prefilled beside it miss theirs"
         )
     else:
         why = f"predicted {predicted_ttft_seconds:.2f}s"

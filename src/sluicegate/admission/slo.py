@@ -42,6 +42,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from sluicegate.admission.work import (
+    ahead_in_lane,
+    expected_output,
+    group_end,
+    prefilling,
+    step_seconds,
+)
 from sluicegate.scheduler.request import Request
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.types import Clock, PriorityClass
@@ -71,6 +78,9 @@ class Prediction:
     margin_seconds: float = 0.0
     #: Clients promised a seat that admitting it would harm (0 when it harms none).
     num_promised: int = 0
+    #: Prompts prefilled together with it that admitting it would make late (an engine
+    #: that prefills its prompts together: admission/work.py).
+    num_delayed: int = 0
 
     def misses(self, objective_seconds: float) -> bool:
         """Would admitting it now miss an objective?  (Its own is never missed when
@@ -80,7 +90,7 @@ class Prediction:
             late = self.ttft_seconds - self.alone_seconds > 0.5 * objective_seconds
         else:
             late = self.ttft_seconds > objective_seconds
-        return late or self.harms_promised
+        return late or self.harms_promised or self.num_delayed > 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,9 +187,10 @@ class TTFTPredictor:
     def service_seconds(self, request: Request) -> float:
         """A queued request's time in a seat: its prefill, then its expected output."""
         estimate = self._estimate()
-        tokens = _expected_output(request, estimate, produced=0)
+        tokens = expected_output(request, estimate, produced=0)
         return (
-            estimate.prefill_seconds(request.num_prompt_tokens) + tokens * _step(request, estimate)
+            estimate.prefill_seconds(request.num_prompt_tokens)
+            + tokens * step_seconds(request, estimate)
         ) * self.correction
 
     def remaining_seconds(self, request: Request) -> float:
@@ -190,8 +201,8 @@ class TTFTPredictor:
         if left > 0:
             seconds += estimate.prefill_seconds(left)
         produced = request.num_output_tokens
-        tokens = _expected_output(request, estimate, produced) - produced
-        seconds += max(1.0, tokens) * _step(request, estimate)
+        tokens = expected_output(request, estimate, produced) - produced
+        seconds += max(1.0, tokens) * step_seconds(request, estimate)
         return seconds * self.correction
 
     def mean_service_seconds(self) -> float:
@@ -216,20 +227,28 @@ class TTFTPredictor:
         now = self._clock()
         self._expire(now)
         own = self._own_promise(fingerprint, now)
-        seats = self._seats(holders, queued_ahead, num_free_seats)
+        seats, starts = self._seats(holders, queued_ahead, num_free_seats)
         wait = seats[0]
         # Beside the streams decoding in their seats (none free: beside a full batch).
         decoding: int | None = None
         if num_free_seats > 0:
             decoding = sum(1 for r in holders if r.num_computed_tokens >= r.num_prompt_tokens)
         prefill = self.prefill_seconds(prompt_tokens, decoding)
-        # Prompts admitted just before it are still being prefilled: the engine shares its
-        # token budget between them first-come first-served in their lane (a short prompt
-        # goes ahead of long ones), so a burst of arrivals that all find a free seat
-        # still wait for each other's prefill.
-        backlog = sum(_ahead_in_lane(r, prompt_tokens, self._estimate()) for r in holders)
+        estimate = self._estimate()
         ttft = wait + prefill
-        if backlog:
+        delayed = 0
+        if estimate.shared_prefill:
+            # Prefilled together with the prompts beside it (admission/work.py).
+            members = prefilling(holders, queued_ahead, starts, now, objective_seconds)
+            end, delayed = group_end(
+                members, wait, prompt_tokens, lambda n: self.prefill_seconds(n, decoding)
+            )
+            ttft = max(ttft, end)
+        elif backlog := sum(ahead_in_lane(r, prompt_tokens, estimate) for r in holders):
+            # Prompts admitted just before it are still being prefilled: the engine shares
+            # its token budget between them first-come first-served in their lane (a short
+            # prompt goes ahead of long ones), so a burst of arrivals that all find a free
+            # seat still wait for each other's prefill.
             ttft = max(ttft, self.prefill_seconds(backlog + prompt_tokens, decoding))
         margin = self.margin
         ttft += margin
@@ -273,22 +292,14 @@ class TTFTPredictor:
             claims_promise=claims,
             margin_seconds=margin,
             num_promised=len(promises) if harms else 0,
+            num_delayed=0 if idle or claims else delayed,
         )
 
     def waits(
         self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
     ) -> list[float]:
         """The predicted wait of each queued request, in order."""
-        seats = [*(self.remaining_seconds(r) for r in holders), *([0.0] * num_free_seats)]
-        if not seats:
-            seats = [0.0]
-        heapq.heapify(seats)
-        out = []
-        for request in queued:
-            start = heapq.heappop(seats)
-            out.append(start)
-            heapq.heappush(seats, start + self.service_seconds(request))
-        return out
+        return self._seats(holders, queued, num_free_seats)[1]
 
     # --- answering ---
 
@@ -320,7 +331,7 @@ class TTFTPredictor:
         if fingerprint is not None:  # refused again: its new promise replaces the old
             self._promises = [p for p in self._promises if p[2] != fingerprint]
             heapq.heapify(self._promises)
-        seats = self._seats(holders, queued_ahead, num_free_seats)
+        seats = self._seats(holders, queued_ahead, num_free_seats)[0]
         for promised in self._held(p[0] for p in self._promises if p[0] > now):
             begins = max(heapq.heappop(seats), promised - now)
             heapq.heappush(seats, begins + self.mean_service_seconds())
@@ -402,23 +413,26 @@ class TTFTPredictor:
 
     def _seats(
         self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
-    ) -> list[float]:
-        """When each seat is next free (a min-heap), after the queued requests take theirs."""
+    ) -> tuple[list[float], list[float]]:
+        """When each seat is next free (a min-heap) after the queued requests take theirs,
+        and when each of those starts."""
         seats = [*(self.remaining_seconds(r) for r in holders), *([0.0] * num_free_seats)]
         if not seats:
             seats = [0.0]
         heapq.heapify(seats)
+        starts = []
         for request in queued:
             start = heapq.heappop(seats)
+            starts.append(start)
             heapq.heappush(seats, start + self.service_seconds(request))
-        return seats
+        return seats, starts
 
     def _own_output_seconds(self, request: Request | None = None) -> float:
         estimate = self._estimate()
         tokens = (
             estimate.mean_output_tokens
             if request is None
-            else _expected_output(request, estimate, produced=0)
+            else expected_output(request, estimate, produced=0)
         )
         return tokens * estimate.step_seconds * self.correction
 
@@ -442,31 +456,6 @@ def auto_ttft_seconds(estimate: ServiceEstimate) -> float:
     idle = replace(estimate, seat_limit=1)  # nothing else decoding beside the prompt
     seconds = AUTO_TTFT_MULTIPLE * idle.prefill_seconds(AUTO_TTFT_PROMPT_TOKENS)
     return max(AUTO_TTFT_FLOOR_SECONDS, math.ceil(seconds * 100.0) / 100.0)
-
-
-def _ahead_in_lane(holder: Request, prompt_tokens: int, estimate: ServiceEstimate) -> int:
-    """The prompt tokens a holder still has to prefill ahead of a new prompt of
-    ``prompt_tokens``: all of them, unless the new one is short and the holder's long."""
-    left = max(0, holder.num_prompt_tokens - holder.num_computed_tokens)
-    threshold = estimate.long_prompt_tokens
-    if threshold is not None and prompt_tokens <= threshold < left:
-        return 0
-    return left
-
-
-def _expected_output(request: Request, estimate: ServiceEstimate, produced: int) -> float:
-    """Output tokens it will have in all: ``max_tokens`` when it ignores end-of-sequence,
-    else the typical answer's length (or a little more than it has, if it is past that)."""
-    limit = request.sampling.max_tokens
-    if request.sampling.ignore_eos:
-        return limit
-    typical = estimate.mean_output_tokens
-    return min(limit, max(typical, produced + 0.25 * typical))
-
-
-def _step(request: Request, estimate: ServiceEstimate) -> float:
-    """Seconds per output token: the engine's step, or the request's own pace if slower."""
-    return max(estimate.step_seconds, request.pace.min_token_interval_seconds)
 
 
 @dataclass(slots=True)

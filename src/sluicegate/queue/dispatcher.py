@@ -193,12 +193,13 @@ class Dispatcher:
             refusal = predictor.refuse(holders, ahead, free, objective, prompt, fingerprint)
             return slo_rejection(
                 max(prediction.ttft_seconds, refusal.ttft_behind_seconds)
-                if not prediction.num_promised
+                if not (prediction.num_promised or prediction.num_delayed)
                 else prediction.ttft_seconds,
                 objective,
                 refusal.retry_after_seconds,
                 held=refusal.held,
                 promised=prediction.num_promised,
+                delayed=prediction.num_delayed,
             )
         # A booked request starts at once: its predicted wait says nothing of the queue's.
         ticket.predicted_wait_seconds = None if ticket.booked else prediction.wait_seconds

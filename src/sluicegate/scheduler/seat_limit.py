@@ -98,6 +98,9 @@ class ServiceEstimate:
     #: Prompts with more tokens than this to prefill are long (prefilled after short
     #: ones); None: one lane.
     long_prompt_tokens: int | None = None
+    #: The engine prefills the prompts it holds together, in an order of its own (an
+    #: upstream engine): a prompt admitted later can delay an earlier one's first token.
+    shared_prefill: bool = False
 
     def prefill_seconds(self, num_prompt_tokens: int, num_decoding: int | None = None) -> float:
         """Until a new request's first token: its prompt in chunks beside ``num_decoding``

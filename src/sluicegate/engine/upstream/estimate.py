@@ -56,6 +56,7 @@ def pool_estimate(
         cost=(0.0,) * 6,
         ttft_base_seconds=base,
         ttft_per_token_seconds=slope,
+        shared_prefill=True,
     )
 
 
