@@ -113,3 +113,22 @@ def test_queued_prompts_that_start_with_a_newcomer_count_in_its_first_token() ->
     assert alone.wait_seconds == together.wait_seconds == pytest.approx(0.5)
     assert alone.ttft_seconds == pytest.approx(0.5 + 0.3)
     assert together.ttft_seconds == pytest.approx(0.5 + prefill(200))
+
+
+def test_streams_wait_while_the_engine_prefills_the_prompts_it_holds() -> None:
+    """llama.cpp's server decodes nothing while it prefills: a seat held by a stream with
+    10 tokens to go (0.5 s) frees only after the 100-token prompt beside it (0.3 s)."""
+    clock = FakeClock()
+    decoding = holder(100, clock, computed=True)
+    decoding.all_token_ids.extend([7] * 10)
+    prefilling = holder(100, clock, computed=False)
+    p = TTFTPredictor(lambda: UPSTREAM, clock)
+    fifo = TTFTPredictor(lambda: replace(UPSTREAM, shared_prefill=False), clock)
+    assert fifo.waits([decoding, prefilling], [holder(10, clock, computed=False)], 0) == (
+        [pytest.approx(0.5)]
+    )
+    assert p.waits([decoding, prefilling], [holder(10, clock, computed=False)], 0) == (
+        [pytest.approx(0.8)]
+    )
+    # The one prefilling frees its seat after the prompts and its 20 tokens.
+    assert p.remaining_seconds(prefilling, stall=0.3) == pytest.approx(0.3 + 1.0)

@@ -47,6 +47,7 @@ from sluicegate.admission.work import (
     expected_output,
     group_end,
     prefilling,
+    prompt_left,
     step_seconds,
 )
 from sluicegate.scheduler.request import Request
@@ -193,12 +194,15 @@ class TTFTPredictor:
             + tokens * step_seconds(request, estimate)
         ) * self.correction
 
-    def remaining_seconds(self, request: Request) -> float:
-        """Until a seat holder lets go: what is left of its prefill and expected output."""
+    def remaining_seconds(self, request: Request, stall: float = 0.0) -> float:
+        """Until a seat holder lets go: what is left of its prefill and expected output.
+        ``stall``: the seconds for which the engine prefills the prompts it holds before
+        any of its streams moves on (an engine that prefills them together), its own
+        prompt's included."""
         estimate = self._estimate()
-        seconds = 0.0
-        left = request.num_prompt_tokens - request.num_computed_tokens
-        if left > 0:
+        seconds = stall
+        left = prompt_left(request)
+        if left > 0 and not stall:
             seconds += estimate.prefill_seconds(left)
         produced = request.num_output_tokens
         tokens = expected_output(request, estimate, produced) - produced
@@ -416,7 +420,12 @@ class TTFTPredictor:
     ) -> tuple[list[float], list[float]]:
         """When each seat is next free (a min-heap) after the queued requests take theirs,
         and when each of those starts."""
-        seats = [*(self.remaining_seconds(r) for r in holders), *([0.0] * num_free_seats)]
+        # An engine that prefills the prompts it holds together stalls its streams until
+        # they are all prefilled (llama.cpp's server decodes nothing while it does).
+        left = sum(prompt_left(r) for r in holders) if self._estimate().shared_prefill else 0
+        stall = self._estimate().prefill_seconds(left) if left else 0.0
+        seats = [self.remaining_seconds(r, stall) for r in holders]
+        seats += [0.0] * num_free_seats
         if not seats:
             seats = [0.0]
         heapq.heapify(seats)
