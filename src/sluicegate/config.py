@@ -117,6 +117,12 @@ class Settings(TorchSettings, FlowSettings, PrefillSettings, BaseSettings):
         "each holds at each upstream, so that together they hold no more than its limit "
         "(docs/upstream.md); 0: each counts alone.",
     )
+    upstream_prefill: Literal["together", "in_order"] = Field(
+        "together",
+        description="How upstreams are taken to prefill the prompts they hold: together "
+        "(llama.cpp's server, TGI: a prompt sent later can delay an earlier one's first "
+        "token) or in_order (first-come first-served, as vLLM and SGLang schedule).",
+    )
     upstream_connect_timeout_seconds: float = Field(
         2.0, gt=0.0, description="Connecting to an upstream takes at most this long."
     )

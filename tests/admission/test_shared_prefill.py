@@ -10,7 +10,11 @@ import pytest
 
 from sluicegate.admission.slo import TTFTPredictor
 from sluicegate.admission.work import Prefilling, group_end
+from sluicegate.config import Settings
+from sluicegate.engine.tokenizer import byte_level_tokenizer
+from sluicegate.engine.upstream.core import UpstreamCore
 from sluicegate.engine.upstream.estimate import UpstreamEstimate
+from sluicegate.engine.upstream.pool import UpstreamPool
 from sluicegate.scheduler.request import Request, SamplingParams
 from tests.fake_clock import FakeClock
 
@@ -34,7 +38,7 @@ def prefill(tokens: int) -> float:
 
 def test_a_newcomer_finishes_with_the_prompts_it_is_prefilled_beside() -> None:
     # Alone: its own prompt.
-    assert group_end([], 0.0, 100, prefill) == (pytest.approx(0.3), 0)
+    assert group_end([], 0.0, 100, prefill) == pytest.approx((0.3, 0))
     # Beside a 100-token prompt already there, due in 0.6 s: both done at 0.5 s, in time.
     there = Prefilling(start=0.0, tokens=100, due=0.6)
     end, late = group_end([there], 0.0, 100, prefill)
@@ -45,10 +49,7 @@ def test_a_newcomer_finishes_with_the_prompts_it_is_prefilled_beside() -> None:
     # One already late without it is not counted against the newcomer.
     assert group_end([Prefilling(0.0, 100, 0.2)], 0.0, 100, prefill)[1] == 0
     # A prompt whose prefill is over by the time the newcomer arrives is not in its group.
-    assert group_end([Prefilling(0.0, 100, 0.4)], 0.35, 100, prefill) == (
-        pytest.approx(0.65),
-        0,
-    )
+    assert group_end([Prefilling(0.0, 100, 0.4)], 0.35, 100, prefill) == pytest.approx((0.65, 0))
     # Two queued prompts reaching the engine when it does are prefilled with it.
     queued = [Prefilling(1.0, 100, 5.0), Prefilling(1.0, 50, 5.0)]
     assert group_end(queued, 1.0, 100, prefill)[0] == pytest.approx(1.0 + prefill(250))
@@ -132,3 +133,15 @@ def test_streams_wait_while_the_engine_prefills_the_prompts_it_holds() -> None:
     )
     # The one prefilling frees its seat after the prompts and its 20 tokens.
     assert p.remaining_seconds(prefilling, stall=0.3) == pytest.approx(0.3 + 1.0)
+
+
+def test_the_gateway_takes_its_upstreams_to_prefill_together_unless_told_otherwise() -> None:
+    for prefill_setting, shared in (("together", True), ("in_order", False)):
+        settings = Settings(
+            engine="upstream", upstream=["http://upstream.test"], upstream_prefill=prefill_setting
+        )
+        core = UpstreamCore(
+            UpstreamPool(settings), byte_level_tokenizer(), settings, max_model_len=1024
+        )
+        assert core.estimate().shared_prefill is shared
+    assert Settings(engine="upstream", upstream=["http://u.test"]).upstream_prefill == "together"

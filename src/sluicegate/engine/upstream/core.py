@@ -159,7 +159,11 @@ class UpstreamCore:
         """What admission predicts with: the pool's places and measured latencies."""
         relay = self.relay
         return pool_estimate(
-            self.pool, self._capacity.seat_limit, relay.mean_prompt, relay.mean_output
+            self.pool,
+            self._capacity.seat_limit,
+            relay.mean_prompt,
+            relay.mean_output,
+            shared_prefill=self.settings.upstream_prefill == "together",
         )
 
     def add_request(

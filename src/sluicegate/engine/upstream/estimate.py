@@ -36,9 +36,15 @@ class UpstreamEstimate(ServiceEstimate):
 
 
 def pool_estimate(
-    pool: UpstreamPool, seat_limit: int, mean_prompt: float, mean_output: float
+    pool: UpstreamPool,
+    seat_limit: int,
+    mean_prompt: float,
+    mean_output: float,
+    *,
+    shared_prefill: bool = True,
 ) -> ServiceEstimate:
-    """The pool's places and measured latencies (priors before any answer)."""
+    """The pool's places and measured latencies (priors before any answer);
+    ``shared_prefill``: its engines prefill the prompts they hold together."""
     healthy = [u for u in pool.upstreams if u.healthy] or pool.upstreams
     known = [f for u in healthy if (f := u.latency.fit()) is not None]
     base, slope = (
@@ -56,7 +62,7 @@ def pool_estimate(
         cost=(0.0,) * 6,
         ttft_base_seconds=base,
         ttft_per_token_seconds=slope,
-        shared_prefill=True,
+        shared_prefill=shared_prefill,
     )
 
 
