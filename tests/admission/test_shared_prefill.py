@@ -15,6 +15,7 @@ from sluicegate.engine.tokenizer import byte_level_tokenizer
 from sluicegate.engine.upstream.core import UpstreamCore
 from sluicegate.engine.upstream.estimate import UpstreamEstimate
 from sluicegate.engine.upstream.pool import UpstreamPool
+from sluicegate.engine.upstream.signals import PrefillLedger
 from sluicegate.scheduler.request import Request, SamplingParams
 from tests.fake_clock import FakeClock
 
@@ -145,3 +146,18 @@ def test_the_gateway_takes_its_upstreams_to_prefill_together_unless_told_otherwi
         )
         assert core.estimate().shared_prefill is shared
     assert Settings(engine="upstream", upstream=["http://u.test"]).upstream_prefill == "together"
+
+
+def test_a_first_token_is_measured_against_the_prompts_prefilled_with_it() -> None:
+    ledger = PrefillLedger()
+    first = ledger.begin(100)
+    second = ledger.begin(50)  # sent while the first is prefilled
+    first.done()
+    first.done()  # a second end (the call's own) changes nothing
+    assert first.group == (100, 50)  # alone when sent; 50 tokens sent after it meanwhile
+    third = ledger.begin(30)
+    second.done()
+    assert second.group == (150, 30)
+    third.done()
+    assert third.group == (80, 0) and ledger.tokens == 0
+    assert ledger.begin(10).group is None  # not done yet

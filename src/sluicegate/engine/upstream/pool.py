@@ -38,7 +38,13 @@ from sluicegate.config import Settings
 from sluicegate.engine.upstream.network import bounded_transport
 from sluicegate.engine.upstream.props import llama_props
 from sluicegate.engine.upstream.share import HeldElsewhere, PoolShare
-from sluicegate.engine.upstream.signals import Latency, context_length, load_signals, split_models
+from sluicegate.engine.upstream.signals import (
+    Latency,
+    PrefillLedger,
+    context_length,
+    load_signals,
+    split_models,
+)
 from sluicegate.upstream_settings import ContinueStyle, UpstreamConfig
 
 logger = logging.getLogger(__name__)
@@ -65,6 +71,7 @@ class Upstream:
     waiting_inside: float = 0.0
     kv_usage: float | None = None
     latency: Latency = field(default_factory=Latency)
+    prefill: PrefillLedger = field(default_factory=PrefillLedger)
     requests_total: int = 0
     failures_total: int = 0
     aborts_total: int = 0

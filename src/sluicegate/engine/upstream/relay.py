@@ -25,6 +25,7 @@ from sluicegate.engine.tokenizer import ChatTemplateError, TextTokenizer
 from sluicegate.engine.upstream.choices import Diverged, Piece
 from sluicegate.engine.upstream.live import ClientError, Live, Outcome
 from sluicegate.engine.upstream.pool import Upstream, UpstreamPool
+from sluicegate.engine.upstream.signals import Prefill
 from sluicegate.engine.upstream.wire import (
     ChoiceDelta,
     EventTooLarge,
@@ -105,6 +106,7 @@ class Relay:
             settings.upstream_first_token_timeout_seconds,
             connect=settings.upstream_connect_timeout_seconds,
         )
+        prefill = upstream.prefill.begin(request.num_prompt_tokens)
         try:
             async with upstream.client.stream(
                 "POST", path, json=body, timeout=until_headers
@@ -114,15 +116,22 @@ class Relay:
                         return Outcome.RETRY  # at once, as a completion, on the same one
                     return await self._refused(live, upstream, response)
                 budget = call.max_tokens if restart else tokens_left
-                return await self._relay(live, upstream, response, budget)
+                return await self._relay(live, upstream, response, budget, prefill)
         except httpx.HTTPError as exc:
             return self._failed(live, upstream, repr(exc))
         except EventTooLarge as exc:
             _protocol_error(upstream, "event_too_large")
             return self._failed(live, upstream, f"it sent {exc}")
+        finally:
+            prefill.done()
 
     async def _relay(
-        self, live: Live, upstream: Upstream, response: httpx.Response, budget: int
+        self,
+        live: Live,
+        upstream: Upstream,
+        response: httpx.Response,
+        budget: int,
+        prefill: Prefill,
     ) -> Outcome:
         """Read the answer's events into the request's stream, no more than ``budget``
         tokens a choice: an upstream that goes on past it (it ignores ``max_tokens``) is
@@ -187,7 +196,9 @@ class Relay:
                 if choice.progress:
                     heard = now = time.monotonic()
                     if choice.has_content:
-                        first_time = first_time or now
+                        if first_time is None:
+                            first_time = now
+                            prefill.done()
                         last_time = now
                 num_tokens = self._deliver(live, _absorb(live, choice))
                 tokens += num_tokens
@@ -209,9 +220,12 @@ class Relay:
             self._deliver(live, piece)
         self.mean_prompt += 0.05 * (request.num_prompt_tokens - self.mean_prompt)
         self.mean_output += 0.05 * (max(1, request.num_output_tokens) - self.mean_output)
+        # Its TTFT from its sending, against the prompts prefilled with it: those it found
+        # there, and those sent after it (an upstream that prefills together) or not.
+        ahead, later = prefill.group or (prefill.prompt_tokens, 0)
         upstream.latency.observe(
-            request.num_prompt_tokens,
-            None if first_time is None or live.preempted else first_time - started,
+            ahead + (later if self.settings.upstream_prefill == "together" else 0),
+            None if first_time is None or live.preempted else first_time - prefill.sent_at,
             (last_time - first_time) / (tokens - 1) if first_time and tokens > 1 else None,
         )
         self.pool.succeeded(upstream)

@@ -4,6 +4,7 @@ its load (read from its own Prometheus metrics) and its models' contexts (its
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,6 +60,52 @@ class Latency:
             return self.ttft_seconds, 0.0
         slope = max(0.0, (self._sxy / self._n - mean_x * mean_y) / var)
         return max(0.0, mean_y - slope * mean_x), slope
+
+
+class PrefillLedger:
+    """The prompts an upstream is prefilling (sent, no first token yet), so that each
+    answer's time to first token is measured against the prompt tokens prefilled with
+    it, as admission predicts it (``admission/work.py``), not against its own alone."""
+
+    __slots__ = ("sent", "tokens")
+
+    def __init__(self) -> None:
+        #: Prompt tokens of the requests it is prefilling now, and sent to it in all.
+        self.tokens = 0
+        self.sent = 0
+
+    def begin(self, prompt_tokens: int) -> Prefill:
+        prefill = Prefill(self, prompt_tokens, self.tokens, self.sent, time.monotonic())
+        self.tokens += prompt_tokens
+        self.sent += prompt_tokens
+        return prefill
+
+
+class Prefill:
+    """One request's prompt at an upstream, from its sending to its first token."""
+
+    __slots__ = ("_ahead", "_before", "_ledger", "group", "prompt_tokens", "sent_at")
+
+    def __init__(
+        self, ledger: PrefillLedger, prompt_tokens: int, ahead: int, before: int, now: float
+    ) -> None:
+        self._ledger = ledger
+        self.prompt_tokens = prompt_tokens
+        self._ahead = ahead
+        self._before = before
+        self.sent_at = now
+        #: Set by :meth:`done`: the prompt tokens prefilled with it, its own included.
+        self.group: tuple[int, int] | None = None
+
+    def done(self) -> None:
+        """Its first token came, or it ended without one (only the first call counts):
+        ``group`` is (its own and those it found being prefilled, and those sent after it
+        meanwhile)."""
+        if self.group is not None:
+            return
+        self._ledger.tokens -= self.prompt_tokens
+        later = self._ledger.sent - self._before - self.prompt_tokens
+        self.group = (self.prompt_tokens + self._ahead, later)
 
 
 def load_signals(text: str) -> tuple[float | None, float | None, float | None]:
