@@ -7,13 +7,16 @@ from dataclasses import replace
 
 import pytest
 
-from sluicegate.admission.slo import (
+from sluicegate.admission.objectives import (
     AUTO_TTFT_FLOOR_SECONDS,
     Objectives,
+    auto_ttft_seconds,
+)
+from sluicegate.admission.slo import (
+    QUIET_AFTER_REFUSAL_SECONDS,
     Prediction,
     SLOAdmission,
     TTFTPredictor,
-    auto_ttft_seconds,
 )
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.seat_limit import ServiceEstimate
@@ -306,3 +309,27 @@ def test_an_idle_engine_admits_a_newcomer_whatever_is_promised() -> None:
     assert not p.predict([], [], 1, 10, 0.4, client(2)).harms_promised
     assert not p.predict([request(max_tokens=400)], [], 1, 10, 0.4, client(2)).harms_promised
     assert p.predict(busy(), [], 1, 10, 0.4, client(2)).harms_promised
+
+
+def test_a_prompt_that_only_the_streams_beside_it_make_late_is_refused() -> None:
+    """Served "as fast as it can be" means with nothing beside it: a 64-token prompt that
+    alone takes 0.12 s but beside three decoding streams 0.49 s (two chunks, each in a
+    step of theirs) misses a 0.3 s objective, where it used to pass as a long prompt.  A
+    prompt too long for the objective even alone still passes, and an idle engine (one
+    stream) still takes a second client."""
+    engine = ServiceEstimate(4, 0.05, 0, 20, 64, (0.01, 0.05, 0.001, 0.0, 0.0, 0.0))
+    clock = FakeClock()
+    p = TTFTPredictor(lambda: engine, clock)
+    streams = [request(produced=5) for _ in range(3)]
+    short = p.predict(streams, [], 1, prompt_tokens=64, objective_seconds=0.3)
+    assert short.wait_seconds == 0.0 and short.ttft_seconds == pytest.approx(0.49)
+    assert short.alone_seconds == pytest.approx(0.124) and short.misses(0.3)
+    long = p.predict(streams, [], 1, prompt_tokens=400, objective_seconds=0.3)
+    assert long.alone_seconds == long.ttft_seconds and not long.misses(0.3)
+    second = p.predict(streams[:1], [], 3, prompt_tokens=64, objective_seconds=0.25)
+    assert second.ttft_seconds > 0.25 and not second.misses(0.25)
+    # Unless it refused someone lately: then one request held is load, not idleness.
+    p.refuse(streams, [], 0, 0.25, 64)
+    assert p.predict(streams[:1], [], 3, prompt_tokens=64, objective_seconds=0.25).misses(0.25)
+    clock.advance(QUIET_AFTER_REFUSAL_SECONDS + 0.1)
+    assert not p.predict(streams[:1], [], 3, 64, objective_seconds=0.25).misses(0.25)

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from sluicegate.admission.controller import AdmissionController, Admitted
+from sluicegate.admission.objectives import Objectives
 from sluicegate.admission.request_objective import RequestObjective
 from sluicegate.admission.retry_after import ServiceRateEstimator
-from sluicegate.admission.slo import Objectives, SLOAdmission, TTFTPredictor
+from sluicegate.admission.slo import SLOAdmission, TTFTPredictor
 from sluicegate.admission.tenants import Tenant, TenantRegistry
 from sluicegate.errors import APIError
 from sluicegate.metrics.registry import Metrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, cast
 
-from sluicegate.admission.slo import Objectives
+from sluicegate.admission.objectives import Objectives
 from sluicegate.engine.output import RequestStream
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.service.generation import Generation

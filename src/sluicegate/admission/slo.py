@@ -40,8 +40,9 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from sluicegate.admission.objectives import Objectives
 from sluicegate.admission.work import (
     ahead_in_lane,
     expected_output,
@@ -53,14 +54,6 @@ from sluicegate.admission.work import (
 from sluicegate.scheduler.request import Request
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.types import Clock, PriorityClass
-
-
-@dataclass(slots=True, frozen=True)
-class Objectives:
-    """One class's latency objectives."""
-
-    ttft_seconds: float
-    tpot_seconds: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,6 +114,11 @@ LATE_TOLERANCE = 1.5
 #: promised (two clients at once on an idle server are never refused).
 IDLE_BELOW = 2
 
+#: An engine that refused anyone this recently is under load: a second client is not let
+#: through as if it were idle (its prompt beside the streams decoding must meet its
+#: objective).
+QUIET_AFTER_REFUSAL_SECONDS = 10.0
+
 #: A returning client may come back this much before its time and still claim its seat.
 EARLY_SECONDS = 0.25
 
@@ -161,6 +159,7 @@ class TTFTPredictor:
         self.num_lapsed = 0
         #: Measured minus predicted TTFT of recent admitted requests (before the margin).
         self._ttft_errors: deque[float] = deque(maxlen=_TTFT_ERROR_WINDOW)
+        self._last_refusal = -math.inf
 
     # --- the engine's work, in seconds ---
 
@@ -292,7 +291,13 @@ class TTFTPredictor:
             wait,
             ttft,
             harms,
-            alone_seconds=prefill + margin,
+            alone_seconds=self._alone(
+                prompt_tokens,
+                prefill,
+                idle and now - self._last_refusal > QUIET_AFTER_REFUSAL_SECONDS,
+                objective_seconds,
+            )
+            + margin,
             claims_promise=claims,
             margin_seconds=margin,
             num_promised=len(promises) if harms else 0,
@@ -332,6 +337,7 @@ class TTFTPredictor:
         objective (or the longest wait, with no seat held, when that is too far)."""
         now = self._clock()
         self._expire(now)
+        self._last_refusal = now
         if fingerprint is not None:  # refused again: its new promise replaces the old
             self._promises = [p for p in self._promises if p[2] != fingerprint]
             heapq.heapify(self._promises)
@@ -436,6 +442,17 @@ class TTFTPredictor:
             heapq.heappush(seats, start + self.service_seconds(request))
         return seats, starts
 
+    def _alone(self, prompt_tokens: int, prefill: float, idle: bool, objective: float) -> float:
+        """Its prompt served as fast as it can be: beside the streams decoding now on an
+        idle engine (fewer than two requests held, none queued, nobody refused lately) or
+        when even nothing else running would not prefill it within the
+        objective (a long prompt), else with nothing beside it: a prompt that only the
+        streams beside it make late is refused, not let through as a long one."""
+        if idle:
+            return prefill
+        own = self.prefill_seconds(prompt_tokens, 0) + self.margin
+        return prefill if own >= objective else own - self.margin
+
     def _own_output_seconds(self, request: Request | None = None) -> float:
         estimate = self._estimate()
         tokens = (
@@ -449,22 +466,6 @@ class TTFTPredictor:
         while self._promises and self._promises[0][0] < now - self.promise_grace_seconds:
             heapq.heappop(self._promises)
             self._returned(False)
-
-
-#: The automatic interactive TTFT objective (``ttft_slo_ms: auto``): this multiple of the
-#: time to first token of a prompt of this many tokens on the idle engine, as the warm-up
-#: calibrated it; never below the floor.  Twice an unloaded answer's wait is what a user
-#: notices as "slower than usual"; a stricter or looser objective is a setting.
-AUTO_TTFT_PROMPT_TOKENS = 256
-AUTO_TTFT_MULTIPLE = 2.0
-AUTO_TTFT_FLOOR_SECONDS = 0.25
-
-
-def auto_ttft_seconds(estimate: ServiceEstimate) -> float:
-    """The automatic TTFT objective for the engine ``estimate`` describes (10 ms steps)."""
-    idle = replace(estimate, seat_limit=1)  # nothing else decoding beside the prompt
-    seconds = AUTO_TTFT_MULTIPLE * idle.prefill_seconds(AUTO_TTFT_PROMPT_TOKENS)
-    return max(AUTO_TTFT_FLOOR_SECONDS, math.ceil(seconds * 100.0) / 100.0)
 
 
 @dataclass(slots=True)

@@ -10,13 +10,15 @@ from dataclasses import dataclass, replace
 from sluicegate.admission.breaker import BreakerConfig, CircuitBreaker, Threshold
 from sluicegate.admission.controller import AdmissionConfig, AdmissionController
 from sluicegate.admission.limits import BucketFactory
-from sluicegate.admission.retry_after import ServiceRateEstimator
-from sluicegate.admission.slo import (
+from sluicegate.admission.objectives import (
     AUTO_TTFT_FLOOR_SECONDS,
     Objectives,
+    auto_ttft_seconds,
+)
+from sluicegate.admission.retry_after import ServiceRateEstimator
+from sluicegate.admission.slo import (
     SLOAdmission,
     TTFTPredictor,
-    auto_ttft_seconds,
 )
 from sluicegate.admission.tenants import Tenant, TenantRegistry
 from sluicegate.config import Settings
