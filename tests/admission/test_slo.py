@@ -333,3 +333,24 @@ def test_a_prompt_that_only_the_streams_beside_it_make_late_is_refused() -> None
     assert p.predict(streams[:1], [], 3, prompt_tokens=64, objective_seconds=0.25).misses(0.25)
     clock.advance(QUIET_AFTER_REFUSAL_SECONDS + 0.1)
     assert not p.predict(streams[:1], [], 3, 64, objective_seconds=0.25).misses(0.25)
+
+
+def test_a_lone_promise_holds_no_seat_once_most_refused_clients_never_return() -> None:
+    """Clients that never retry: once fewer than half of the promises are claimed, a lone
+    promise does not keep its seat from a newcomer (whose refusal would make another)."""
+    p, clock = predictor(return_prior=0.8)
+    holders = [request(produced=19)]  # one seat, free in 50 ms
+    queued = [request() for _ in range(3)]  # then busy for 3 s
+    objective = 0.4
+    first = p.refuse(holders, queued, 0, objective, 10, client(0))
+    clock.advance(first.retry_after_seconds - 0.1)
+    # 80% of clients are taken to come back: the seat is held from a newcomer.
+    assert p.predict(busy(), [], 1, 10, objective, client(99)).harms_promised
+    clock.advance(30.0)  # it never came back
+    for i in range(1, 3):  # nor did two more
+        p.refuse(holders, queued, 0, objective, 10, client(i))
+        clock.advance(30.0)
+    assert p.snapshot()["promises_lapsed"] == 3 and p.return_rate < 0.5
+    lone = p.refuse(holders, queued, 0, objective, 10, client(3))
+    clock.advance(lone.retry_after_seconds - 0.1)
+    assert not p.predict(busy(), [], 1, 10, objective, client(99)).harms_promised

@@ -386,9 +386,10 @@ class TTFTPredictor:
         }
 
     def _held(self, promised: Iterable[float]) -> list[float]:
-        """The promises that hold a seat: in time order, ``return_rate`` of them."""
+        """The promises that hold a seat: in time order, ``return_rate`` of them, rounded
+        (the first only while most refused clients come back: docs/admission.md)."""
         held: list[float] = []
-        credit = 1.0 - self.return_rate  # the first is always held
+        credit = 0.5
         for time in sorted(promised):
             credit += self.return_rate
             if credit >= 1.0 - 1e-9:
