@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import httpx
-
 from sluicegate.config import Settings
 from sluicegate.engine.output import RequestStream
 from sluicegate.engine.tokenizer import byte_level_tokenizer
@@ -17,6 +15,7 @@ from sluicegate.engine.upstream.core import UpstreamCore
 from sluicegate.engine.upstream.pool import UpstreamPool
 from sluicegate.engine.upstream.wire import UpstreamCall
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams
+from tests.upstream.in_memory import answer_in_memory
 
 MODEL = "relay-model"
 LINES = 400
@@ -45,16 +44,8 @@ async def _relay(abort_at: int | None) -> tuple[FinishReason | None, int]:
         yield b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}\n\n'
         yield b"data: [DONE]\n\n"
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
-
     upstream = pool.upstreams[0]
-    await upstream.client.aclose()
-    upstream.client = httpx.AsyncClient(
-        base_url="http://upstream.test", transport=httpx.MockTransport(answer)
-    )
-    upstream.healthy = True
-    upstream.models = [MODEL]
+    await answer_in_memory(upstream, lambda request: body(), MODEL)
     call = UpstreamCall("completion", {"model": MODEL, "prompt": "Once"}, MODEL, LINES + 10)
     request = Request("r1", [79, 110, 99, 101], SamplingParams(seed=1, max_tokens=LINES + 10))
     stream = RequestStream("r1")

@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import httpx
-
 from sluicegate.config import Settings
 from sluicegate.engine.tokenizer import byte_level_tokenizer
 from sluicegate.engine.upstream.estimate import calibrate
 from sluicegate.engine.upstream.pool import UpstreamPool
+from tests.upstream.in_memory import answer_in_memory
 
 MODEL = "probe-model"
 CHUNK = 64 << 10
@@ -36,17 +35,10 @@ async def _probe(answer: bytes | None = None) -> tuple[int, bool]:
             yield b"data: " + b"x" * (CHUNK - 6)
             await asyncio.sleep(0)
 
-    def respond(request: httpx.Request) -> httpx.Response:
-        content = answer if answer is not None else endless()
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=content)
-
     upstream = pool.upstreams[0]
-    await upstream.client.aclose()
-    upstream.client = httpx.AsyncClient(
-        base_url="http://upstream.test", transport=httpx.MockTransport(respond)
+    await answer_in_memory(
+        upstream, lambda request: answer if answer is not None else endless(), MODEL
     )
-    upstream.healthy = True
-    upstream.models = [MODEL]
     await calibrate(pool, byte_level_tokenizer(), "a longer probe " * 20, 10.0, MAX_EVENT)
     await upstream.client.aclose()
     return pulled, upstream.latency.ttft_seconds is not None

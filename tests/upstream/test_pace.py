@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import httpx
 import orjson
 import pytest
 
@@ -23,6 +22,7 @@ from sluicegate.engine.upstream.pool import UpstreamPool
 from sluicegate.engine.upstream.wire import UpstreamCall
 from sluicegate.scheduler.request import FinishReason, Request, SamplingParams, next_token_time
 from tests.fake_clock import FakeClock
+from tests.upstream.in_memory import answer_in_memory
 
 MODEL = "paced-model"
 
@@ -61,21 +61,13 @@ async def _relay(
             yield event
         yield b"data: [DONE]\n\n"
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
-
     settings = Settings(engine="upstream", upstream=["http://upstream.test"])
     pool = UpstreamPool(settings)
     core = UpstreamCore(
         pool, byte_level_tokenizer(), settings, max_model_len=1 << 20, clock=clock, sleep=sleep
     )
     upstream = pool.upstreams[0]
-    await upstream.client.aclose()
-    upstream.client = httpx.AsyncClient(
-        base_url="http://upstream.test", transport=httpx.MockTransport(answer)
-    )
-    upstream.healthy = True
-    upstream.models = [MODEL]
+    await answer_in_memory(upstream, lambda request: body(), MODEL)
     max_tokens = 100
     call = UpstreamCall("completion", {"model": MODEL, "prompt": "Once"}, MODEL, max_tokens)
     request = Request("r1", [79, 110, 99, 101], SamplingParams(seed=1, max_tokens=max_tokens))

@@ -17,6 +17,7 @@ from sluicegate.engine.upstream.pool import UpstreamPool
 from sluicegate.engine.upstream.signals import Latency
 from sluicegate.engine.upstream.wire import UpstreamCall
 from sluicegate.scheduler.request import Request, SamplingParams
+from tests.upstream.in_memory import answer_in_memory
 
 MODEL = "group-model"
 
@@ -51,20 +52,15 @@ async def _two_answers(prefill: str) -> tuple[list[int], int]:
         yield b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\n'
         yield b"data: [DONE]\n\n"
 
-    def answer(request: httpx.Request) -> httpx.Response:
+    def answer(request: httpx.Request) -> AsyncIterator[bytes]:
         nonlocal arrived
         arrived += 1
         if arrived == 2:
             both.set()
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+        return body()
 
     upstream = pool.upstreams[0]
-    await upstream.client.aclose()
-    upstream.client = httpx.AsyncClient(
-        base_url="http://upstream.test", transport=httpx.MockTransport(answer)
-    )
-    upstream.healthy = True
-    upstream.models = [MODEL]
+    await answer_in_memory(upstream, answer, MODEL)
     spy = upstream.latency = SpyLatency()
     streams = []
     for rid, prompt in (("r1", "0123456789"), ("r2", "abcd")):

@@ -287,17 +287,15 @@ class TTFTPredictor:
                     harms = True
                     break
                 heapq.heappush(seats, begins + self.mean_service_seconds())
+        quiet = idle and now - self._last_refusal > QUIET_AFTER_REFUSAL_SECONDS
+        alone = (
+            prefill if quiet else self._alone(prompt_tokens, prefill, objective_seconds - margin)
+        )
         return Prediction(
             wait,
             ttft,
             harms,
-            alone_seconds=self._alone(
-                prompt_tokens,
-                prefill,
-                idle and now - self._last_refusal > QUIET_AFTER_REFUSAL_SECONDS,
-                objective_seconds,
-            )
-            + margin,
+            alone_seconds=alone + margin,
             claims_promise=claims,
             margin_seconds=margin,
             num_promised=len(promises) if harms else 0,
@@ -429,8 +427,9 @@ class TTFTPredictor:
         and when each of those starts."""
         # An engine that prefills the prompts it holds together stalls its streams until
         # they are all prefilled (llama.cpp's server decodes nothing while it does).
-        left = sum(prompt_left(r) for r in holders) if self._estimate().shared_prefill else 0
-        stall = self._estimate().prefill_seconds(left) if left else 0.0
+        estimate = self._estimate()
+        left = sum(prompt_left(r) for r in holders) if estimate.shared_prefill else 0
+        stall = estimate.prefill_seconds(left) if left else 0.0
         seats = [self.remaining_seconds(r, stall) for r in holders]
         seats += [0.0] * num_free_seats
         if not seats:
@@ -443,16 +442,14 @@ class TTFTPredictor:
             heapq.heappush(seats, start + self.service_seconds(request))
         return seats, starts
 
-    def _alone(self, prompt_tokens: int, prefill: float, idle: bool, objective: float) -> float:
-        """Its prompt served as fast as it can be: beside the streams decoding now on an
-        idle engine (fewer than two requests held, none queued, nobody refused lately) or
-        when even nothing else running would not prefill it within the
-        objective (a long prompt), else with nothing beside it: a prompt that only the
-        streams beside it make late is refused, not let through as a long one."""
-        if idle:
-            return prefill
-        own = self.prefill_seconds(prompt_tokens, 0) + self.margin
-        return prefill if own >= objective else own - self.margin
+    def _alone(self, prompt_tokens: int, prefill: float, budget: float) -> float:
+        """Its prompt served as fast as it can be on a busy engine: with nothing beside it,
+        unless even then it would not be prefilled within ``budget`` (a long prompt:
+        beside the streams decoding now, ``prefill``).  A prompt that only the streams
+        beside it make late is refused, not let through as a long one (on an idle engine,
+        fewer than two requests held, none queued, nobody refused lately, it is ``prefill``)."""
+        own = self.prefill_seconds(prompt_tokens, 0)
+        return prefill if own >= budget else own
 
     def _own_output_seconds(self, request: Request | None = None) -> float:
         estimate = self._estimate()
