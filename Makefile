@@ -64,7 +64,7 @@ typecheck: $(STAMP)
 # are handed out one at a time, the longest first (in collection order,
 # tests/support/order.py; xdist's own reordering put the longest last).
 PYTEST_WORKERS ?= 3
-FAST_WORKERS ?= 2
+FAST_WORKERS ?= 3
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
@@ -73,7 +73,7 @@ pytest: $(STAMP)
 # Two workers, test by test (--dist load): the tests are short and many, and mostly
 # compute; a module slow as a whole is not even imported (tests/conftest.py).
 pytest-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist load -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 # pytest exits 5 when it collects no tests (or deselects them all), which fails these
 # targets as it should.

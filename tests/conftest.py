@@ -7,10 +7,12 @@ process (:mod:`tests.support.servers`) where only sockets and processes show it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -47,8 +49,29 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
+def _exit_at_once() -> None:
+    """A pytest-xdist worker's last exit handler: its reports are sent and its files
+    closed by now, and what is left is the interpreter freeing every object of torch, the
+    server and the client libraries one by one: 1.5-4 s of each worker's end (three
+    workers on two cores, at once), which the run waited for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# Registered first, so run last: after every handler that modules imported later add.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    atexit.register(_exit_at_once)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_rule.mark(items)
+    if unmarked := slow_rule.unmarked_slow_modules(items, config):
+        raise pytest.UsageError(
+            "every test of these modules is slow: mark each slow as a whole "
+            "(pytestmark = pytest.mark.slow) so that a fast run does not import it: "
+            + ", ".join(unmarked)
+        )
     order.check_groups(items)
     order.longest_files_first(items)
 

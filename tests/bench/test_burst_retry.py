@@ -26,6 +26,8 @@ from sluicegate.bench.cli import bench_app
 from sluicegate.bench.scenario import load_scenario
 from tests.support.servers import ServerProcess, start_server
 
+pytestmark = pytest.mark.slow
+
 NUM_SEQS = 8
 #: The objective, given (the default is measured at start, so it would be the machine's).
 TTFT_SLO_MS = 250

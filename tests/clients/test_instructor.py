@@ -17,6 +17,8 @@ import pytest
 from tests.clients.tools import SIM_MODEL, Person, Trip, Weather
 from tests.support.servers import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def client(sim: ServerProcess) -> Iterator[instructor.Instructor]:

@@ -21,6 +21,8 @@ from sluicegate.pipeline.embedding import EMBEDDING_MODEL
 from tests.clients.tools import SIM_MODEL, Trip, check_arguments
 from tests.support.servers import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 if TYPE_CHECKING:
     from langchain_openai import ChatOpenAI
 

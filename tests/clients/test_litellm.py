@@ -19,10 +19,13 @@ from tests.support.servers import ServerProcess
 
 MODEL = f"openai/{SIM_MODEL}"
 
-pytestmark = pytest.mark.filterwarnings(
+pytestmark = [
+    pytest.mark.slow,
     # pydantic's, about a litellm type, on every streamed chunk whatever the server.
-    "ignore:Item '.*' on TypedDict class .* is using the `ReadOnly` qualifier:UserWarning"
-)
+    pytest.mark.filterwarnings(
+        "ignore:Item '.*' on TypedDict class .* is using the `ReadOnly` qualifier:UserWarning"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

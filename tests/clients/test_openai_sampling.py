@@ -21,6 +21,8 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from tests.clients.tools import SIM_MODEL
 from tests.support.servers import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 ASK = [{"role": "user", "content": "Describe a river in a sentence."}]
 
 

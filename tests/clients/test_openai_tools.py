@@ -33,6 +33,8 @@ from tests.clients.tools import (
 )
 from tests.support.servers import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def client(served: ServerProcess) -> Iterator[openai.OpenAI]:

@@ -23,6 +23,8 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from tests.clients.tools import SIM_MODEL, Trip, Weather
 from tests.support.servers import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 async def model(sim: ServerProcess) -> AsyncIterator[OpenAIChatModel]:

@@ -18,7 +18,6 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -59,8 +58,10 @@ def slow_module(path: Path) -> bool:
     it."""
     if not (path.name.startswith("test_") and path.suffix == ".py"):
         return False
-    tree = ast.parse(path.read_bytes(), str(path))
-    for node in tree.body:
+    if b"pytestmark" not in path.read_bytes():
+        return False
+    tree = _tree(str(path))
+    for node in tree.body if tree is not None else ():
         if isinstance(node, ast.Assign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names = {t.id for t in targets if isinstance(t, ast.Name)}
@@ -89,6 +90,24 @@ def mark(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+def unmarked_slow_modules(items: list[pytest.Item], config: pytest.Config) -> list[str]:
+    """The test modules whose every test is slow but that are not marked ``slow`` as a
+    whole: a fast run imports each of them (the clients' libraries, torch: seconds a
+    worker) to deselect all its tests.  Only known when whole files were collected (no
+    ``-k``, no ``file::test``)."""
+    if config.option.keyword or any("::" in arg for arg in config.args):
+        return []
+    slow: dict[str, bool] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        slow[path] = slow.get(path, True) and item.get_closest_marker("slow") is not None
+    return sorted(
+        path
+        for path, all_slow in slow.items()
+        if all_slow and not slow_module(config.rootpath / path)
+    )
+
+
 def _returns_an_engine(function: Callable[..., Any]) -> bool:
     """A fixture that hands out a loaded torch engine (however it gets it: some pick one
     of several by name with ``request.getfixturevalue``)."""
@@ -112,9 +131,9 @@ def _calls(function: Callable[..., Any], depth: int = 0) -> frozenset[str]:
     function = inspect.unwrap(function)
     if not isinstance(function, FunctionType) or depth > 4:
         return frozenset()
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
+    code = function.__code__
+    tree = _definitions(code.co_filename).get(code.co_firstlineno)
+    if tree is None:
         return frozenset()
     module = sys.modules.get(function.__module__)
     names: set[str] = set()
@@ -139,6 +158,32 @@ def _calls(function: Callable[..., Any], depth: int = 0) -> frozenset[str]:
         if helper is not None and helper is not function:
             names |= _calls(helper, depth + 1)
     return frozenset(names)
+
+
+@cache
+def _definitions(filename: str) -> dict[int, ast.AST]:
+    """Each function defined in ``filename`` by the first line of its code (its first
+    decorator's, or its ``def``'s): the file is parsed once, where reading each
+    function's source on its own took a second of every worker's collection."""
+    tree = _tree(filename)
+    found: dict[int, ast.AST] = {}
+    body = tree.body if tree is not None else []
+    nodes = [*body, *(n for c in body if isinstance(c, ast.ClassDef) for n in c.body)]
+    for node in nodes:  # a module's and its classes' functions: those a test can name
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            found[node.lineno] = node
+            for decorator in node.decorator_list:
+                found.setdefault(decorator.lineno, node)
+    return found
+
+
+@cache
+def _tree(filename: str) -> ast.Module | None:
+    """``filename``'s syntax tree, parsed once a run."""
+    try:
+        return ast.parse(Path(filename).read_bytes(), filename)
+    except (OSError, SyntaxError, ValueError):
+        return None
 
 
 def _module_function(module: ModuleType | None, name: str) -> Callable[..., Any] | None:

@@ -21,6 +21,8 @@ from tests.support.background import at_once
 from tests.support.servers import ServerProcess
 from tests.upstream.conftest import start_gateway, upstream_cancelled
 
+pytestmark = pytest.mark.slow
+
 MODEL = "sluicegate-sim"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
 

@@ -15,6 +15,8 @@ from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request, SamplingParams
 from tests.engine.torch.drive import run_requests
 
+pytestmark = pytest.mark.slow
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -9,10 +9,14 @@ slot, copying keys and values) does not depend on the dtype.
 
 from __future__ import annotations
 
+import pytest
+
 from sluicegate.engine.torch import TorchEngine
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.engine.torch.drive import generate, greedy
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = (
     "You are a careful assistant for a bakery. Answer in one short sentence, mention the "

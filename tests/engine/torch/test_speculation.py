@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from sluicegate.engine.torch import TorchEngine
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request, SamplingParams
 from tests.engine.torch.drive import generate, run_requests
+
+pytestmark = pytest.mark.slow
 
 EDITS = [
     "Fix the spelling mistakes in this paragraph and write it out again:\n\n"
