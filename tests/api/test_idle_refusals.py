@@ -37,16 +37,6 @@ async def pairs(client: httpx.AsyncClient, count: int, tag: str) -> list[Outcome
     return out
 
 
-async def idle(app: InProcessApp) -> None:
-    """Until nothing runs or waits."""
-    for _ in range(600):
-        stats = await app.stats()
-        if not stats["requests_running"] and not stats["requests_waiting"]:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the server did not go idle")
-
-
 async def abandoned(app: InProcessApp, count: int) -> None:
     """Until ``count`` promises have lapsed unclaimed (the first refused clients' times
     and their grace have passed: the server has seen them not come back)."""
@@ -73,7 +63,7 @@ async def test_seats_promised_to_clients_that_never_return_do_not_refuse_an_idle
         refused = [o for o in flood if o.status == 429]
         assert refused, "the burst overloaded nothing"
         assert (await app.stats())["admission"]["promised_seats"] > 0
-        await idle(app)  # the refused never come back: their promises lapse, one by one
+        await app.idle()  # the refused never come back: their promises lapse, one by one
         await abandoned(app, 3)
         outcomes = await sequential(app.client, 4, "after")
         outcomes += await pairs(app.client, 3, "after pair")

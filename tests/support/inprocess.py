@@ -45,6 +45,10 @@ FAST_SIM: dict[str, Any] = {
 }
 
 
+#: How long a test waits for a server to go idle: only a leaked seat takes this long.
+IDLE_TIMEOUT_SECONDS = 30.0
+
+
 @dataclass(slots=True)
 class InProcessApp:
     """A running app and an HTTP client for it."""
@@ -69,6 +73,17 @@ class InProcessApp:
         response.raise_for_status()
         data: dict[str, Any] = response.json()
         return data
+
+    async def idle(self) -> dict[str, Any]:
+        """The stats once nothing runs or waits.  A request's seat is released just after
+        its last byte is sent, so a test that has read every answer polls; a seat that
+        stays taken (a leak) misses the generous deadline."""
+        async with asyncio.timeout(IDLE_TIMEOUT_SECONDS):
+            while True:
+                stats = await self.stats()
+                if not stats["requests_running"] and not stats["requests_waiting"]:
+                    return stats
+                await asyncio.sleep(0.02)
 
     async def metrics(self, headers: dict[str, str] | None = None) -> MetricsSnapshot:
         response = await self.client.get("/metrics", headers=headers)
