@@ -57,21 +57,23 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Three workers (pytest-xdist) on two cores: most slow tests wait on servers, sockets and
-# timers much of the time, and a third worker fills it (measured on a quiet machine: 298 s
-# against 354-360 s on two, 418 s on four; docs/testing.md). A file's tests run on one
-# worker (--dist loadfile), so a module's server or compiled package is made once; files
-# are handed out one at a time, the longest first (in collection order,
+# Four workers (pytest-xdist) on two cores: most slow tests wait on servers, sockets and
+# timers much of the time, which the third and fourth fill (measured in one hour on this
+# machine: 317 s on four against 369 s on three and 377 s on five; docs/testing.md). A
+# file's tests run on one worker (--dist loadfile), so a module's server or compiled
+# package is made once; files are handed out one at a time, the longest first (in collection order,
 # tests/support/order.py; xdist's own reordering put the longest last).
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 4
 FAST_WORKERS ?= 3
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
-# Two workers, test by test (--dist load): the tests are short and many, and mostly
-# compute; a module slow as a whole is not even imported (tests/conftest.py).
+# Test by test, on three workers that take tests from each other's queues when their own
+# runs out (--dist worksteal): the tests are short and many, and the longest wait on
+# timers, which a third worker overlaps; a module slow as a whole is not even imported
+# (tests/conftest.py).
 pytest-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
@@ -82,13 +84,17 @@ pytest-fast: $(STAMP)
 # (it is reported after the tests; either failing fails the target).
 MYPY_LOG := $(VENV)/.mypy.log
 
-test: lint
-	$(BIN)/mypy > $(MYPY_LOG) 2>&1 & typing=$$!; \
-	$(MAKE) --no-print-directory pytest; tests=$$?; \
+# The tests of make test-fast leave a core idle for much of their run as well (timers).
+beside_mypy = $(BIN)/mypy > $(MYPY_LOG) 2>&1 & typing=$$!; \
+	$(MAKE) --no-print-directory $(1); tests=$$?; \
 	wait $$typing; typed=$$?; cat $(MYPY_LOG); \
 	test $$tests -eq 0 && test $$typed -eq 0
 
-test-fast: lint typecheck pytest-fast
+test: lint
+	$(call beside_mypy,pytest)
+
+test-fast: lint
+	$(call beside_mypy,pytest-fast)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
