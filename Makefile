@@ -57,13 +57,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Four workers (pytest-xdist) on two cores: most slow tests wait on servers, sockets and
-# timers much of the time, which the third and fourth fill (measured in one hour on this
-# machine: 317 s on four against 369 s on three and 377 s on five; docs/testing.md). A
+# Three workers (pytest-xdist) on two cores: most slow tests wait on servers, sockets and
+# timers much of the time, which a third worker fills (in one hour on this machine: 354,
+# 364 and 369 s on three, 317 and 373 s on four, 377 s on five; a fresh clone 358 s on
+# three, 409 s on four: no gain from a fourth that outlasts the noise; docs/testing.md). A
 # file's tests run on one worker (--dist loadfile), so a module's server or compiled
-# package is made once; files are handed out one at a time, the longest first (in collection order,
-# tests/support/order.py; xdist's own reordering put the longest last).
-PYTEST_WORKERS ?= 4
+# package is made once; files are handed out one at a time, the longest first (in
+# collection order, tests/support/order.py; xdist's own reordering put the longest last).
+PYTEST_WORKERS ?= 3
 FAST_WORKERS ?= 3
 
 pytest: $(STAMP)

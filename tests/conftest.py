@@ -31,7 +31,7 @@ from tests.support.servers import ServerProcess, start_server
 
 _guard = slow_rule.ProcessGuard()
 
-# Under pytest-xdist (make test: four workers on two cores), each worker's torch, and that
+# Under pytest-xdist (make test: three workers on two cores), each worker's torch, and that
 # of the servers it starts, computes on one thread: the workers' threads spinning for the
 # same cores slowed the model's tests several times over.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
