@@ -9,8 +9,9 @@ import asyncio
 import time
 
 import httpx
+import orjson
 
-from tests.support.inprocess import serve_in_process
+from tests.support.inprocess import InProcessApp, serve_in_process
 
 MODEL = "sluicegate-sim"
 #: Two seats at 20 ms a step: two 60-token answers hold the engine for about 1.2 s.
@@ -100,3 +101,25 @@ async def test_a_bad_header_is_a_400_that_names_it() -> None:
             )
             assert reply.status_code == 400, reply.text
             assert reply.json()["error"]["param"] == header
+
+
+async def test_an_answer_tells_the_objective_it_was_admitted_to_meet() -> None:
+    """``usage.sluicegate.ttft_objective_seconds``: its class's, or its own; none under
+    static admission (nothing was promised)."""
+
+    async def objective_of(app: InProcessApp, headers: dict[str, str] | None = None) -> object:
+        stream = {"stream": True, "stream_options": {"include_usage": True}}
+        reply = await app.client.post(
+            "/v1/completions", json={**body("x"), **stream}, headers=headers
+        )
+        assert reply.status_code == 200, reply.text
+        events = [
+            orjson.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")
+        ]
+        return events[-1]["usage"]["sluicegate"]["ttft_objective_seconds"]
+
+    async with serve_in_process(**SIM, ttft_slo_ms=500, tpot_slo_ms=1000) as app:
+        assert await objective_of(app) == 0.5
+        assert await objective_of(app, {"x-sluicegate-ttft-slo-ms": "5000"}) == 5.0
+    async with serve_in_process(**SIM, admission="static") as app:
+        assert await objective_of(app) is None

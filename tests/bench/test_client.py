@@ -215,3 +215,20 @@ def test_no_retry_when_the_policy_says_not_to(policy: str) -> None:
         sample = execute(planned(), context(server.url, text))
         assert sample.rejected and sample.retry is None
         assert sample.retry_lateness_seconds is None
+
+
+def test_a_sluicegate_servers_own_ttft_and_objective_are_read_from_the_final_usage() -> None:
+    timing = {"ttft_seconds": 0.7, "ttft_objective_seconds": 0.5, "predicted_ttft_seconds": 0.4}
+    final = {
+        "choices": [],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 2, "sluicegate": timing},
+    }
+    late = (200, SSE_HEADERS, sse(chunk("a", 1), chunk("b", 2), final))
+    with serve([late, STREAM_OK]) as server:
+        first = execute(planned(), context(server.url)).first
+        other = execute(planned(), context(server.url)).first
+    assert first is not None and other is not None
+    assert (first.server_ttft_seconds, first.ttft_objective_seconds) == (0.7, 0.5)
+    assert first.past_objective is True
+    # Another server's answer (no usage.sluicegate) promised nothing to judge.
+    assert other.ttft_objective_seconds is None and other.past_objective is None

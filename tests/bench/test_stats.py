@@ -204,3 +204,20 @@ def test_retry_success_counts_retries_made_at_the_advertised_time() -> None:
     groups = summarise_run(samples, [StagePlan(0, 1.0, 0.0, 5.0)], SLO, policy)
     assert groups["stage=0"].retry_on_time_admitted_fraction == pytest.approx(2 / 3)
     assert summarise("all", samples[4:], SLO, 1.0).retry_on_time_admitted_fraction is None
+
+
+def test_admitted_attempts_past_the_servers_own_objective_are_counted() -> None:
+    def promised(server_ttft: float, objective: float | None, sent: float = 0.0) -> Attempt:
+        attempt = streamed(server_ttft, 0.01, 4, sent=sent)
+        attempt.server_ttft_seconds, attempt.ttft_objective_seconds = server_ttft, objective
+        return attempt
+
+    samples = [
+        Sample(planned(0), [promised(0.3, 0.5)]),
+        Sample(planned(1), [promised(0.7, 0.5)]),  # late
+        Sample(planned(2), [refused(), promised(0.9, 0.5, sent=1.0)]),  # its retry, late
+        Sample(planned(3), [promised(0.9, None)]),  # static admission: nothing promised
+        Sample(planned(4), [refused()]),
+    ]
+    stats = summarise("all", samples, SLO, window_seconds=2.0)
+    assert (stats.num_past_objective, stats.num_promised_ttft) == (2, 3)

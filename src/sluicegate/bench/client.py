@@ -380,6 +380,10 @@ def _count_tokens(payload: dict[str, Any], attempt: Attempt) -> int:
     usage = payload.get("usage")
     if isinstance(usage, dict) and usage.get("prompt_tokens") is not None:
         attempt.prompt_tokens = int(usage["prompt_tokens"])
+        timing = usage.get("sluicegate")
+        if isinstance(timing, dict):
+            attempt.server_ttft_seconds = _seconds(timing.get("ttft_seconds"))
+            attempt.ttft_objective_seconds = _seconds(timing.get("ttft_objective_seconds"))
     if not choices:
         return 0  # the final usage-only chunk
     choice = choices[0]
@@ -390,3 +394,7 @@ def _count_tokens(payload: dict[str, Any], attempt: Attempt) -> int:
     delta = choice.get("delta")
     text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
     return 1 if text else 0
+
+
+def _seconds(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

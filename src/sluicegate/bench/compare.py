@@ -99,6 +99,12 @@ def headline_line(label: str, stats: GroupStats) -> str:
             else f" (admitted {stats.qoe_admitted_mean:.2f}, "
             f"{stats.qoe_admitted_full_fraction or 0:.0%} of them at 1.0)"
         )
+        + (
+            f"; {stats.num_past_objective} of {stats.num_promised_ttft} admitted past the "
+            "server's own TTFT objective"
+            if stats.num_promised_ttft
+            else ""
+        )
     )
 
 

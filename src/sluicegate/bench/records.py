@@ -55,6 +55,18 @@ class Attempt:
     e2e_seconds: float | None = None
     #: (seconds since sent, tokens delivered by that SSE event), token-bearing events only.
     token_events: list[tuple[float, int]] = field(default_factory=list)
+    #: A Sluicegate server's own figures from the final usage (``usage.sluicegate``): its
+    #: time to first token, and the objective it admitted the request to meet (None
+    #: from other servers, and under static admission).
+    server_ttft_seconds: float | None = None
+    ttft_objective_seconds: float | None = None
+
+    @property
+    def past_objective(self) -> bool | None:
+        """Admitted by a server that promised it a time to first token, did it miss it?
+        (None: no promise to judge, or no first token.)"""
+        objective, ttft = self.ttft_objective_seconds, self.server_ttft_seconds
+        return None if objective is None or ttft is None else ttft > objective
 
     @property
     def ttft_seconds(self) -> float | None:

@@ -99,6 +99,10 @@ class GroupStats:
     #: lower bound.
     num_admitted_without_token: int = 0
     admitted_ttft: Percentiles | None = None
+    #: Admitted attempts (first or retried) that a Sluicegate server promised a time to
+    #: first token, and those whose first token (the server's own measure) came later.
+    num_promised_ttft: int = 0
+    num_past_objective: int = 0
     #: Refused by a final error event after being admitted (a slipped deadline).
     num_refused_in_stream: int = 0
     refusal_latency: Percentiles | None = None
@@ -245,6 +249,10 @@ def _admission_figures(stats: GroupStats, samples: Sequence[Sample], policy: Ret
                 stats.num_admitted_without_token += 1
                 ttft = attempt.e2e_seconds or 0.0
             admitted_ttft.append(ttft)
+        for each in sample.attempts:
+            if each.admitted and each.past_objective is not None:
+                stats.num_promised_ttft += 1
+                stats.num_past_objective += each.past_objective
         if attempt.refused_in_stream:
             stats.num_refused_in_stream += 1
         if attempt.refused_by_status and attempt.e2e_seconds is not None:

@@ -269,6 +269,7 @@ def _admission_lines(
                     f"{s.num_rejected} ({s.num_refused_in_stream})",
                     _ms(s.admitted_ttft.p50 if s.admitted_ttft else None),
                     _ms(s.admitted_ttft.p99 if s.admitted_ttft else None),
+                    f"{s.num_past_objective}/{s.num_promised_ttft}" if s.num_promised_ttft else "–",
                     _ms(s.tpot.p99 if s.tpot else None),
                     _num(s.goodput_rps),
                     _pct(figures.goodput_capacity_fraction),
@@ -291,6 +292,7 @@ def _admission_lines(
         "refused (in stream)",
         "adm. TTFT p50",
         "adm. TTFT p99",
+        "past own objective",
         "TPOT p99",
         "goodput req/s",
         "goodput / capacity",
@@ -305,7 +307,10 @@ def _admission_lines(
         "## Admission by stage",
         "",
         "Admitted TTFT: first attempts the server took (one cut or failed before its first "
-        "token counts with the time it waited). Refusal: sent to the complete 429/503. "
+        "token counts with the time it waited). Past own objective: admitted attempts whose "
+        "first token came after the objective the server admitted them to meet (its own "
+        "measure, `usage.sluicegate`), of those it promised one. "
+        "Refusal: sent to the complete 429/503. "
         "Seat limit: mean `sluicegate_concurrency_limit`. Retries on time: sent within "
         "the scenario's tolerance of the advertised time.",
         "",

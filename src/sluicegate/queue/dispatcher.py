@@ -205,6 +205,7 @@ class Dispatcher:
         ticket.predicted_wait_seconds = None if ticket.booked else prediction.wait_seconds
         ticket.predicted_ttft_seconds = prediction.ttft_seconds
         ticket.ttft_margin_seconds = prediction.margin_seconds
+        ticket.ttft_objective_seconds = objective
         return None
 
     def _queued_ahead(self, priority_class: PriorityClass) -> list[Request]:

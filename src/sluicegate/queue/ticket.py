@@ -43,6 +43,9 @@ class Ticket:
     predicted_ttft_seconds: float | None = None
     #: The learned margin included in ``predicted_ttft_seconds``.
     ttft_margin_seconds: float = 0.0
+    #: The time to first token it was admitted to meet (its own objective, else its
+    #: class's; None under static admission).
+    ttft_objective_seconds: float | None = None
     #: The other choices' sequences of a request for ``n`` > 1 on the embedded core
     #: (``request`` is the first): dispatched together, each with a seat of its own.
     siblings: tuple[Request, ...] = ()

@@ -142,6 +142,10 @@ class Generation:
             "predicted_ttft_seconds": None
             if self.ticket is None
             else self.ticket.predicted_ttft_seconds,
+            # ... and the objective it was admitted to meet.
+            "ttft_objective_seconds": None
+            if self.ticket is None
+            else self.ticket.ttft_objective_seconds,
             **(
                 {}
                 if self.retrieval_seconds is None
