@@ -58,7 +58,7 @@ def slow_module(path: Path) -> bool:
     it."""
     if not (path.name.startswith("test_") and path.suffix == ".py"):
         return False
-    if b"pytestmark" not in path.read_bytes():
+    if b"pytestmark" not in _source(str(path)):
         return False
     tree = _tree(str(path))
     for node in tree.body if tree is not None else ():
@@ -163,8 +163,8 @@ def _calls(function: Callable[..., Any], depth: int = 0) -> frozenset[str]:
 @cache
 def _definitions(filename: str) -> dict[int, ast.AST]:
     """Each function defined in ``filename`` by the first line of its code (its first
-    decorator's, or its ``def``'s): the file is parsed once, where reading each
-    function's source on its own took a second of every worker's collection."""
+    decorator's, or its ``def``'s): the file is parsed once, not each function's source
+    read and tokenized on its own."""
     tree = _tree(filename)
     found: dict[int, ast.AST] = {}
     body = tree.body if tree is not None else []
@@ -178,11 +178,20 @@ def _definitions(filename: str) -> dict[int, ast.AST]:
 
 
 @cache
+def _source(filename: str) -> bytes:
+    """``filename``'s text, read once a run (b"" when it cannot be read)."""
+    try:
+        return Path(filename).read_bytes()
+    except OSError:
+        return b""
+
+
+@cache
 def _tree(filename: str) -> ast.Module | None:
     """``filename``'s syntax tree, parsed once a run."""
     try:
-        return ast.parse(Path(filename).read_bytes(), filename)
-    except (OSError, SyntaxError, ValueError):
+        return ast.parse(_source(filename), filename)
+    except (SyntaxError, ValueError):
         return None
 
 

@@ -303,10 +303,8 @@ def refusal_from_event(payload: dict[str, Any]) -> float | None:
     """An error event's ``retry_after_ms`` in seconds: the stream was refused after it
     was admitted (its deadline became unreachable).  None for another kind of error."""
     error = payload.get("error")
-    value = error.get("retry_after_ms") if isinstance(error, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) / 1000.0 if math.isfinite(value) and value >= 0 else None
+    milliseconds = _duration(error.get("retry_after_ms") if isinstance(error, dict) else None)
+    return None if milliseconds is None else milliseconds / 1000.0
 
 
 def _read_stream(
@@ -382,8 +380,8 @@ def _count_tokens(payload: dict[str, Any], attempt: Attempt) -> int:
         attempt.prompt_tokens = int(usage["prompt_tokens"])
         timing = usage.get("sluicegate")
         if isinstance(timing, dict):
-            attempt.server_ttft_seconds = _seconds(timing.get("ttft_seconds"))
-            attempt.ttft_objective_seconds = _seconds(timing.get("ttft_objective_seconds"))
+            attempt.server_ttft_seconds = _duration(timing.get("ttft_seconds"))
+            attempt.ttft_objective_seconds = _duration(timing.get("ttft_objective_seconds"))
     if not choices:
         return 0  # the final usage-only chunk
     choice = choices[0]
@@ -396,5 +394,8 @@ def _count_tokens(payload: dict[str, Any], attempt: Attempt) -> int:
     return 1 if text else 0
 
 
-def _seconds(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+def _duration(value: object) -> float | None:
+    """A JSON duration: a finite number, not negative (None for anything else)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
