@@ -59,11 +59,11 @@ def test_a_model_of_a_family_the_engine_does_not_run(tmp_path: Path) -> None:
     glance, before uvicorn starts: one line naming the family and those it runs."""
     import gguf
 
-    directory = tmp_path / "gemma"
+    directory = tmp_path / "gemma3n"
     directory.mkdir()
-    (directory / "config.json").write_text('{"model_type": "gemma3_text"}')
+    (directory / "config.json").write_text('{"model_type": "gemma3n"}')
     code, stderr = serve("--model", str(directory), timeout=30)
-    assert_one_line_failure(code, stderr, "'gemma3_text'", "gemma2", "--engine upstream")
+    assert_one_line_failure(code, stderr, "'gemma3n'", "gemma3_text", "--engine upstream")
     assert stderr.strip().count("\n") == 0, stderr
     path = tmp_path / "phi.gguf"
     writer = gguf.GGUFWriter(path, "phi3")

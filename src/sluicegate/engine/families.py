@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import BinaryIO
 
 #: Hugging Face ``model_type`` values the engine runs (``engine/torch/convert.py``).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+)
 #: GGUF ``general.architecture`` values it runs (``engine/torch/gguf_reader.py``).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

@@ -1,9 +1,10 @@
-"""Qwen2 (Qwen2.5) and Qwen3 checkpoints, without a download: tiny random models
-written by transformers' own ``save_pretrained`` beside SmolLM2's tokenizer and chat
-template, and the same weights written as GGUF files with the ``gguf`` package (llama.cpp's
-tensor names and metadata, SmolLM2's vocabulary); loaded as ``--model`` would load them,
-their logits are the ones transformers computes, and each is served end to end through
-the official client.
+"""Qwen2 (Qwen2.5), Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 checkpoints, without a
+download: tiny random models written by transformers' own ``save_pretrained`` beside
+SmolLM2's tokenizer and chat template, and the Qwen ones' weights written as GGUF files
+with the ``gguf`` package (llama.cpp's tensor names and metadata, SmolLM2's vocabulary);
+loaded as ``--model`` would load them, their logits are the ones transformers computes,
+prompt chunks and decode steps alike (the windowed families' past their window), and
+each is served end to end through the official client.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ transformers = pytest.importorskip("transformers")
 #: SmolLM2's vocabulary (the tokenizer the tiny models are written with).
 VOCAB = 49152
 ROPE_THETA = 10000.0
-FAMILIES = ("qwen2", "qwen3", "mistral", "phi3", "gemma2")
+FAMILIES = ("qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 #: Families llama.cpp writes GGUF files of that the engine reads (Phi-3's fuses its
 #: projections under names of its own: read from directories only).
 GGUF_FAMILIES = ("qwen2", "qwen3")
-#: The tiny Mistral's sliding window: it is served with no longer a context.
-WINDOW = 96
+#: The tiny Mistral's and Gemmas' sliding window: a chat prompt is several times longer.
+WINDOW = 8
+#: Families with a sliding window (Gemma's on every other layer).
+WINDOWED = ("mistral", "gemma2", "gemma3")
 #: What a directory holds besides its weights and config: SmolLM2's tokenizer, template
 #: and end-of-sequence tokens.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -46,13 +49,18 @@ def tokenizer_dir(smollm2_hf_dir: Path) -> Path:
     return smollm2_hf_dir
 
 
-def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
+def write_tiny(
+    family: str, tokenizer_dir: Path, out: Path, multimodal: bool = False
+) -> torch.nn.Module:
     """A 2-layer random ``family`` model saved by transformers into ``out`` (with the
-    tokenizer's files); returns the model, in float32, as transformers runs it."""
+    tokenizer's files); returns the model, in float32, as transformers runs it
+    (``multimodal``: Gemma 3's language model inside an image-and-text model, with a
+    one-layer image encoder)."""
     kinds = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
-    kind = kinds.get(family, "Gemma2")
+    kind = kinds.get(family, family.capitalize())
     extra: dict[str, Any] = {"head_dim": 16} if family != "phi3" else {}
-    if family == "mistral":
+    extra["rope_theta"] = ROPE_THETA
+    if family in WINDOWED:
         extra["sliding_window"] = WINDOW
     if family == "gemma2":
         # Its query scale's own constant (256 in Gemma 2 2B), and soft caps small enough
@@ -62,7 +70,21 @@ def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
             "attn_logit_softcapping": 2.0,
             "final_logit_softcapping": 3.0,
         }
-    config = getattr(transformers, f"{kind}Config")(
+    if family == "gemma3":
+        # A windowed layer and a whole-context one, each with its own RoPE (Gemma 3's
+        # windowed layers turn by 10,000, the others by 1,000,000, scaled in the larger
+        # models): no cap on scores or logits.
+        del extra["rope_theta"]
+        extra |= {
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        }
+    config_class = "Gemma3TextConfig" if family == "gemma3" else f"{kind}Config"
+    config = getattr(transformers, config_class)(
         **extra,
         vocab_size=VOCAB,
         hidden_size=64,
@@ -71,19 +93,36 @@ def write_tiny(family: str, tokenizer_dir: Path, out: Path) -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        rope_theta=ROPE_THETA,
         tie_word_embeddings=family != "phi3",
         bos_token_id=1,
         eos_token_id=2,
     )
     torch.manual_seed(0)
-    model: Any = getattr(transformers, f"{kind}ForCausalLM")(config)
+    if multimodal:
+        vision = transformers.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        config = transformers.Gemma3Config(
+            text_config=config,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 2,
+            eoi_token_index=VOCAB - 3,
+        )
+    model_class = "Gemma3ForConditionalGeneration" if multimodal else f"{kind}ForCausalLM"
+    model: Any = getattr(transformers, model_class)(config)
     # Larger than the default init, so that a missing bias or norm moves the logits.
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
                 parameter.normal_(0.0, 0.5).add_(1.0 if "norm" in name else 0.0)
-            elif family == "gemma2":  # norms stored as w, applied as 1 + w
+            elif family.startswith("gemma"):  # norms stored as w, applied as 1 + w
                 parameter.normal_(0.0, 0.3 if "norm" in name else 0.1)
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
@@ -202,36 +241,61 @@ def test_a_gguf_file_loads_with_the_logits_transformers_computes(
     assert_logits(tiny, tiny.gguf, tmp_path)
 
 
-@pytest.mark.parametrize("tiny", ["mistral"], indirect=True)
-def test_a_model_with_a_sliding_window_is_served_within_it(tiny: Tiny) -> None:
-    from sluicegate.engine.torch import TorchEngine
-
-    with pytest.raises(ValueError, match="sliding attention window"):
-        TorchEngine(str(tiny.directory), dtype="float32", max_model_len=WINDOW + 1)
+def test_a_multimodal_gemma_3_is_served_its_language_model(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Gemma 3's larger checkpoints hold an image encoder beside the language model (its
+    tensors named under ``language_model.``, its config under ``text_config``): the text
+    model is loaded, with the logits transformers computes for a text prompt."""
+    directory = tmp_path / "gemma3-multimodal"
+    reference = write_tiny("gemma3", tokenizer_dir, directory, multimodal=True)
+    assert_logits(
+        Tiny("gemma3", reference, directory, tmp_path / "unused.gguf"), directory, tmp_path
+    )
 
 
 def assert_logits(tiny: Tiny, path: Path, tmp_path: Path) -> None:
-    """The engine's logits for a chat prompt are transformers' (within 1e-4)."""
+    """The engine's logits for a chat prompt are transformers' (within 1e-4): the prompt
+    in two chunks, then its last tokens decoded one by one beside another sequence's
+    (the second chunk and the decode steps are past a windowed family's window)."""
     from sluicegate.engine.torch import TorchEngine
 
-    context = WINDOW if tiny.family == "mistral" else 128
     engine = TorchEngine(
         str(path),
         dtype="float32",
         max_num_seqs=2,
-        max_model_len=context,
+        max_model_len=128,
         num_threads=TEST_THREADS,
         cache_dir=str(tmp_path),
     )
     try:
         assert engine.args.attention_bias == (tiny.family == "qwen2")
-        assert engine.args.qk_norm == (tiny.family == "qwen3")
+        assert engine.args.qk_norm == (tiny.family in ("qwen3", "gemma3"))
+        assert (engine.args.sliding_window == WINDOW) == (tiny.family in WINDOWED)
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is a river?"}])
+        other = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+        n, first = len(ids), WINDOW + 3
+        assert n - 3 - first > WINDOW  # the second chunk is longer than the window
         with torch.inference_mode():
             expected = tiny.reference(torch.tensor([ids])).logits[0]  # [T, V]
-            batch, _ = build_batch([SequenceChunk(0, 0, len(ids), True)])
-            got = engine.model(torch.tensor(ids), batch)[-1]
-        torch.testing.assert_close(got, expected[-1], atol=1e-4, rtol=1e-4)
+            got = {}
+            for start, length in ((0, first), (first, n - 3 - first)):
+                batch, _ = build_batch([SequenceChunk(0, start, length, 1)])
+                got[start + length - 1] = engine.model(
+                    torch.tensor(ids[start : start + length]), batch
+                )[-1]
+            batch, _ = build_batch([SequenceChunk(1, 0, len(other), 0)])
+            engine.model(torch.tensor(other), batch)
+            for position in range(n - 3, n):  # beside the other sequence's decode steps
+                chunks = [
+                    SequenceChunk(1, len(other) + position - n + 3, 1, 1),
+                    SequenceChunk(0, position, 1, 1),
+                ]
+                batch, order = build_batch(chunks)
+                tokens = [ids[position] if i == 1 else ids[0] for i in order]
+                got[position] = engine.model(torch.tensor(tokens), batch)[order.index(1)]
+        for position, logits in got.items():
+            torch.testing.assert_close(logits, expected[position], atol=1e-4, rtol=1e-4)
     finally:
         engine.close()
 
@@ -247,7 +311,7 @@ def served(tiny: Tiny) -> Iterator[tuple[str, str, int]]:
         tiny.family,
     )
     try:
-        yield server.v1, tiny.directory.name, WINDOW if tiny.family == "mistral" else 512
+        yield server.v1, tiny.directory.name, 512
     finally:
         server.stop()
 
@@ -256,7 +320,7 @@ def test_served_through_the_official_client(served: tuple[str, str, int]) -> Non
     base_url, model, context = served
     with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
         listed = client.models.list().data[0]
-        # Its own context: 512 positions, or the Mistral's sliding window.
+        # Its own context: 512 positions (longer than any sliding window).
         assert listed.id == model and (listed.model_extra or {})["max_model_len"] == context
         reply = client.chat.completions.create(
             model=model,

@@ -37,6 +37,10 @@ def tiny_args(
         rope_scaling=scaling,
         attention_bias=family == "qwen2",
         qk_norm=family == "qwen3",
+        # Gemma 3's mix: a layer within a window (with a RoPE of its own), one without.
+        sliding_window=7 if family == "windowed" else None,
+        sliding_layers=(0,) if family == "windowed" else None,
+        rope_local_theta=50.0 if family == "windowed" else None,
     )
 
 
@@ -107,10 +111,10 @@ def test_qwen_families_match_transformers(family: str) -> None:
     assert type(hf).__name__.lower().startswith(family)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "windowed"])
 def test_mixed_batch_matches_each_sequence_alone(family: str) -> None:
     """Decode tokens and prefill chunks of several sequences in one flattened batch give the
-    logits each sequence gets on its own."""
+    logits each sequence gets on its own (a sliding window's masks too)."""
     args = tiny_args(family=family)
     model = tiny_model(args)
     gen = torch.Generator().manual_seed(2)

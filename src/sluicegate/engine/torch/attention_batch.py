@@ -102,10 +102,37 @@ class AttentionBatch:
     #: The rows that are answer tokens, and among the logit rows those that are.
     answers: AnswerRows = NO_ANSWERS
     logit_answers: AnswerRows = NO_ANSWERS
+    #: The masks of windowed layers, by window (:meth:`biases`): made once a step.
+    _windowed: dict[int, tuple[Tensor, list[Tensor]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def biases(self, window: int | None) -> tuple[Tensor, list[Tensor]]:
+        """The decode rows' bias and each prefill chunk's, for a layer that attends to
+        the whole context (``window`` None) or to its last ``window`` positions (a query
+        sees itself and the ``window - 1`` keys before it; the ones before those are
+        masked as the padding is, so a row's arithmetic is still its own)."""
+        if window is None:
+            return self.decode_bias, [chunk.bias for chunk in self.prefills]
+        if window not in self._windowed:
+            decode = _windowed(self.decode_bias, self.positions[: self.num_decode], window)
+            chunks = [
+                _windowed(chunk.bias, torch.arange(chunk.start, chunk.start + chunk.length), window)
+                for chunk in self.prefills
+            ]
+            self._windowed[window] = (decode, chunks)
+        return self._windowed[window]
+
+
+def _windowed(bias: Tensor, positions: Tensor, window: int) -> Tensor:
+    """``bias`` (one row per query, ``[Q, ..., S]``) with the keys more than ``window - 1``
+    positions before each query's ``positions`` masked too."""
+    keys = torch.arange(bias.shape[-1])
+    early = keys[None, :] <= positions[:, None] - window  # [Q, S]
+    shape = (bias.shape[0],) + (1,) * (bias.dim() - 2) + (bias.shape[-1],)
+    return bias.masked_fill(early.reshape(shape), float("-inf"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from sluicegate.engine.files import atomic_path
 from sluicegate.engine.torch.attention_batch import KEY_ALIGN, align_keys
 from sluicegate.engine.torch.loader import build_model, cache_entry, load_checkpoint
 from sluicegate.engine.torch.model import Transformer, TransformerBlock
+from sluicegate.engine.torch.model_args import ModelArgs
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,18 @@ def package_path(
         GRAPH_VERSION,
     )
     return entry.with_name(f"{entry.name}.pt2")
+
+
+def uncompiled(args: ModelArgs, q4: bool, max_model_len: int) -> str | None:
+    """Why a model is not decoded by the compiled step (None: it can be): its graph is
+    the Llama block's in the model's dtype, over the whole context."""
+    if q4:
+        return "4-bit weights"
+    if args.gemma:
+        return "Gemma's layout"
+    if args.sliding_window is not None and args.sliding_window < max_model_len:
+        return "a sliding window shorter than the context"
+    return None
 
 
 def compiled_decode(

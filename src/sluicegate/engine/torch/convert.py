@@ -168,16 +168,47 @@ def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
     return config
 
 
+#: What a Gemma 3 ``text_config`` leaves out, :class:`transformers.Gemma3TextConfig`'s
+#: defaults (the 4B, 12B and 27B checkpoints' configs name only what differs).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+
+
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's part of a ``config.json``: Gemma 3's multimodal checkpoints
+    (``model_type`` ``gemma3``) keep it under ``text_config``, with defaults left out."""
+    if config.get("model_type") != "gemma3":
+        return dict(config)
+    text = config.get("text_config") or {}
+    return GEMMA3_TEXT_DEFAULTS | dict(text) | {"model_type": "gemma3_text"}
+
+
 def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
     """``ModelArgs`` from a Hugging Face ``config.json`` of a Llama-architecture model
-    (Llama, Mistral, Qwen2 and Qwen2.5, Qwen3, Phi-3, Gemma 2)."""
+    (Llama, Mistral, Qwen2 and Qwen2.5, Qwen3, Phi-3, Gemma 2, Gemma 3's language model)."""
     model_type = config.get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {model_type!r} (supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    config = text_config(config)
+    model_type = config.get("model_type", "llama")
     qwen = model_type in ("qwen2", "qwen3")
+    gemma3 = model_type == "gemma3_text"
     # Qwen2 always has query, key and value biases (its config has no flag for them).
     attention_bias = model_type == "qwen2" or bool(config.get("attention_bias"))
     if config.get("mlp_bias") or (attention_bias and not qwen):
@@ -186,13 +217,14 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
     window = config.get("sliding_window")
     if qwen and not config.get("use_sliding_window"):
         window = None
-    gemma = model_type == "gemma2"
+    gemma = model_type in ("gemma2", "gemma3_text")
     activation = config.get("hidden_activation" if gemma else "hidden_act", "silu")
     if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
         raise ValueError(f"unsupported activation {activation!r} for {model_type!r}")
     n_heads = int(config["num_attention_heads"])
+    n_layers = int(config["num_hidden_layers"])
     dim = int(config["hidden_size"])
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope, local_theta = _rope(config)
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial rotary embeddings ({partial}) are not supported")
@@ -210,10 +242,10 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
         )
     elif rope_type != "default":
         raise ValueError(f"unsupported rope scaling {rope_type!r}")
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     return ModelArgs(
         dim=dim,
-        n_layers=int(config["num_hidden_layers"]),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
         head_dim=int(config.get("head_dim") or dim // n_heads),
@@ -225,13 +257,47 @@ def hf_model_args(config: Mapping[str, Any]) -> ModelArgs:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
         rope_scaling=scaling,
         attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type == "qwen3" or gemma3,
         sliding_window=int(window) if window else None,
+        sliding_layers=_sliding_layers(config, model_type, n_layers) if window else None,
+        rope_local_theta=local_theta if gemma3 else None,
         gemma=gemma,
         query_pre_attn_scalar=_number(config.get("query_pre_attn_scalar")) if gemma else None,
         attn_logit_softcapping=_number(config.get("attn_logit_softcapping")) if gemma else None,
         final_logit_softcapping=_number(config.get("final_logit_softcapping")) if gemma else None,
     )
+
+
+def _rope(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], float | None]:
+    """The rotation of the layers that see the whole context (its scaling and base), and
+    the windowed layers' own base where it differs (Gemma 3).  Configs say it as
+    ``rope_scaling`` and ``rope_theta`` (and Gemma 3's ``rope_local_base_freq``), or as
+    ``rope_parameters``, flat or by layer type (transformers 5)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    local = config.get("rope_local_base_freq")
+    if "full_attention" in rope:  # by layer type
+        sliding = rope.get("sliding_attention") or {}
+        local = sliding.get("rope_theta", local)
+        rope = rope["full_attention"]
+    return rope, _number(local)
+
+
+def _sliding_layers(config: Mapping[str, Any], model_type: str, n_layers: int) -> tuple[int, ...]:
+    """The layers that attend within the window: as ``layer_types`` says (transformers
+    writes it since 4.53), else by each family's own rule (Gemma 2 every other layer from
+    the first, Gemma 3 all but every ``sliding_window_pattern``-th, Qwen from
+    ``max_window_layers``, the others every layer)."""
+    types = config.get("layer_types")
+    if types:
+        return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    if model_type == "gemma2":
+        return tuple(range(0, n_layers, 2))
+    if model_type == "gemma3_text":
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        return tuple(i for i in range(n_layers) if (i + 1) % pattern)
+    if model_type in ("qwen2", "qwen3"):
+        return tuple(range(int(config.get("max_window_layers", n_layers)), n_layers))
+    return tuple(range(n_layers))
 
 
 def _number(value: Any) -> float | None:

@@ -346,12 +346,23 @@ def _text_tokenizer_from_meta(tok: Tokenizer, meta: Mapping[str, Any]) -> TextTo
     )
 
 
+#: Tensors of a multimodal checkpoint that the language model does not use (Gemma 3's
+#: image encoder): not read.
+_NOT_TEXT = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                out[key] = f.get_tensor(key)
+                if not key.startswith(_NOT_TEXT):
+                    out[key] = f.get_tensor(key)
     return out
 
 
@@ -379,10 +390,14 @@ def _load_hf_directory(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
 
     def get(name: str) -> torch.Tensor:
-        try:
-            return raw[name]
-        except KeyError:
-            raise ValueError(f"checkpoint is missing {name}") from None
+        # A multimodal checkpoint's language model (Gemma 3) is named under a prefix:
+        # ``language_model.model.*`` as published, ``model.language_model.*`` as
+        # transformers 4.52 and later write it.
+        nested = name.replace("model.", "model.language_model.", 1)
+        for candidate in (name, f"language_model.{name}", nested):
+            if candidate in raw:
+                return raw[candidate]
+        raise ValueError(f"checkpoint is missing {name}")
 
     fused = "model.layers.0.self_attn.qkv_proj.weight" in raw  # Phi-3's projections
     state_dict = fuse_layer_weights(args, split_fused(args, get) if fused else get, dtype)

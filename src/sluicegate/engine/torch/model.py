@@ -46,6 +46,7 @@ from sluicegate.engine.torch.attention_batch import AnswerRows, AttentionBatch, 
 from sluicegate.engine.torch.model_args import (
     ModelArgs,
     apply_rope,
+    local_rope_tables,
     rope_tables,
 )
 from sluicegate.engine.torch.packed_linear import (
@@ -87,10 +88,12 @@ PREFILL_QUERY_TILE = 256
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over the slot KV cache."""
+    """Grouped-query attention over the slot KV cache (layer ``layer``'s: its window)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
+        #: The positions a query sees (None: the whole context; :meth:`ModelArgs.layer_window`).
+        self.window = args.layer_window(layer)
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
@@ -127,6 +130,7 @@ class Attention(nn.Module):
 
         outputs: list[Tensor] = []
         nd = batch.num_decode
+        decode_bias, chunk_biases = batch.biases(self.window)
         if nd:
             # All decode tokens at once, over their slots up to the longest context, each
             # row masked to its own length.  The slots are gathered (a copy of the live part
@@ -141,9 +145,9 @@ class Attention(nn.Module):
             # The query heads sharing a KV head form one matrix, so grouped attention is two
             # batched matmuls with no repeat of K/V.
             queries = q[:nd].reshape(nd, nkv, group, hd)  # [B, KVH, G, hd]
-            out = self.attend(queries, keys, values, batch.decode_bias)  # [B, KVH, G, hd]
+            out = self.attend(queries, keys, values, decode_bias)  # [B, KVH, G, hd]
             outputs.append(out.reshape(nd, nh * hd))
-        for chunk in batch.prefills:
+        for chunk, chunk_bias in zip(batch.prefills, chunk_biases, strict=True):
             end = chunk.num_keys
             keys = k_cache[chunk.slot, :, :end]  # [KVH, S, hd] (a view: no copy)
             values = v_cache[chunk.slot, :, :end]  # [KVH, S, hd]
@@ -153,7 +157,7 @@ class Attention(nn.Module):
                 # [C, KVH, G, hd] -> [KVH, C * G, hd]: row c * G + g is token c, head g.
                 queries = q[lo : lo + rows].reshape(rows, nkv, group, hd).transpose(0, 1)
                 queries = queries.reshape(nkv, rows * group, hd)
-                bias = chunk.bias[first : first + rows]  # [C, 1, S]
+                bias = chunk_bias[first : first + rows]  # [C, 1, S]
                 out = self.attend(
                     queries, keys, values, bias.expand(rows, group, -1).reshape(rows * group, -1)
                 )
@@ -216,13 +220,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm attention and MLP, each with a residual connection."""
+    """Pre-norm attention and MLP, each with a residual connection (layer ``layer``)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         offset = args.gemma
+        #: Rotates by the windowed layers' own RoPE base (Gemma 3).
+        self.local_rope = args.local_rope(layer)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, offset)
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, offset)
         self.feed_forward = FeedForward(args)
         # Gemma 2 norms each output again before its residual ("sandwich" norms).
@@ -269,7 +275,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(
             args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)
         )
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.gemma)
         self.output: Linear | None = (
             None if args.tie_word_embeddings else Linear(args.dim, args.vocab_size)
@@ -285,6 +291,9 @@ class Transformer(nn.Module):
         self._v_layers: list[Tensor] = []
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
+        #: The windowed layers' own tables (Gemma 3), else the same as the others'.
+        self.rope_cos_local = torch.empty(0)
+        self.rope_sin_local = torch.empty(0)
         self.max_num_seqs = 0
         self.max_model_len = 0
 
@@ -322,6 +331,8 @@ class Transformer(nn.Module):
         self._k_layers = list(self.k_cache.unbind(0))
         self._v_layers = list(self.v_cache.unbind(0))
         self.rope_cos, self.rope_sin = rope_tables(args, max_model_len)  # [L, hd] each
+        local = local_rope_tables(args, max_model_len)
+        self.rope_cos_local, self.rope_sin_local = local or (self.rope_cos, self.rope_sin)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
 
@@ -351,12 +362,19 @@ class Transformer(nn.Module):
         batch.cache_rows = (rows + batch.positions[:, None]).reshape(-1)  # [T * KVH]
         cos = self.rope_cos[batch.positions][:, None, :]  # [T, 1, hd]
         sin = self.rope_sin[batch.positions][:, None, :]  # [T, 1, hd]
+        local = (cos, sin)
+        if self.args.rope_local_theta is not None:
+            local = (
+                self.rope_cos_local[batch.positions][:, None, :],
+                self.rope_sin_local[batch.positions][:, None, :],
+            )
         caches = zip(self._k_layers, self._v_layers, strict=True)
         if batch.num_decode:
             shape = (batch.num_decode, kv_heads, batch.decode_max_len, self.args.head_dim)
             batch.gathered = (self.k_cache.new_empty(shape), self.v_cache.new_empty(shape))
         for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, batch)
+            rope = local if layer.local_rope else (cos, sin)
+            x = layer(x, *rope, k_cache, v_cache, batch)
         if batch.logits_indices.numel() == 0:
             return torch.empty(0, self.args.vocab_size)
         return self.logits(x[batch.logits_indices], batch.logit_answers)

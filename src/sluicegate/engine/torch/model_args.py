@@ -4,7 +4,7 @@ they define: what :mod:`~sluicegate.engine.torch.model` builds its modules from.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -44,13 +44,20 @@ class ModelArgs:
     attention_bias: bool = False
     #: Qwen3's RMS norms of each query and key head, before the rotation.
     qk_norm: bool = False
-    #: A sliding attention window (Mistral, Phi-3, Qwen with it on): served with a context
-    #: no longer than it, where windowed attention is full attention.
+    #: A sliding attention window (Mistral, Phi-3, Qwen with it on, Gemma 2 and 3): a
+    #: query attends to itself and the ``sliding_window - 1`` positions before it.
     sliding_window: int | None = None
-    #: Gemma 2's layout: norms scale by ``1 + w`` (in float32), the attention's and the
-    #: MLP's outputs are normed again before their residuals, the embeddings are scaled
-    #: by ``sqrt(dim)``, the MLP's gate is GeLU (tanh); and its constants: the query
-    #: scale's denominator, and the soft caps of attention scores and of the logits.
+    #: The layers that attend within the window (Gemma's alternate with layers that attend
+    #: to the whole context); None: every layer, when there is a window.
+    sliding_layers: tuple[int, ...] | None = None
+    #: Gemma 3's RoPE base of its windowed layers (unscaled); None: they rotate as the
+    #: others do.
+    rope_local_theta: float | None = None
+    #: Gemma 2's layout (and Gemma 3's): norms scale by ``1 + w`` (in float32), the
+    #: attention's and the MLP's outputs are normed again before their residuals, the
+    #: embeddings are scaled by ``sqrt(dim)``, the MLP's gate is GeLU (tanh); and its
+    #: constants: the query scale's denominator, and the soft caps of attention scores and
+    #: of the logits.
     gemma: bool = False
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
@@ -58,10 +65,19 @@ class ModelArgs:
 
     @property
     def max_context(self) -> int:
-        """The longest context this engine serves the model at."""
-        window = self.sliding_window
-        trained = self.max_position_embeddings
-        return trained if window is None else min(trained, window)
+        """The longest context this engine serves the model at: the one it was trained
+        with (a sliding window masks the keys before it, at any length)."""
+        return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: the whole context)."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates by the windowed layers' own base (Gemma 3)."""
+        return self.rope_local_theta is not None and self.layer_window(layer) is not None
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -76,6 +92,8 @@ class ModelArgs:
     def from_dict(cls, data: dict[str, Any]) -> ModelArgs:
         values = dict(data)
         scaling = values.pop("rope_scaling", None)
+        if values.get("sliding_layers") is not None:  # a JSON list
+            values["sliding_layers"] = tuple(values["sliding_layers"])
         return cls(**values, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
 
@@ -110,6 +128,14 @@ def rope_tables(args: ModelArgs, length: int) -> tuple[Tensor, Tensor]:
     freqs = positions[:, None] * rope_inverse_frequencies(args)[None, :]  # [L, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, hd]
     return emb.cos(), emb.sin()
+
+
+def local_rope_tables(args: ModelArgs, length: int) -> tuple[Tensor, Tensor] | None:
+    """The windowed layers' own ``cos, sin`` tables (Gemma 3: another base, no scaling);
+    None when they rotate as the others do."""
+    if args.rope_local_theta is None:
+        return None
+    return rope_tables(replace(args, rope_theta=args.rope_local_theta, rope_scaling=None), length)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from sluicegate.engine.kv_budget import KVCacheBudget, size_kv_cache
 from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
-from sluicegate.engine.torch.compiled import CompiledDecode, compiled_decode
+from sluicegate.engine.torch.compiled import CompiledDecode, compiled_decode, uncompiled
 from sluicegate.engine.torch.grammar_masks import GrammarMasks, apply_masks
 from sluicegate.engine.torch.loader import (
     build_model,
@@ -201,12 +201,7 @@ class TorchEngine:
         if max_model_len is None:
             max_model_len = min(trained, DEFAULT_MAX_MODEL_LEN)
         elif not 1 <= max_model_len <= trained:
-            window = (
-                " (its sliding attention window)"
-                if trained < checkpoint.args.max_position_embeddings
-                else ""
-            )
-            raise ValueError(f"max_model_len must be in [1, {trained}] for this model{window}")
+            raise ValueError(f"max_model_len must be in [1, {trained}] for this model")
         self.max_model_len = max_model_len
         budget = size_kv_cache(
             kv_cache_memory_bytes,
@@ -234,10 +229,9 @@ class TorchEngine:
         self._grammars: GrammarMasks | None = None
         #: The compiled decode step (``compile="decode"``), loaded or being built.
         self.compiled: CompiledDecode | None = None
-        if compile == "decode" and (self.args.gemma or self.q4_bytes):
-            # The compiled step's graph is the Llama block's in the model's dtype.
-            what = "4-bit weights" if self.q4_bytes else "Gemma's layout"
-            logger.warning("--engine-compile decode: not with %s; decoding eagerly", what)
+        eager = uncompiled(self.args, bool(self.q4_bytes), max_model_len)
+        if compile == "decode" and eager:
+            logger.warning("--engine-compile decode: not with %s; decoding eagerly", eager)
         elif compile == "decode":
             self.compiled = compiled_decode(
                 self.model_path,
