@@ -33,7 +33,7 @@ ROPE_THETA = 10000.0
 FAMILIES = ("qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 #: Families llama.cpp writes GGUF files of that the engine reads (Phi-3's fuses its
 #: projections under names of its own: read from directories only).
-GGUF_FAMILIES = ("qwen2", "qwen3")
+GGUF_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3")
 #: The tiny Mistral's and Gemmas' sliding window: a chat prompt is several times longer.
 WINDOW = 8
 #: Families with a sliding window (Gemma's on every other layer).
@@ -52,10 +52,10 @@ def tokenizer_dir(smollm2_hf_dir: Path) -> Path:
 def write_tiny(
     family: str, tokenizer_dir: Path, out: Path, multimodal: bool = False
 ) -> torch.nn.Module:
-    """A 2-layer random ``family`` model saved by transformers into ``out`` (with the
-    tokenizer's files); returns the model, in float32, as transformers runs it
-    (``multimodal``: Gemma 3's language model inside an image-and-text model, with a
-    one-layer image encoder)."""
+    """A 2-layer (Gemma 3: 6-layer) random ``family`` model saved by transformers into
+    ``out`` (with the tokenizer's files); returns the model, in float32, as transformers
+    runs it (``multimodal``: Gemma 3's language model inside an image-and-text model, with
+    a one-layer image encoder)."""
     kinds = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
     kind = kinds.get(family, family.capitalize())
     extra: dict[str, Any] = {"head_dim": 16} if family != "phi3" else {}
@@ -63,33 +63,37 @@ def write_tiny(
     if family in WINDOWED:
         extra["sliding_window"] = WINDOW
     if family == "gemma2":
-        # Its query scale's own constant (256 in Gemma 2 2B), and soft caps small enough
-        # to bend a tiny model's scores and logits (50 and 30 in Gemma 2).
+        # Its query scale's constant head_dim's (as in Gemma 2 2B and 9B: what a GGUF file
+        # implies), and soft caps small enough to bend a tiny model's scores and logits
+        # (50 and 30 in Gemma 2).
         extra |= {
-            "query_pre_attn_scalar": 24,
+            "query_pre_attn_scalar": 16,
             "attn_logit_softcapping": 2.0,
             "final_logit_softcapping": 3.0,
         }
     if family == "gemma3":
-        # A windowed layer and a whole-context one, each with its own RoPE (Gemma 3's
-        # windowed layers turn by 10,000, the others by 1,000,000, scaled in the larger
-        # models): no cap on scores or logits.
+        # Five windowed layers to one over the whole context, as in every Gemma 3 (and as
+        # llama.cpp assumes of a GGUF file), each kind with its own RoPE (the windowed
+        # ones turn by 10,000, the others by 1,000,000, scaled in the larger models); no
+        # cap on scores or logits; the query scale's constant head_dim's (as in every
+        # Gemma 3 but the 27B: the one a GGUF file implies).
         del extra["rope_theta"]
         extra |= {
-            "query_pre_attn_scalar": 24,
-            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 16,
+            "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             },
         }
     config_class = "Gemma3TextConfig" if family == "gemma3" else f"{kind}Config"
+    extra.setdefault("num_hidden_layers", 2)
     config = getattr(transformers, config_class)(
         **extra,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -156,6 +160,7 @@ def write_gguf(
     import gguf
 
     config = reference.config
+    gemma = family.startswith("gemma")
     writer = gguf.GGUFWriter(out, family)
     writer.add_name(f"tiny-{family}")
     writer.add_context_length(config.max_position_embeddings)
@@ -166,7 +171,17 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(ROPE_THETA)
+    if family == "gemma3":  # the global layers' rotation (the windowed ones' is llama.cpp's)
+        writer.add_rope_freq_base(1e6)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+    else:
+        writer.add_rope_freq_base(ROPE_THETA)
+    if gemma:
+        writer.add_sliding_window(WINDOW)
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     for name, value, kind, sub_type in tokenizer:
         writer.add_key_value(name, value, kind, sub_type)
@@ -184,6 +199,12 @@ def write_gguf(
         "self_attn.q_norm.weight": "attn_q_norm.weight",
         "self_attn.k_norm.weight": "attn_k_norm.weight",
     }
+    if gemma:
+        layer_names |= {
+            "post_attention_layernorm.weight": "post_attention_norm.weight",
+            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+            "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+        }
     for x in "qkv":
         layer_names[f"self_attn.{x}_proj.weight"] = f"attn_{x}.weight"
         layer_names[f"self_attn.{x}_proj.bias"] = f"attn_{x}.bias"
@@ -195,7 +216,10 @@ def write_gguf(
         else:
             layer, leaf = name.removeprefix("model.layers.").split(".", 1)
             target = f"blk.{layer}.{layer_names[leaf]}"
-        writer.add_tensor(target, tensor.detach().float().numpy())
+        data = tensor.detach().float()
+        if gemma and target.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's converter writes the scale Gemma applies, 1 + w
+        writer.add_tensor(target, data.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,5 +1,5 @@
-"""Reading a Llama-architecture GGUF file (``llama``, ``qwen2``, ``qwen3``) into
-``ModelArgs`` and a dequantised state dict."""
+"""Reading a Llama-architecture GGUF file (``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
+``gemma3``) into ``ModelArgs`` and a dequantised state dict."""
 
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+#: Gemma's layers norm each sublayer's output too: llama.cpp names the attention's
+#: ``post_attention_norm`` and the MLP's input norm ``ffn_norm``.
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+#: What llama.cpp takes from the layer count rather than the file: the 27B models scale
+#: queries by ``dim / n_heads`` rather than ``head_dim`` (Gemma 2's has 46 layers, Gemma
+#: 3's 62); Gemma 3's windowed layers turn by a RoPE base of 10,000, five in six of them.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_WINDOW_PATTERN = 6
 
 
 @dataclass(slots=True)
@@ -89,9 +103,26 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
     elif scaling_type not in ("none", None):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    n_layers = int(key("block_count"))
+    gemma = arch in GEMMA_ARCHS
+    window = md.get(f"{arch}.attention.sliding_window") if gemma else None
+    sliding_layers = None
+    if window is not None:
+        # Newer converters say which layers slide (a period, or a flag per layer); else
+        # llama.cpp's rule: every other one (Gemma 2), five in six (Gemma 3).
+        pattern = md.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            sliding_layers = tuple(i for i, flag in enumerate(pattern) if flag)
+        else:
+            period = int(pattern or (2 if arch == "gemma2" else GEMMA3_WINDOW_PATTERN))
+            sliding_layers = tuple(i for i in range(n_layers) if (i + 1) % period)
+    scalar = None
+    if gemma:
+        wide = n_layers == _GEMMA_27B_LAYERS[arch]
+        scalar = float(dim // n_heads if wide else head_dim)
     return ModelArgs(
         dim=dim,
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(md.get(f"{arch}.attention.head_count_kv") or n_heads),
         head_dim=head_dim,
@@ -104,7 +135,18 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         rope_scaling=scaling,
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
+        sliding_window=int(window) if window is not None else None,
+        sliding_layers=sliding_layers,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
+        gemma=gemma,
+        query_pre_attn_scalar=scalar,
+        attn_logit_softcapping=_optional(md.get(f"{arch}.attn_logit_softcapping")),
+        final_logit_softcapping=_optional(md.get(f"{arch}.final_logit_softcapping")),
     )
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _dequantized(tensor: Any) -> torch.Tensor:
@@ -119,7 +161,9 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
     """Dequantise every tensor, undo llama.cpp's Q/K permutation and fuse, in ``dtype``."""
     if "rope_freqs.weight" in gguf.tensors:
         raise ValueError("GGUF rope frequency factors (Llama 3.1 scaling) are not supported")
-    permuted = gguf.metadata.get("general.architecture") in PERMUTED_ARCHS
+    arch = gguf.metadata.get("general.architecture")
+    permuted = arch in PERMUTED_ARCHS
+    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA_ARCHS else _LAYER_NAMES
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in gguf.tensors.items():
         if name in _GLOBAL_NAMES:
@@ -127,10 +171,13 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
         else:
             prefix, _, leaf = name.partition(".")
             layer, _, leaf = leaf.partition(".")
-            if prefix != "blk" or leaf not in _LAYER_NAMES:
+            if prefix != "blk" or leaf not in layer_names:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
-            hf_name = f"model.layers.{layer}.{_LAYER_NAMES[leaf]}"
+            hf_name = f"model.layers.{layer}.{layer_names[leaf]}"
         weight = _dequantized(tensor)
+        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+            # llama.cpp's converter writes Gemma's norms as 1 + w, the scale they apply.
+            weight = weight - 1.0
         if permuted and hf_name.endswith("q_proj.weight"):
             weight = unpermute_rotary_rows(weight, args.n_heads)
         elif permuted and hf_name.endswith("k_proj.weight"):
