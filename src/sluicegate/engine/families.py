@@ -21,7 +21,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3",
 )
 #: GGUF ``general.architecture`` values it runs (``engine/torch/gguf_reader.py``).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 #: Bytes of GGUF's scalar value types, by type number (8 is a string, 9 an array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

@@ -1,7 +1,8 @@
 """Qwen2 (Qwen2.5), Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 checkpoints, without a
 download: tiny random models written by transformers' own ``save_pretrained`` beside
-SmolLM2's tokenizer and chat template, and the Qwen ones' weights written as GGUF files
-with the ``gguf`` package (llama.cpp's tensor names and metadata, SmolLM2's vocabulary);
+SmolLM2's tokenizer and chat template, and the same weights written as GGUF files
+with the ``gguf`` package (llama.cpp's tensor names and metadata, SmolLM2's vocabulary;
+not Mistral's, which llama.cpp writes as a Llama's);
 loaded as ``--model`` would load them, their logits are the ones transformers computes,
 prompt chunks and decode steps alike (the windowed families' past their window), and
 each is served end to end through the official client.
@@ -31,9 +32,8 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 49152
 ROPE_THETA = 10000.0
 FAMILIES = ("qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
-#: Families llama.cpp writes GGUF files of that the engine reads (Phi-3's fuses its
-#: projections under names of its own: read from directories only).
-GGUF_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3")
+#: Families llama.cpp writes GGUF files of that the engine reads.
+GGUF_FAMILIES = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 #: The tiny Mistral's and Gemmas' sliding window: a chat prompt is several times longer.
 WINDOW = 8
 #: Families with a sliding window (Gemma's on every other layer).
@@ -160,6 +160,7 @@ def write_gguf(
     import gguf
 
     config = reference.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     gemma = family.startswith("gemma")
     writer = gguf.GGUFWriter(out, family)
     writer.add_name(f"tiny-{family}")
@@ -169,8 +170,8 @@ def write_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     if family == "gemma3":  # the global layers' rotation (the windowed ones' is llama.cpp's)
         writer.add_rope_freq_base(1e6)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -188,6 +189,7 @@ def write_gguf(
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
     }
     layer_names = {
         "input_layernorm.weight": "attn_norm.weight",
@@ -208,8 +210,11 @@ def write_gguf(
     for x in "qkv":
         layer_names[f"self_attn.{x}_proj.weight"] = f"attn_{x}.weight"
         layer_names[f"self_attn.{x}_proj.bias"] = f"attn_{x}.bias"
+    # Phi-3's fused projections, kept fused.
+    layer_names["self_attn.qkv_proj.weight"] = "attn_qkv.weight"
+    layer_names["mlp.gate_up_proj.weight"] = "ffn_up.weight"
     for name, tensor in reference.state_dict().items():
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied to the embedding
         if name in names:
             target = names[name]

@@ -1,5 +1,5 @@
-"""Reading a Llama-architecture GGUF file (``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
-``gemma3``) into ``ModelArgs`` and a dequantised state dict."""
+"""Reading a Llama-architecture GGUF file (``llama``, ``qwen2``, ``qwen3``, ``phi3``,
+``gemma2``, ``gemma3``) into ``ModelArgs`` and a dequantised state dict."""
 
 from __future__ import annotations
 
@@ -51,6 +51,11 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 GEMMA_ARCHS = ("gemma2", "gemma3")
+#: Phi-3's projections stay fused under llama.cpp's names: cut apart as they are read.
+_PHI3_LAYER_NAMES = _LAYER_NAMES | {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 #: What llama.cpp takes from the layer count rather than the file: the 27B models scale
 #: queries by ``dim / n_heads`` rather than ``head_dim`` (Gemma 2's has 46 layers, Gemma
 #: 3's 62); Gemma 3's windowed layers turn by a RoPE base of 10,000, five in six of them.
@@ -105,7 +110,7 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
     n_layers = int(key("block_count"))
     gemma = arch in GEMMA_ARCHS
-    window = md.get(f"{arch}.attention.sliding_window") if gemma else None
+    window = md.get(f"{arch}.attention.sliding_window") if gemma or arch == "phi3" else None
     sliding_layers = None
     if window is not None:
         # Newer converters say which layers slide (a period, or a flag per layer); else
@@ -113,6 +118,8 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         pattern = md.get(f"{arch}.attention.sliding_window_pattern")
         if isinstance(pattern, list):
             sliding_layers = tuple(i for i, flag in enumerate(pattern) if flag)
+        elif arch == "phi3":
+            sliding_layers = None  # every layer
         else:
             period = int(pattern or (2 if arch == "gemma2" else GEMMA3_WINDOW_PATTERN))
             sliding_layers = tuple(i for i in range(n_layers) if (i + 1) % period)
@@ -145,6 +152,21 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
     )
 
 
+def _unfused(args: ModelArgs, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: weight}``, or Phi-3's fused projections cut into Hugging Face's separate
+    ones (the query, key and value rows; the MLP's gate rows, then its up rows)."""
+    prefix, _, leaf = name.rpartition(".self_attn.")
+    if leaf == "qkv_proj.weight":
+        sizes = [args.n_heads * args.head_dim, *[args.n_kv_heads * args.head_dim] * 2]
+        parts = torch.split(weight, sizes)
+        return {f"{prefix}.self_attn.{x}_proj.weight": w for x, w in zip("qkv", parts, strict=True)}
+    prefix, _, leaf = name.rpartition(".mlp.")
+    if leaf == "gate_up_proj.weight":
+        gate, up = weight.chunk(2)
+        return {f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up}
+    return {name: weight}
+
+
 def _optional(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -163,7 +185,13 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
         raise ValueError("GGUF rope frequency factors (Llama 3.1 scaling) are not supported")
     arch = gguf.metadata.get("general.architecture")
     permuted = arch in PERMUTED_ARCHS
-    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA_ARCHS else _LAYER_NAMES
+    layer_names = (
+        _GEMMA_LAYER_NAMES
+        if arch in GEMMA_ARCHS
+        else _PHI3_LAYER_NAMES
+        if arch == "phi3"
+        else _LAYER_NAMES
+    )
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in gguf.tensors.items():
         if name in _GLOBAL_NAMES:
@@ -182,7 +210,7 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
             weight = unpermute_rotary_rows(weight, args.n_heads)
         elif permuted and hf_name.endswith("k_proj.weight"):
             weight = unpermute_rotary_rows(weight, args.n_kv_heads)
-        hf[hf_name] = weight
+        hf.update(_unfused(args, hf_name, weight))
 
     def get(name: str) -> torch.Tensor:
         try:
