@@ -152,3 +152,27 @@ def test_a_gguf_file_with_a_sentencepiece_tokenizer(add_space_prefix: bool, tmp_
             stream = tokenizer.decode_stream()
             streamed = "".join(stream.step(i) for i in ids[1:])
             assert streamed == sp.decode(ids[1:]), text
+
+
+def test_an_end_of_turn_piece_is_a_control_token_whatever_its_type() -> None:
+    """llama.cpp's converter writes a SentencePiece model's own pieces as normal ones when
+    no added-token list says otherwise, and llama.cpp then takes ``<end_of_turn>`` (and
+    the other end-of-turn texts) as control tokens by their text: so does the engine,
+    which stops an answer there; ``<start_of_turn>`` stays spelled out, as llama.cpp
+    spells it (both checked against llama-server in test_llama_cpp_files.py)."""
+    from dataclasses import replace
+
+    from sluicegate.engine.torch.tokenizer_build import end_of_turn_ids
+
+    sp = train(False)
+    spec = gguf_spec(sp, False)
+    markers = ("<start_of_turn>", "<end_of_turn>")
+    types = [
+        NORMAL if token in markers else kind
+        for token, kind in zip(spec.tokens, spec.token_types or [], strict=True)
+    ]
+    tok = build_gguf_tokenizer(replace(spec, token_types=types))
+    ids = tok.encode("<start_of_turn>user\nHi<end_of_turn>", add_special_tokens=False).ids
+    end = sp.piece_to_id("<end_of_turn>")
+    assert ids[-1] == end and sp.piece_to_id("<start_of_turn>") not in ids
+    assert end_of_turn_ids(tok) == [end]

@@ -58,7 +58,8 @@ _PHI3_LAYER_NAMES = _LAYER_NAMES | {
 }
 #: What llama.cpp takes from the layer count rather than the file: the 27B models scale
 #: queries by ``dim / n_heads`` rather than ``head_dim`` (Gemma 2's has 46 layers, Gemma
-#: 3's 62); Gemma 3's windowed layers turn by a RoPE base of 10,000, five in six of them.
+#: 3's 62); Gemma 3's windowed layers, five in six, turn by a RoPE base of 10,000 (newer
+#: converters write it: ``gemma3.rope.freq_base_swa``).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 GEMMA3_WINDOW_PATTERN = 6
@@ -144,7 +145,11 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
         sliding_window=int(window) if window is not None else None,
         sliding_layers=sliding_layers,
-        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
+        rope_local_theta=(
+            float(md.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
+            if arch == "gemma3"
+            else None
+        ),
         gemma=gemma,
         query_pre_attn_scalar=scalar,
         attn_logit_softcapping=_optional(md.get(f"{arch}.attn_logit_softcapping")),

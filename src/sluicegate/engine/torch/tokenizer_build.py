@@ -146,16 +146,18 @@ def build_gguf_tokenizer(spec: GGUFTokenizerSpec) -> Tokenizer:
         )
     if spec.token_types is not None:
         # Control tokens (<|im_start|>, ...) must match whole in text and be skippable when
-        # decoding; user-defined ones match whole but are ordinary text.
+        # decoding; user-defined ones match whole but are ordinary text.  An end-of-turn
+        # token is a control one whatever its type says, as llama.cpp takes it (a converter
+        # that found no added-token list for it wrote it as a normal piece).
         control = [
             AddedToken(t, special=True, normalized=False)
             for t, kind in zip(spec.tokens, spec.token_types, strict=True)
-            if kind == _CONTROL
+            if kind == _CONTROL or t in END_OF_TURN_TOKENS
         ]
         user = [
             AddedToken(t, special=False, normalized=False)
             for t, kind in zip(spec.tokens, spec.token_types, strict=True)
-            if kind == _USER_DEFINED
+            if kind == _USER_DEFINED and t not in END_OF_TURN_TOKENS
         ]
         if control:
             tok.add_special_tokens(control)
