@@ -180,6 +180,8 @@ def write_gguf(
         writer.add_rope_freq_base(ROPE_THETA)
     if gemma:
         writer.add_sliding_window(WINDOW)
+    if family == "phi3":  # llama.cpp's converter writes 0 for a model without a window
+        writer.add_sliding_window(0)
     if family == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)

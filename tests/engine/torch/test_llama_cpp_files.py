@@ -1,5 +1,6 @@
 """GGUF files as llama.cpp itself writes them, read as llama.cpp reads them: tiny random
-Gemma 3 and Llama models with SentencePiece tokenizers (trained here) are converted by
+Llama, Phi-3, Gemma 2 and Gemma 3 models with SentencePiece tokenizers (trained here) are
+converted by
 llama.cpp's own ``convert_hf_to_gguf.py``; the engine's logits are transformers' on the
 source model, its token ids ``llama-server``'s ``/tokenize``, and its greedy answer
 ``llama-server``'s, past Gemma's sliding window.
@@ -42,14 +43,21 @@ if not (SOURCE / "convert_hf_to_gguf.py").is_file() or not BINARY:
 
 transformers = pytest.importorskip("transformers")
 PROMPT = "What is backpressure in a serving system?"
+#: Each family's turn markers (llama.cpp's loader of a Phi-3 vocabulary looks its own up).
+SYMBOLS = {
+    "gemma2": ["<start_of_turn>", "<end_of_turn>"],
+    "gemma3": ["<start_of_turn>", "<end_of_turn>"],
+    "phi3": ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"],
+}
 MARKED = "<start_of_turn>user\nHi<end_of_turn>"
 
 
 def write_model(kind: str, out: Path) -> Any:
-    """A tiny random ``kind`` (``gemma3`` or ``llama``) model, its SentencePiece
-    tokenizer trained on the docs as the published ones are configured (Gemma's without
-    the space prefix, its turn markers special), saved as transformers saves it."""
-    gemma = kind == "gemma3"
+    """A tiny random ``kind`` (``llama``, ``phi3``, ``gemma2``, ``gemma3``) model, its
+    SentencePiece tokenizer trained on the docs as the published ones are configured
+    (Gemma's without the space prefix, its turn markers special), saved as transformers
+    saves it."""
+    gemma = kind.startswith("gemma")
     lines = [
         line
         for path in sorted(DOCS.glob("*.md"))
@@ -69,7 +77,7 @@ def write_model(kind: str, out: Path) -> Any:
         add_dummy_prefix=not gemma,
         split_digits=True,
         allow_whitespace_only_pieces=True,
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"] if gemma else [],
+        user_defined_symbols=SYMBOLS.get(kind, []),
         bos_piece="<bos>" if gemma else "<s>",
         eos_piece="<eos>" if gemma else "</s>",
         unk_id=0,
@@ -106,6 +114,25 @@ def write_model(kind: str, out: Path) -> Any:
             pad_token_id=3,
         )
         model: Any = transformers.Gemma3ForCausalLM(config)
+    elif kind == "gemma2":
+        config = transformers.Gemma2Config(
+            **common,
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=3,
+        )
+        model = transformers.Gemma2ForCausalLM(config)
+    elif kind == "phi3":
+        config = transformers.Phi3Config(
+            **common, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=None
+        )
+        model = transformers.Phi3ForCausalLM(config)
     else:
         config = transformers.LlamaConfig(
             **common, num_hidden_layers=2, bos_token_id=1, eos_token_id=2
@@ -123,6 +150,7 @@ def write_model(kind: str, out: Path) -> Any:
         "bos_token": "<bos>" if gemma else "<s>",
         "eos_token": "<eos>" if gemma else "</s>",
         "unk_token": "<unk>",
+        "tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer",
     }
     if gemma:  # as Gemma's own: the turn markers are special tokens
         tokenizer_config["added_tokens_decoder"] = {
@@ -142,7 +170,7 @@ def convert(directory: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "llama"])
+@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma2", "gemma3"])
 def test_llama_cpp_s_own_files_read_as_llama_cpp_reads_them(kind: str, tmp_path: Path) -> None:
     from sluicegate.engine.torch import TorchEngine
     from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch

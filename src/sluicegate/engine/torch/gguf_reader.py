@@ -112,6 +112,7 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
     n_layers = int(key("block_count"))
     gemma = arch in GEMMA_ARCHS
     window = md.get(f"{arch}.attention.sliding_window") if gemma or arch == "phi3" else None
+    window = int(window) if window else None  # llama.cpp writes 0 for none
     sliding_layers = None
     if window is not None:
         # Newer converters say which layers slide (a period, or a flag per layer); else
@@ -143,7 +144,7 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         rope_scaling=scaling,
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
-        sliding_window=int(window) if window is not None else None,
+        sliding_window=window,
         sliding_layers=sliding_layers,
         rope_local_theta=(
             float(md.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
