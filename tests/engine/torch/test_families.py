@@ -33,7 +33,17 @@ VOCAB = 49152
 ROPE_THETA = 10000.0
 FAMILIES = ("qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 #: Families llama.cpp writes GGUF files of that the engine reads.
-GGUF_FAMILIES = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_FAMILIES = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "llama3")
+#: Llama 3.1's RoPE scaling (GGUF files only: a directory's is tests/engine/torch/
+#: test_model.py's), with an original context short enough that the tiny model's
+#: frequencies fall in all three of its bands.
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 #: The tiny Mistral's and Gemmas' sliding window: a chat prompt is several times longer.
 WINDOW = 8
 #: Families with a sliding window (Gemma's on every other layer).
@@ -57,6 +67,7 @@ def write_tiny(
     runs it (``multimodal``: Gemma 3's language model inside an image-and-text model, with
     a one-layer image encoder)."""
     kinds = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
+    kinds["llama3"] = "Llama"
     kind = kinds.get(family, family.capitalize())
     extra: dict[str, Any] = {"head_dim": 16} if family != "phi3" else {}
     extra["rope_theta"] = ROPE_THETA
@@ -87,6 +98,8 @@ def write_tiny(
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             },
         }
+    if family == "llama3":
+        extra["rope_scaling"] = LLAMA3_SCALING
     config_class = "Gemma3TextConfig" if family == "gemma3" else f"{kind}Config"
     extra.setdefault("num_hidden_layers", 2)
     config = getattr(transformers, config_class)(
@@ -162,7 +175,7 @@ def write_gguf(
     config = reference.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     gemma = family.startswith("gemma")
-    writer = gguf.GGUFWriter(out, family)
+    writer = gguf.GGUFWriter(out, "llama" if family == "llama3" else family)
     writer.add_name(f"tiny-{family}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -215,6 +228,8 @@ def write_gguf(
     # Phi-3's fused projections, kept fused.
     layer_names["self_attn.qkv_proj.weight"] = "attn_qkv.weight"
     layer_names["mlp.gate_up_proj.weight"] = "ffn_up.weight"
+    if family == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(head_dim))
     for name, tensor in reference.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied to the embedding
@@ -224,6 +239,9 @@ def write_gguf(
             layer, leaf = name.removeprefix("model.layers.").split(".", 1)
             target = f"blk.{layer}.{layer_names[leaf]}"
         data = tensor.detach().float()
+        if family == "llama3" and target.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in target else config.num_key_value_heads
+            data = permute_rotary_rows(data, heads)
         if gemma and target.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp's converter writes the scale Gemma applies, 1 + w
         writer.add_tensor(target, data.numpy())
@@ -232,6 +250,38 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def permute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's reordering of a Llama's query or key rows for its rotary kernel (each
+    head's halves interleaved), as its converter writes them."""
+    half = weight.shape[0] // n_heads // 2
+    w = weight.reshape(n_heads, 2, half, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def llama_cpp_rope_factors(head_dim: int) -> Any:
+    """Llama 3.1's scaling as llama.cpp's converter writes it: a divisor per frequency."""
+    import math
+
+    import numpy as np
+
+    s = LLAMA3_SCALING
+    old = float(s["original_max_position_embeddings"])
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * ROPE_THETA ** (i / head_dim)
+        if wavelength < high:
+            factors.append(1.0)
+        elif wavelength > low:
+            factors.append(s["factor"])
+        else:
+            smooth = (old / wavelength - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """GGUF files as llama.cpp itself writes them, read as llama.cpp reads them: tiny random
 Llama, Phi-3, Gemma 2 and Gemma 3 models with SentencePiece tokenizers (trained here),
-and a Qwen3 one with SmolLM2's byte-level BPE tokenizer, are converted by
+and Qwen3 and Llama 3.1 ones with SmolLM2's byte-level BPE tokenizer, are converted by
 llama.cpp's own ``convert_hf_to_gguf.py``; the engine's logits are transformers' on the
 source model, its token ids ``llama-server``'s ``/tokenize``, and its greedy answer
 ``llama-server``'s, past Gemma's sliding window.
@@ -164,11 +164,23 @@ def write_model(kind: str, out: Path) -> Any:
     return model.eval()
 
 
-def write_qwen(kind: str, tokenizer_dir: Path, out: Path) -> Any:
-    """A tiny random Qwen2 or Qwen3 model beside SmolLM2's tokenizer files (its query,
-    key and value biases or its query and key norms made large enough to matter)."""
-    classes = {"qwen2": "Qwen2", "qwen3": "Qwen3"}
+def write_bpe(kind: str, tokenizer_dir: Path, out: Path) -> Any:
+    """A tiny random Qwen2, Qwen3 or Llama 3.1 model beside SmolLM2's tokenizer files (its
+    query, key and value biases or its query and key norms made large enough to matter;
+    the Llama's RoPE scaled as Llama 3.1's, its original context short enough for the
+    tiny model's frequencies to fall in all three of its bands)."""
+    classes = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama3": "Llama"}
+    extra: dict[str, Any] = {}
+    if kind == "llama3":
+        extra["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
     config = getattr(transformers, f"{classes[kind]}Config")(
+        **extra,
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -202,16 +214,16 @@ def convert(directory: Path, out: Path) -> Path:
 
 
 # Not Qwen2: its converter does not know SmolLM2's pre-tokenizer (Qwen3's takes it).
-@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma2", "gemma3", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma2", "gemma3", "qwen3", "llama3"])
 def test_llama_cpp_s_own_files_read_as_llama_cpp_reads_them(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     from sluicegate.engine.torch import TorchEngine
     from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 
-    if kind.startswith("qwen"):
+    if kind in ("qwen3", "llama3"):
         tokenizer_dir = request.getfixturevalue("smollm2_hf_dir")
-        reference = write_qwen(kind, tokenizer_dir, tmp_path / kind)
+        reference = write_bpe(kind, tokenizer_dir, tmp_path / kind)
     else:
         reference = write_model(kind, tmp_path / kind)
     gguf = convert(tmp_path / kind, tmp_path / f"{kind}.gguf")

@@ -153,6 +153,7 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         ),
         gemma=gemma,
         query_pre_attn_scalar=scalar,
+        rope_freq_factors=_rope_freq_factors(gguf, head_dim),
         attn_logit_softcapping=_optional(md.get(f"{arch}.attn_logit_softcapping")),
         final_logit_softcapping=_optional(md.get(f"{arch}.final_logit_softcapping")),
     )
@@ -173,6 +174,18 @@ def _unfused(args: ModelArgs, name: str, weight: torch.Tensor) -> dict[str, torc
     return {name: weight}
 
 
+def _rope_freq_factors(gguf: GGUFFile, head_dim: int) -> tuple[float, ...] | None:
+    """Llama 3.1's RoPE scaling as llama.cpp writes it: a divisor per rotary frequency
+    (``rope_freqs.weight``, ``head_dim / 2`` of them)."""
+    tensor = gguf.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    factors = _dequantized(tensor).reshape(-1)
+    if factors.numel() != head_dim // 2:
+        raise ValueError(f"rope_freqs.weight has {factors.numel()} factors for {head_dim // 2}")
+    return tuple(float(x) for x in factors)
+
+
 def _optional(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -187,8 +200,6 @@ def _dequantized(tensor: Any) -> torch.Tensor:
 
 def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Dequantise every tensor, undo llama.cpp's Q/K permutation and fuse, in ``dtype``."""
-    if "rope_freqs.weight" in gguf.tensors:
-        raise ValueError("GGUF rope frequency factors (Llama 3.1 scaling) are not supported")
     arch = gguf.metadata.get("general.architecture")
     permuted = arch in PERMUTED_ARCHS
     layer_names = (
@@ -200,6 +211,8 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
     )
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in gguf.tensors.items():
+        if name == "rope_freqs.weight":
+            continue  # read into ModelArgs.rope_freq_factors
         if name in _GLOBAL_NAMES:
             hf_name = _GLOBAL_NAMES[name]
         else:

@@ -53,6 +53,9 @@ class ModelArgs:
     #: Gemma 3's RoPE base of its windowed layers (unscaled); None: they rotate as the
     #: others do.
     rope_local_theta: float | None = None
+    #: Each rotary frequency's divisor, as llama.cpp writes Llama 3.1's scaling into a GGUF
+    #: file (``rope_freqs.weight``: its ``llama3`` parameters are not kept); None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
     #: Gemma 2's layout (and Gemma 3's): norms scale by ``1 + w`` (in float32), the
     #: attention's and the MLP's outputs are normed again before their residuals, the
     #: embeddings are scaled by ``sqrt(dim)``, the MLP's gate is GeLU (tanh); and its
@@ -92,8 +95,9 @@ class ModelArgs:
     def from_dict(cls, data: dict[str, Any]) -> ModelArgs:
         values = dict(data)
         scaling = values.pop("rope_scaling", None)
-        if values.get("sliding_layers") is not None:  # a JSON list
-            values["sliding_layers"] = tuple(values["sliding_layers"])
+        for name in ("sliding_layers", "rope_freq_factors"):  # JSON lists
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
         return cls(**values, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
 
@@ -102,6 +106,8 @@ def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
     dim = args.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
     inv_freq = 1.0 / (args.rope_theta**exponents)  # [hd/2]
+    if args.rope_freq_factors is not None:
+        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
     scaling = args.rope_scaling
     if scaling is None:
         return inv_freq
@@ -135,7 +141,10 @@ def local_rope_tables(args: ModelArgs, length: int) -> tuple[Tensor, Tensor] | N
     None when they rotate as the others do."""
     if args.rope_local_theta is None:
         return None
-    return rope_tables(replace(args, rope_theta=args.rope_local_theta, rope_scaling=None), length)
+    local = replace(
+        args, rope_theta=args.rope_local_theta, rope_scaling=None, rope_freq_factors=None
+    )
+    return rope_tables(local, length)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
