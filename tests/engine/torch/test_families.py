@@ -62,12 +62,28 @@ def tokenizer_dir(smollm2_hf_dir: Path) -> Path:
 def write_tiny(
     family: str, tokenizer_dir: Path, out: Path, multimodal: bool = False
 ) -> torch.nn.Module:
-    """A 2-layer (Gemma 3: 6-layer) random ``family`` model saved by transformers into
-    ``out`` (with the tokenizer's files); returns the model, in float32, as transformers
-    runs it (``multimodal``: Gemma 3's language model inside an image-and-text model, with
-    a one-layer image encoder)."""
-    kinds = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
-    kinds["llama3"] = "Llama"
+    """A tiny random ``family`` model (:func:`tiny_model`) saved by transformers into
+    ``out`` with the tokenizer's files; returns the model, in float32, as transformers runs
+    it."""
+    model = tiny_model(family, multimodal)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, out / name)
+    return model
+
+
+def tiny_model(family: str, multimodal: bool = False, **config_values: Any) -> Any:
+    """A 2-layer (Gemma 3: 6-layer) random ``family`` model over SmolLM2's vocabulary (or
+    what ``config_values`` say otherwise), in float32, computing as transformers does with
+    its eager attention (``multimodal``: Gemma 3's language model inside an
+    image-and-text model, with a one-layer image encoder)."""
+    kinds = {
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "mistral": "Mistral",
+        "phi3": "Phi3",
+        "llama3": "Llama",
+    }
     kind = kinds.get(family, family.capitalize())
     extra: dict[str, Any] = {"head_dim": 16} if family != "phi3" else {}
     extra["rope_theta"] = ROPE_THETA
@@ -101,19 +117,19 @@ def write_tiny(
     if family == "llama3":
         extra["rope_scaling"] = LLAMA3_SCALING
     config_class = "Gemma3TextConfig" if family == "gemma3" else f"{kind}Config"
-    extra.setdefault("num_hidden_layers", 2)
-    config = getattr(transformers, config_class)(
-        **extra,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=family != "phi3",
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    values: dict[str, Any] = {
+        "num_hidden_layers": 2,
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": family != "phi3",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    config = getattr(transformers, config_class)(**(values | extra | config_values))
     torch.manual_seed(0)
     if multimodal:
         vision = transformers.SiglipVisionConfig(
@@ -141,12 +157,8 @@ def write_tiny(
                 parameter.normal_(0.0, 0.5).add_(1.0 if "norm" in name else 0.0)
             elif family.startswith("gemma"):  # norms stored as w, applied as 1 + w
                 parameter.normal_(0.0, 0.3 if "norm" in name else 0.1)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, out / name)
     model.config._attn_implementation = "eager"
-    result: torch.nn.Module = model.eval()
-    return result
+    return model.eval()
 
 
 @pytest.fixture(scope="module")

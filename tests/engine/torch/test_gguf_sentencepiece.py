@@ -40,8 +40,9 @@ TEXTS = [
 ]
 
 
-def train(add_space_prefix: bool) -> Any:
-    """A 700-piece SentencePiece BPE model of this repository's docs."""
+def train(add_space_prefix: bool, **options: Any) -> Any:
+    """A 700-piece SentencePiece BPE model of this repository's docs (``options``: the
+    trainer's, over these)."""
     lines = [
         line
         for path in sorted(DOCS.glob("*.md"))
@@ -61,7 +62,7 @@ def train(add_space_prefix: bool) -> Any:
         add_dummy_prefix=add_space_prefix,
         split_digits=True,
         allow_whitespace_only_pieces=True,
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        **({"user_defined_symbols": ["<start_of_turn>", "<end_of_turn>"]} | options),
         minloglevel=2,
     )
     return spm.SentencePieceProcessor(model_proto=model.getvalue())

@@ -13,7 +13,6 @@ builds them).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -24,10 +23,10 @@ from typing import Any
 
 import httpx
 import pytest
-import sentencepiece as spm
 import torch
 
-from tests.engine.torch.test_gguf_sentencepiece import DOCS, TEXTS
+from tests.engine.torch.test_families import tiny_model, write_tiny
+from tests.engine.torch.test_gguf_sentencepiece import TEXTS, train
 from tests.upstream.test_peers import Peer
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -41,7 +40,6 @@ if not (SOURCE / "convert_hf_to_gguf.py").is_file() or not BINARY:
         allow_module_level=True,
     )
 
-transformers = pytest.importorskip("transformers")
 PROMPT = "What is backpressure in a serving system?"
 #: Logits this close are a tie between llama.cpp's float32 and the engine's.
 TIE = 1e-4
@@ -55,30 +53,13 @@ MARKED = "<start_of_turn>user\nHi<end_of_turn>"
 
 
 def write_model(kind: str, out: Path) -> Any:
-    """A tiny random ``kind`` (``llama``, ``phi3``, ``gemma2``, ``gemma3``) model, its
+    """A tiny random ``kind`` (``llama``, ``phi3``, ``gemma2``, ``gemma3``) model with a
     SentencePiece tokenizer trained on the docs as the published ones are configured
     (Gemma's without the space prefix, its turn markers special), saved as transformers
     saves it."""
     gemma = kind.startswith("gemma")
-    lines = [
-        line
-        for path in sorted(DOCS.glob("*.md"))
-        for line in path.read_text(encoding="utf-8").splitlines()
-        if line.strip()
-    ]
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=proto,
-        model_type="bpe",
-        vocab_size=700,
-        byte_fallback=True,
-        character_coverage=0.995,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=not gemma,
-        split_digits=True,
-        allow_whitespace_only_pieces=True,
+    sp = train(
+        not gemma,
         user_defined_symbols=SYMBOLS.get(kind, []),
         bos_piece="<bos>" if gemma else "<s>",
         eos_piece="<eos>" if gemma else "</s>",
@@ -86,61 +67,14 @@ def write_model(kind: str, out: Path) -> Any:
         bos_id=2 if gemma else 1,
         eos_id=1 if gemma else 2,
         pad_id=3 if gemma else -1,
-        minloglevel=2,
     )
     out.mkdir(parents=True)
-    (out / "tokenizer.model").write_bytes(proto.getvalue())
-    common = dict(
-        vocab_size=700,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
+    (out / "tokenizer.model").write_bytes(sp.serialized_model_proto())
+    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": None}
     if gemma:
-        config = transformers.Gemma3TextConfig(
-            **common,
-            num_hidden_layers=6,
-            head_dim=16,
-            sliding_window=8,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention"] * 5 + ["full_attention"],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-            },
-            bos_token_id=2,
-            eos_token_id=1,
-            pad_token_id=3,
-        )
-        model: Any = transformers.Gemma3ForCausalLM(config)
-    elif kind == "gemma2":
-        config = transformers.Gemma2Config(
-            **common,
-            num_hidden_layers=2,
-            head_dim=16,
-            sliding_window=8,
-            query_pre_attn_scalar=16,
-            attn_logit_softcapping=2.0,
-            final_logit_softcapping=3.0,
-            bos_token_id=2,
-            eos_token_id=1,
-            pad_token_id=3,
-        )
-        model = transformers.Gemma2ForCausalLM(config)
-    elif kind == "phi3":
-        config = transformers.Phi3Config(
-            **common, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=None
-        )
-        model = transformers.Phi3ForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(
-            **common, num_hidden_layers=2, bos_token_id=1, eos_token_id=2
-        )
-        model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
+        ids["pad_token_id"] = sp.pad_id()
+    model = tiny_model(kind, vocab_size=sp.get_piece_size(), tie_word_embeddings=gemma, **ids)
+    with torch.no_grad():  # every weight, so that no logits tie by chance
         for name, parameter in model.named_parameters():
             parameter.normal_(0.0, 0.3 if "norm" in name else 0.1)
             if "norm" in name and not gemma:
@@ -160,48 +94,7 @@ def write_model(kind: str, out: Path) -> Any:
             for i, text in ((4, "<start_of_turn>"), (5, "<end_of_turn>"))
         }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    model.config._attn_implementation = "eager"
-    return model.eval()
-
-
-def write_bpe(kind: str, tokenizer_dir: Path, out: Path) -> Any:
-    """A tiny random Qwen2, Qwen3 or Llama 3.1 model beside SmolLM2's tokenizer files (its
-    query, key and value biases or its query and key norms made large enough to matter;
-    the Llama's RoPE scaled as Llama 3.1's, its original context short enough for the
-    tiny model's frequencies to fall in all three of its bands)."""
-    classes = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama3": "Llama"}
-    extra: dict[str, Any] = {}
-    if kind == "llama3":
-        extra["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-    config = getattr(transformers, f"{classes[kind]}Config")(
-        **extra,
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model: Any = getattr(transformers, f"{classes[kind]}ForCausalLM")(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight")):
-                parameter.normal_(0.0, 0.5).add_(1.0 if "norm" in name else 0.0)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
-    model.config._attn_implementation = "eager"
-    return model.eval()
+    return model
 
 
 def convert(directory: Path, out: Path) -> Path:
@@ -223,7 +116,7 @@ def test_llama_cpp_s_own_files_read_as_llama_cpp_reads_them(
 
     if kind in ("qwen3", "llama3"):
         tokenizer_dir = request.getfixturevalue("smollm2_hf_dir")
-        reference = write_bpe(kind, tokenizer_dir, tmp_path / kind)
+        reference = write_tiny(kind, tokenizer_dir, tmp_path / kind)
     else:
         reference = write_model(kind, tmp_path / kind)
     gguf = convert(tmp_path / kind, tmp_path / f"{kind}.gguf")

@@ -102,8 +102,8 @@ class AttentionBatch:
     #: The rows that are answer tokens, and among the logit rows those that are.
     answers: AnswerRows = NO_ANSWERS
     logit_answers: AnswerRows = NO_ANSWERS
-    #: The masks of windowed layers, by window (:meth:`biases`): made once a step.
-    _windowed: dict[int, tuple[Tensor, list[Tensor]]] = field(default_factory=dict)
+    #: The masks by window (:meth:`biases`): made once a step, not once a layer.
+    _biases: dict[int | None, tuple[Tensor, list[Tensor]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -114,16 +114,17 @@ class AttentionBatch:
         the whole context (``window`` None) or to its last ``window`` positions (a query
         sees itself and the ``window - 1`` keys before it; the ones before those are
         masked as the padding is, so a row's arithmetic is still its own)."""
-        if window is None:
-            return self.decode_bias, [chunk.bias for chunk in self.prefills]
-        if window not in self._windowed:
-            decode = _windowed(self.decode_bias, self.positions[: self.num_decode], window)
-            chunks = [
-                _windowed(chunk.bias, torch.arange(chunk.start, chunk.start + chunk.length), window)
-                for chunk in self.prefills
-            ]
-            self._windowed[window] = (decode, chunks)
-        return self._windowed[window]
+        if window not in self._biases:
+            decode = self.decode_bias
+            chunks = [chunk.bias for chunk in self.prefills]
+            if window is not None:
+                decode = _windowed(decode, self.positions[: self.num_decode], window)
+                chunks = [
+                    _windowed(bias, torch.arange(c.start, c.start + c.length), window)
+                    for c, bias in zip(self.prefills, chunks, strict=True)
+                ]
+            self._biases[window] = (decode, chunks)
+        return self._biases[window]
 
 
 def _windowed(bias: Tensor, positions: Tensor, window: int) -> Tensor:

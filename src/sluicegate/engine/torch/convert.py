@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from sluicegate.engine.families import SUPPORTED_MODEL_TYPES
-from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling
+from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling, windowed_layers
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -26,24 +26,37 @@ def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
+def unfused(args: ModelArgs, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: weight}``, or Phi-3's fused projections (``self_attn.qkv_proj``,
+    ``mlp.gate_up_proj``) cut into Hugging Face's separate ones: the query, key and value
+    rows; the MLP's gate rows, then its up rows."""
+    prefix, _, leaf = name.rpartition(".self_attn.")
+    if leaf == "qkv_proj.weight":
+        sizes = [args.n_heads * args.head_dim, *[args.n_kv_heads * args.head_dim] * 2]
+        parts = torch.split(weight, sizes)
+        return {f"{prefix}.self_attn.{x}_proj.weight": w for x, w in zip("qkv", parts, strict=True)}
+    prefix, _, leaf = name.rpartition(".mlp.")
+    if leaf == "gate_up_proj.weight":
+        gate, up = weight.chunk(2)
+        return {f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up}
+    return {name: weight}
+
+
 def split_fused(
     args: ModelArgs, get: Callable[[str], torch.Tensor]
 ) -> Callable[[str], torch.Tensor]:
-    """``get`` for a checkpoint with Phi-3's fused projections (``self_attn.qkv_proj``,
-    ``mlp.gate_up_proj``): the separate Hugging Face names, cut from them."""
-    hd = args.head_dim
-    sizes = {"q": args.n_heads * hd, "k": args.n_kv_heads * hd, "v": args.n_kv_heads * hd}
+    """``get`` for a checkpoint with Phi-3's fused projections: the separate Hugging Face
+    names, cut from them (:func:`unfused`)."""
 
     def cut(name: str) -> torch.Tensor:
         prefix, _, leaf = name.rpartition(".self_attn.")
+        fused = None
         if leaf in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
-            q, k, v = torch.split(get(f"{prefix}.self_attn.qkv_proj.weight"), list(sizes.values()))
-            return {"q": q, "k": k, "v": v}[leaf[0]]
+            fused = f"{prefix}.self_attn.qkv_proj.weight"
         prefix, _, leaf = name.rpartition(".mlp.")
         if leaf in ("gate_proj.weight", "up_proj.weight"):
-            gate, up = get(f"{prefix}.mlp.gate_up_proj.weight").chunk(2)
-            return gate if leaf.startswith("gate") else up
-        return get(name)
+            fused = f"{prefix}.mlp.gate_up_proj.weight"
+        return get(name) if fused is None else unfused(args, fused, get(fused))[name]
 
     return cut
 
@@ -168,6 +181,10 @@ def hf_config_dict(args: ModelArgs) -> dict[str, Any]:
     return config
 
 
+#: Gemma 3: one layer in this many attends to the whole context, the others within the
+#: window, turning by a RoPE base of their own (these, unless the config says otherwise).
+GEMMA3_WINDOW_PERIOD = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 #: What a Gemma 3 ``text_config`` leaves out, :class:`transformers.Gemma3TextConfig`'s
 #: defaults (the 4B, 12B and 27B checkpoints' configs name only what differs).
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
@@ -179,10 +196,10 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
+    "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
-    "sliding_window_pattern": 6,
+    "sliding_window_pattern": GEMMA3_WINDOW_PERIOD,
     "tie_word_embeddings": True,
 }
 
@@ -291,10 +308,10 @@ def _sliding_layers(config: Mapping[str, Any], model_type: str, n_layers: int) -
     if types:
         return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     if model_type == "gemma2":
-        return tuple(range(0, n_layers, 2))
+        return windowed_layers(n_layers, 2)
     if model_type == "gemma3_text":
-        pattern = int(config.get("sliding_window_pattern") or 6)
-        return tuple(i for i in range(n_layers) if (i + 1) % pattern)
+        period = int(config.get("sliding_window_pattern") or GEMMA3_WINDOW_PERIOD)
+        return windowed_layers(n_layers, period)
     if model_type in ("qwen2", "qwen3"):
         return tuple(range(int(config.get("max_window_layers", n_layers)), n_layers))
     return tuple(range(n_layers))

@@ -13,8 +13,14 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from sluicegate.engine.families import SUPPORTED_GGUF_ARCHITECTURES
-from sluicegate.engine.torch.convert import fuse_layer_weights, unpermute_rotary_rows
-from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling
+from sluicegate.engine.torch.convert import (
+    GEMMA3_LOCAL_ROPE_THETA,
+    GEMMA3_WINDOW_PERIOD,
+    fuse_layer_weights,
+    unfused,
+    unpermute_rotary_rows,
+)
+from sluicegate.engine.torch.model_args import ModelArgs, RopeScaling, windowed_layers
 
 #: Architectures whose query and key rows llama.cpp's converter reorders for its rotary
 #: kernel (Llama's); Qwen's keep Hugging Face's layout (its rotation is NEOX-style).
@@ -56,13 +62,18 @@ _PHI3_LAYER_NAMES = _LAYER_NAMES | {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+}
 #: What llama.cpp takes from the layer count rather than the file: the 27B models scale
 #: queries by ``dim / n_heads`` rather than ``head_dim`` (Gemma 2's has 46 layers, Gemma
-#: 3's 62); Gemma 3's windowed layers, five in six, turn by a RoPE base of 10,000 (newer
-#: converters write it: ``gemma3.rope.freq_base_swa``).
+#: 3's 62); which layers are windowed (the families' rule, as in a directory's config),
+#: and Gemma 3's windowed layers' RoPE base (newer converters write it:
+#: ``gemma3.rope.freq_base_swa``).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-GEMMA3_LOCAL_ROPE_THETA = 10_000.0
-GEMMA3_WINDOW_PATTERN = 6
+_WINDOW_PERIOD = {"gemma2": 2, "gemma3": GEMMA3_WINDOW_PERIOD}
 
 
 @dataclass(slots=True)
@@ -113,18 +124,6 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
     gemma = arch in GEMMA_ARCHS
     window = md.get(f"{arch}.attention.sliding_window") if gemma or arch == "phi3" else None
     window = int(window) if window else None  # llama.cpp writes 0 for none
-    sliding_layers = None
-    if window is not None:
-        # Newer converters say which layers slide (a period, or a flag per layer); else
-        # llama.cpp's rule: every other one (Gemma 2), five in six (Gemma 3).
-        pattern = md.get(f"{arch}.attention.sliding_window_pattern")
-        if isinstance(pattern, list):
-            sliding_layers = tuple(i for i, flag in enumerate(pattern) if flag)
-        elif arch == "phi3":
-            sliding_layers = None  # every layer
-        else:
-            period = int(pattern or (2 if arch == "gemma2" else GEMMA3_WINDOW_PATTERN))
-            sliding_layers = tuple(i for i in range(n_layers) if (i + 1) % period)
     scalar = None
     if gemma:
         wide = n_layers == _GEMMA_27B_LAYERS[arch]
@@ -145,7 +144,7 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
         sliding_window=window,
-        sliding_layers=sliding_layers,
+        sliding_layers=_sliding_layers(md, arch, n_layers) if window else None,
         rope_local_theta=(
             float(md.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
             if arch == "gemma3"
@@ -159,19 +158,14 @@ def gguf_model_args(gguf: GGUFFile) -> ModelArgs:
     )
 
 
-def _unfused(args: ModelArgs, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``{name: weight}``, or Phi-3's fused projections cut into Hugging Face's separate
-    ones (the query, key and value rows; the MLP's gate rows, then its up rows)."""
-    prefix, _, leaf = name.rpartition(".self_attn.")
-    if leaf == "qkv_proj.weight":
-        sizes = [args.n_heads * args.head_dim, *[args.n_kv_heads * args.head_dim] * 2]
-        parts = torch.split(weight, sizes)
-        return {f"{prefix}.self_attn.{x}_proj.weight": w for x, w in zip("qkv", parts, strict=True)}
-    prefix, _, leaf = name.rpartition(".mlp.")
-    if leaf == "gate_up_proj.weight":
-        gate, up = weight.chunk(2)
-        return {f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up}
-    return {name: weight}
+def _sliding_layers(md: dict[str, Any], arch: str, n_layers: int) -> tuple[int, ...] | None:
+    """The windowed layers (None: every one): as newer converters say (a period, or a flag
+    per layer), else llama.cpp's rule for the family (Phi-3: every layer)."""
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return tuple(i for i, flag in enumerate(pattern) if flag)
+    period = int(pattern or _WINDOW_PERIOD.get(arch, 0))
+    return windowed_layers(n_layers, period) if period else None
 
 
 def _rope_freq_factors(gguf: GGUFFile, head_dim: int) -> tuple[float, ...] | None:
@@ -202,13 +196,7 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
     """Dequantise every tensor, undo llama.cpp's Q/K permutation and fuse, in ``dtype``."""
     arch = gguf.metadata.get("general.architecture")
     permuted = arch in PERMUTED_ARCHS
-    layer_names = (
-        _GEMMA_LAYER_NAMES
-        if arch in GEMMA_ARCHS
-        else _PHI3_LAYER_NAMES
-        if arch == "phi3"
-        else _LAYER_NAMES
-    )
+    layer_names = _ARCH_LAYER_NAMES.get(str(arch), _LAYER_NAMES)
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in gguf.tensors.items():
         if name == "rope_freqs.weight":
@@ -229,7 +217,7 @@ def gguf_state_dict(gguf: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict
             weight = unpermute_rotary_rows(weight, args.n_heads)
         elif permuted and hf_name.endswith("k_proj.weight"):
             weight = unpermute_rotary_rows(weight, args.n_kv_heads)
-        hf.update(_unfused(args, hf_name, weight))
+        hf.update(unfused(args, hf_name, weight))
 
     def get(name: str) -> torch.Tensor:
         try:

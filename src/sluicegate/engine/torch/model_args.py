@@ -101,6 +101,12 @@ class ModelArgs:
         return cls(**values, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
 
+def windowed_layers(n_layers: int, period: int) -> tuple[int, ...]:
+    """The windowed layers when all but every ``period``-th one are (Gemma 2: every other
+    one from the first; Gemma 3: five in six)."""
+    return tuple(i for i in range(n_layers) if (i + 1) % period)
+
+
 def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
     """``inv_freq`` ``[head_dim / 2]`` exactly as Hugging Face computes it (float32)."""
     dim = args.head_dim
