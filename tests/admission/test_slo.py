@@ -201,7 +201,7 @@ def test_an_admission_uses_its_own_promise_and_unclaimed_promises_lapse() -> Non
     clock.advance(60.0)  # nobody came for the other one
     p.predict(busy(), [], 1, 10, 1.0)
     assert p.snapshot()["promised_seats"] == 0 and p.snapshot()["promises_lapsed"] == 1
-    assert p.return_rate < 1.0
+    assert p.promises.return_rate < 1.0
 
 
 def test_a_client_refused_again_keeps_one_promise() -> None:
@@ -272,20 +272,20 @@ def test_a_client_back_at_its_time_is_refused_only_past_the_late_tolerance() -> 
 
 def test_seats_are_held_for_the_share_of_clients_that_come_back() -> None:
     p, clock = predictor(return_prior=0.8)
-    assert p.return_rate == pytest.approx(0.8)  # before any promise is due
+    assert p.promises.return_rate == pytest.approx(0.8)  # before any promise is due
     queued = [request() for _ in range(4)]
     for i in range(10):
         p.refuse([], queued, 1, 1.0, 10, client(i))
     clock.advance(40.0)  # none came back
     p.snapshot()
     assert p.snapshot()["promises_lapsed"] == 10
-    assert p.return_rate == pytest.approx(1.6 / 12)
+    assert p.promises.return_rate == pytest.approx(1.6 / 12)
     for i in range(10):  # then every one does
         retry = p.refuse([], queued, 1, 1.0, 10, client(100 + i)).retry_after_seconds
         clock.advance(retry)
         p.admitted(client(100 + i))
         clock.advance(-retry)
-    assert p.return_rate == pytest.approx(11.6 / 22)
+    assert p.promises.return_rate == pytest.approx(11.6 / 22)
 
 
 def test_a_newcomer_may_delay_a_promised_client_within_its_late_tolerance() -> None:
@@ -350,7 +350,72 @@ def test_a_lone_promise_holds_no_seat_once_most_refused_clients_never_return() -
     for i in range(1, 3):  # nor did two more
         p.refuse(holders, queued, 0, objective, 10, client(i))
         clock.advance(30.0)
-    assert p.snapshot()["promises_lapsed"] == 3 and p.return_rate < 0.5
+    assert p.snapshot()["promises_lapsed"] == 3 and p.promises.return_rate < 0.5
     lone = p.refuse(holders, queued, 0, objective, 10, client(3))
     clock.advance(lone.retry_after_seconds - 0.1)
     assert not p.predict(busy(), [], 1, 10, objective, client(99)).harms_promised
+
+
+def prefilling(tokens: int) -> Request:
+    """A holder whose prompt of ``tokens`` has not started."""
+    return Request(f"p{id(object())}", [1] * tokens, SamplingParams(max_tokens=20, seed=1))
+
+
+#: The engine prefills one prompt at a time when loaded (stall-free prefill), measured at
+#: 100 prompt tokens a second while prompts waited; the cost model says prefill is free.
+SERIAL = replace(
+    ESTIMATE,
+    mean_prompt_tokens=100.0,
+    prefill_step_seconds=0.04,
+    prefill_tokens_per_second=100.0,
+    long_prompt_tokens=1000,
+)
+
+
+def test_prompts_wait_in_one_line_for_a_serial_prefill() -> None:
+    """Under stall-free prefill the engine prefills its prompts one after another: a
+    newcomer that finds a free seat still waits for the prompts ahead of it, at the rate
+    measured while prompts waited."""
+    clock = FakeClock()
+    p = TTFTPredictor(lambda: SERIAL, clock, max_retry_after_seconds=30.0, return_prior=1.0)
+    ahead = [prefilling(100), prefilling(100)]
+    prediction = p.predict(ahead, [], 2, 100, objective_seconds=5.0)
+    assert prediction.wait_seconds == 0
+    assert prediction.ttft_seconds == pytest.approx(3.0)  # two prompts, then its own
+    # The same engine prefilling each prompt in its own seat's time: 0 s.
+    parallel = TTFTPredictor(lambda: replace(SERIAL, prefill_step_seconds=None), clock)
+    assert parallel.predict(ahead, [], 2, 100, objective_seconds=5.0).ttft_seconds < 0.5
+
+
+def test_refused_clients_are_booked_at_the_rate_prompts_are_prefilled() -> None:
+    """Four seats free a second apart would take four clients a second; a serial prefill
+    of a second a prompt takes one: the bookings are a second apart, not a quarter."""
+    clock = FakeClock()
+    p = TTFTPredictor(lambda: SERIAL, clock, max_retry_after_seconds=30.0, return_prior=1.0)
+    holders = [request(produced=i) for i in (5, 10, 15, 19)]
+    times = [p.refuse(holders, [], 0, 0.5, 100, client(i)).retry_after_seconds for i in range(5)]
+    # (The first comes back half its objective's budget before its slot; each after it a
+    # prompt's prefill after the one before.)
+    assert all(b - a >= 1.0 - 1e-9 for a, b in itertools.pairwise(times[1:]))
+    seats_only = TTFTPredictor(
+        lambda: replace(SERIAL, prefill_step_seconds=None), clock, return_prior=1.0
+    )
+    times = [
+        seats_only.refuse(holders, [], 0, 0.5, 100, client(i)).retry_after_seconds for i in range(5)
+    ]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 0.5
+
+
+def test_refused_clients_are_booked_on_the_booking_limit() -> None:
+    """Seats the engine has not shown it sustains are not promised: four seats open, two
+    to book on, and the promises come half as fast."""
+    clock = FakeClock()
+    estimates = {"now": ESTIMATE}
+    p = TTFTPredictor(lambda: estimates["now"], clock, return_prior=1.0)
+    holders = [request(produced=i) for i in (5, 10, 15, 19)]
+    four = [p.refuse(holders, [], 0, 0.5, 10, client(i)).retry_after_seconds for i in range(8)]
+    clock2 = FakeClock()
+    estimates["now"] = replace(ESTIMATE, booking_seat_limit=2)
+    q = TTFTPredictor(lambda: estimates["now"], clock2, return_prior=1.0)
+    two = [q.refuse(holders, [], 0, 0.5, 10, client(i)).retry_after_seconds for i in range(8)]
+    assert two[-1] - two[0] > 1.5 * (four[-1] - four[0])

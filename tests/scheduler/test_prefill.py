@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from sluicegate.scheduler.cost_model import StepShape, chunk_seconds, chunk_tokens
-from sluicegate.scheduler.prefill import PrefillConfig
+from sluicegate.scheduler.prefill import PrefillConfig, StepTimeBudget
+from sluicegate.scheduler.prefill_rate import MIN_STEPS as MIN_RATE_STEPS
+from sluicegate.scheduler.prefill_rate import PrefillRate
 from sluicegate.scheduler.request import Request, RequestStatus
 from sluicegate.scheduler.scheduler import Scheduler
 from sluicegate.scheduler.step import StepPlan
@@ -341,3 +343,71 @@ def test_a_long_prompt_cancelled_while_passed_over_leaves_nothing_behind() -> No
     sched.finish_request("long", RequestStatus.FINISHED_ABORTED)
     step(sched, engine)
     assert sched.prefill.snapshot()["long_passed_over"] == 0
+
+
+def test_a_prompt_is_paced_to_its_first_tokens_due_time() -> None:
+    """Beside decoders that fill the step's target, a prompt whose first token is due gets
+    the tokens that prefill it in half the time left (never past the TPOT objective);
+    behind that pace a short prompt is prefilled at once, whole, and a long one gets all
+    the objective leaves."""
+    cost = calibrated().cost
+
+    def tokens(wanted: int, due: float | None, short: bool = True) -> int:
+        # 23 ms of the 50 ms objective left after the decoders; the target's none.
+        budget = StepTimeBudget(cost, 0.0, 4, 0, 0.023, 0.05)
+        return budget.tokens_for(0, wanted, due, short=short)
+
+    most = chunk_tokens(cost.coefficients, 0, 0.023)
+    assert 15 <= most <= 20
+    assert tokens(60, None) == 4  # no due time: the floor
+    # Due in 0.62 s: six 50 ms steps in half of it; 60 tokens take four at most: 10 a step.
+    assert tokens(60, 0.62) == 10
+    assert chunk_seconds(cost.coefficients, 0, 10) <= 0.023
+    # Due in 0.25 s: 2.5 steps in half of it, not enough: the short prompt goes whole.
+    assert tokens(60, 0.25) == 60
+    assert tokens(60, -1.0) == 60  # late already
+    # A long one behind its pace: all the objective leaves (as fast as the streams beside
+    # it allow), however long.
+    assert tokens(60, 0.25, short=False) == most
+    assert tokens(2000, 0.25, short=False) == most
+
+
+def test_a_short_prompt_due_soon_is_prefilled_in_one_step_beside_the_decoders() -> None:
+    clock = FakeClock()
+    sched, engine = calibrated(clock), FakeEngine()
+    sched.prefill.config = replace(sched.prefill.config, tpot_objective_seconds=0.05)
+    decoding(sched, engine, 6)  # (two of the eight slots left)
+    plain = make_request("plain", 60, 4)
+    sched.add_request(plain)
+    assert 0 < prompt_tokens_of(step(sched, engine), "plain") < 60  # no due time: chunks
+    while plain.num_output_tokens == 0:
+        step(sched, engine)
+    due = make_request("due", 60, 4)
+    due.pace.first_token_due = clock() + 0.2
+    sched.add_request(due)
+    plan = step(sched, engine)
+    assert prompt_tokens_of(plan, "due") == 60 and due.num_output_tokens == 1
+    assert sched.prefill.snapshot()["hurried_steps"] == 1
+
+
+def test_the_prefill_rate_is_measured_on_steps_that_had_more_prompt_to_give() -> None:
+    """Admission books refused clients at the slower of the cost model's prefill and the
+    rate measured while prompts waited: only steps that the budget cut short count (one
+    that prefilled all there was says nothing of how much more it could have)."""
+    rate = PrefillRate()
+    for _ in range(MIN_RATE_STEPS - 1):
+        rate.observe(20, 0.1)
+    assert rate.tokens_per_second is None  # too few yet
+    rate.observe(20, 0.1)
+    assert rate.tokens_per_second == pytest.approx(200.0)
+    sched, engine = calibrated(), FakeEngine()
+    sched.prefill.config = replace(sched.prefill.config, tpot_objective_seconds=0.05)
+    decoding(sched, engine, 6)
+    assert sched.prefill.rate.tokens_per_second is None  # no prompt waited for a step
+    sched.add_request(make_request("long", 1000, 4))
+    for _ in range(12):
+        plan = step(sched, engine)
+        sched.record_step(plan, law_seconds(StepShape.of(plan)))
+    measured = sched.prefill.rate.tokens_per_second
+    assert measured is not None and 50 < measured < 1000
+    assert sched.seats.estimate.prefill_tokens_per_second in (None, measured)

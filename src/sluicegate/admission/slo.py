@@ -36,13 +36,13 @@ Pure bookkeeping on a clock; the event loop owns it.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sluicegate.admission.objectives import Objectives
+from sluicegate.admission.promises import RETURN_PRIOR, PromiseBook
 from sluicegate.admission.work import (
     ahead_in_lane,
     expected_output,
@@ -98,13 +98,6 @@ class Refusal:
     held: bool
 
 
-#: Promises whose outcome (claimed or lapsed) sets the share of seats held, and the share
-#: assumed before any: most clients retry (the OpenAI SDKs do, twice, at the time told),
-#: and seats held for all would leave none for a newcomer while one refused client does
-#: not come back.
-_RETURN_WINDOW = 32
-RETURN_PRIOR = 0.8
-
 #: A refused client back at its time is admitted unless its predicted TTFT passes this
 #: multiple of its objective (its seat was booked on a prediction), and a newcomer is
 #: refused only if it would push a promised client past that.
@@ -118,9 +111,6 @@ IDLE_BELOW = 2
 #: through as if it were idle (its prompt beside the streams decoding must meet its
 #: objective).
 QUIET_AFTER_REFUSAL_SECONDS = 10.0
-
-#: A returning client may come back this much before its time and still claim its seat.
-EARLY_SECONDS = 0.25
 
 #: Recent TTFT errors kept, the fewest that set a margin, and the quantile it is.
 _TTFT_ERROR_WINDOW = 200
@@ -143,20 +133,10 @@ class TTFTPredictor:
         self._estimate = estimate
         self._clock = clock
         self.max_retry_after_seconds = max_retry_after_seconds
-        self.promise_grace_seconds = promise_grace_seconds
-        #: When refused clients were told to come back, and their requests' fingerprints
-        #: (a min-heap of (time, sequence, fingerprint)).
-        self._promises: list[tuple[float, int, bytes | None]] = []
-        self._sequence = itertools.count()
+        #: When refused clients were told to come back, and how many do.
+        self.promises = PromiseBook(promise_grace_seconds, return_prior)
         #: Measured over predicted queue wait (EWMA of the log ratio).
         self._log_ratio = 0.0
-        #: Whether each of the last promises due was claimed (seats are held in the share
-        #: that was: :attr:`return_rate`).
-        self._outcomes: deque[bool] = deque(maxlen=_RETURN_WINDOW)
-        self._return_prior = return_prior
-        #: Promises claimed by their clients, and lapsed unclaimed, since the start.
-        self.num_claimed = 0
-        self.num_lapsed = 0
         #: Measured minus predicted TTFT of recent admitted requests (before the margin).
         self._ttft_errors: deque[float] = deque(maxlen=_TTFT_ERROR_WINDOW)
         self._last_refusal = -math.inf
@@ -184,6 +164,21 @@ class TTFTPredictor:
         """Its prompt's prefill beside ``num_decoding`` streams (default: a full batch)."""
         return self._estimate().prefill_seconds(prompt_tokens, num_decoding) * self.correction
 
+    def _lane_seconds(self, prompt_tokens: int) -> float:
+        """A prompt's prefill in a line of prompts (serial prefill, a full batch decoding):
+        as the cost model predicts it beside a full batch, or at the rate the engine has
+        measured while prompts waited, if that is slower (a rate measured beside fewer
+        streams than a full batch would book clients on more than a full batch leaves)."""
+        estimate = self._estimate()
+        seconds = estimate.prefill_seconds(prompt_tokens)
+        rate = estimate.prefill_tokens_per_second
+        threshold = estimate.long_prompt_tokens
+        if rate is not None and (threshold is None or prompt_tokens <= threshold):
+            # (Measured on the prompts that wait, most of them short: a long one's chunks
+            # deep in it cost what the cost model says, not that.)
+            seconds = max(seconds, prompt_tokens / rate)
+        return seconds * self.correction
+
     def service_seconds(self, request: Request) -> float:
         """A queued request's time in a seat: its prefill, then its expected output."""
         estimate = self._estimate()
@@ -198,15 +193,10 @@ class TTFTPredictor:
         ``stall``: the seconds for which the engine prefills the prompts it holds before
         any of its streams moves on (an engine that prefills them together), its own
         prompt's included."""
-        estimate = self._estimate()
         seconds = stall
-        left = prompt_left(request)
-        if left > 0 and not stall:
-            seconds += estimate.prefill_seconds(left)
-        produced = request.num_output_tokens
-        tokens = expected_output(request, estimate, produced) - produced
-        seconds += max(1.0, tokens) * step_seconds(request, estimate)
-        return seconds * self.correction
+        if (left := prompt_left(request)) > 0 and not stall:
+            seconds += self._estimate().prefill_seconds(left)
+        return seconds * self.correction + self._output_seconds(request)
 
     def mean_service_seconds(self) -> float:
         return self._estimate().service_seconds * self.correction
@@ -228,9 +218,9 @@ class TTFTPredictor:
         is its own: it claims it).  ``request``: the arrival itself, whose expected output
         is how long it would hold its seat (default: a typical answer's)."""
         now = self._clock()
-        self._expire(now)
-        own = self._own_promise(fingerprint, now)
-        seats, starts = self._seats(holders, queued_ahead, num_free_seats)
+        self.promises.expire(now)
+        own = self.promises.own(fingerprint, now)
+        seats, starts, lane = self._seats(holders, queued_ahead, num_free_seats, prompt_tokens)
         wait = seats[0]
         # Beside the streams decoding in their seats (none free: beside a full batch).
         decoding: int | None = None
@@ -247,6 +237,10 @@ class TTFTPredictor:
                 members, wait, prompt_tokens, lambda n: self.prefill_seconds(n, decoding)
             )
             ttft = max(ttft, end)
+        elif estimate.serial_prefill:
+            # Prefilled after the prompts ahead of it in its lane (:meth:`_seats`), at the
+            # rate a line of prompts is prefilled when there is one.
+            ttft = max(wait, lane) + (self._lane_seconds(prompt_tokens) if lane > 0 else prefill)
         elif backlog := sum(ahead_in_lane(r, prompt_tokens, estimate) for r in holders):
             # Prompts admitted just before it are still being prefilled: the engine shares
             # its token budget between them first-come first-served in their lane (a short
@@ -262,7 +256,7 @@ class TTFTPredictor:
         horizon = now + wait + prefill + held_for
         # (A promise whose time has come is held through its grace: its client may be
         # on its way, up to a second late with a whole-second Retry-After.)
-        promises = self._held(p[0] for p in self._promises if p[0] <= horizon and p != own)
+        promises = self.promises.held(self.promises.times(until=horizon, besides=own))
         # A client whose promise has come is first in line among the promised (they are
         # served in the order they were refused): later promises do not hold it back.
         claims = own is not None
@@ -280,13 +274,20 @@ class TTFTPredictor:
             )
             start = heapq.heappop(seats)
             heapq.heappush(seats, start + prefill + held_for)
+            # The prompts' line (serial prefill): its own prompt, then the promised ones'.
+            lane = ttft - margin if estimate.serial_prefill else 0.0
+            mean_prefill = self._lane_seconds(mean_prompt)
             for promised in promises:
                 back = max(0.0, promised - now)
-                begins = max(heapq.heappop(seats), back)
+                begins = max(heapq.heappop(seats), back, lane)
                 if begins - back > budget:
                     harms = True
                     break
-                heapq.heappush(seats, begins + self.mean_service_seconds())
+                if estimate.serial_prefill:
+                    lane = begins + mean_prefill
+                    heapq.heappush(seats, lane + self._own_output_seconds())
+                else:
+                    heapq.heappush(seats, begins + self.mean_service_seconds())
         quiet = idle and now - self._last_refusal > QUIET_AFTER_REFUSAL_SECONDS
         alone = (
             prefill if quiet else self._alone(prompt_tokens, prefill, objective_seconds - margin)
@@ -314,12 +315,10 @@ class TTFTPredictor:
         """A request was admitted: if it was a refused client back at its time, its
         promise is used."""
         now = self._clock()
-        self._expire(now)
-        own = self._own_promise(fingerprint, now)
+        self.promises.expire(now)
+        own = self.promises.own(fingerprint, now)
         if own is not None:
-            self._promises.remove(own)
-            heapq.heapify(self._promises)
-            self._returned(True)
+            self.promises.claim(own)
 
     def refuse(
         self,
@@ -334,27 +333,37 @@ class TTFTPredictor:
         of ``fingerprint``: the seconds until it should come back to take it within its
         objective (or the longest wait, with no seat held, when that is too far)."""
         now = self._clock()
-        self._expire(now)
+        self.promises.expire(now)
         self._last_refusal = now
-        if fingerprint is not None:  # refused again: its new promise replaces the old
-            self._promises = [p for p in self._promises if p[2] != fingerprint]
-            heapq.heapify(self._promises)
-        seats = self._seats(holders, queued_ahead, num_free_seats)[0]
-        for promised in self._held(p[0] for p in self._promises if p[0] > now):
-            begins = max(heapq.heappop(seats), promised - now)
-            heapq.heappush(seats, begins + self.mean_service_seconds())
-        slot = now + seats[0]
+        self.promises.forget(fingerprint)  # refused again: its new promise replaces the old
+        seats, _, lane = self._seats(holders, queued_ahead, num_free_seats, prompt_tokens)
+        estimate = self._estimate()
+        serial = estimate.serial_prefill
+        booking = estimate.booking_seat_limit or estimate.seat_limit
+        if len(seats) > booking:
+            # Booked on the fewest seats open lately (scheduler/seat_limit.py): the first
+            # seats to free beyond those are not taken again.
+            seats = sorted(seats)[len(seats) - booking :]
+        mean_prefill = self._lane_seconds(int(self._estimate().mean_prompt_tokens))
+        for promised in self.promises.held(self.promises.times(after=now)):
+            begins = max(heapq.heappop(seats), promised - now, lane)
+            if serial:  # the promised prompts take the prefill line in turn
+                lane = begins + mean_prefill
+                heapq.heappush(seats, lane + self._own_output_seconds())
+            else:
+                heapq.heappush(seats, begins + self.mean_service_seconds())
+        slot = now + max(seats[0], lane)
         prefill = self.prefill_seconds(prompt_tokens)
         budget = max(0.0, objective_seconds - prefill - self.margin)
-        last = max((p[0] for p in self._promises), default=now)
-        spacing = self.mean_service_seconds() / max(1, self._estimate().seat_limit)
+        last = self.promises.last(default=now)
+        spacing = self.mean_service_seconds() / max(1, booking)
         come_back = max(slot - budget / 2.0, last + spacing, now + 0.05)
         behind = slot - now + prefill + self.margin
         if come_back > now + self.max_retry_after_seconds:
             # Too far to hold a seat for: told the longest wait, with no seat held (clients
             # refused now would otherwise all be booked at the cap, a herd).
             return Refusal(self.max_retry_after_seconds, behind, held=False)
-        heapq.heappush(self._promises, (come_back, next(self._sequence), fingerprint))
+        self.promises.book(come_back, fingerprint)
         return Refusal(come_back - now, behind, held=True)
 
     # --- learning ---
@@ -372,75 +381,67 @@ class TTFTPredictor:
         self._ttft_errors.append(measured_seconds - predicted_seconds)
 
     def snapshot(self) -> dict[str, float | int]:
-        self._expire(self._clock())
+        self.promises.expire(self._clock())
+        promises = self.promises
         return {
             "mean_service_seconds": round(self.mean_service_seconds(), 4),
             "wait_correction": round(self.correction, 3),
             "ttft_margin_seconds": round(self.margin, 4),
-            "promised_seats": len(self._promises),
-            "promises_claimed": self.num_claimed,
-            "promises_lapsed": self.num_lapsed,
-            "promise_return_rate": round(self.return_rate, 3),
+            "promised_seats": len(promises),
+            "promises_claimed": promises.num_claimed,
+            "promises_lapsed": promises.num_lapsed,
+            "promise_return_rate": round(promises.return_rate, 3),
         }
 
-    def _held(self, promised: Iterable[float]) -> list[float]:
-        """The promises that hold a seat: in time order, ``return_rate`` of them, rounded
-        (the first only while most refused clients come back: docs/admission.md)."""
-        held: list[float] = []
-        credit = 0.5
-        for time in sorted(promised):
-            credit += self.return_rate
-            if credit >= 1.0 - 1e-9:
-                credit -= 1.0
-                held.append(time)
-        return held
-
-    def _own_promise(
-        self, fingerprint: bytes | None, now: float
-    ) -> tuple[float, int, bytes | None] | None:
-        """The earliest promise to ``fingerprint`` whose time has come (or nearly: a
-        client may be early by :data:`EARLY_SECONDS`), if any."""
-        if fingerprint is None:
-            return None
-        due = [p for p in self._promises if p[2] == fingerprint and p[0] <= now + EARLY_SECONDS]
-        return min(due, default=None)
-
-    @property
-    def return_rate(self) -> float:
-        """Share of the last promises due whose client came back, with a prior of
-        :data:`RETURN_PRIOR` (as if that share of two had): at least 5%."""
-        claimed = sum(self._outcomes)
-        rate = (claimed + 2 * self._return_prior) / (len(self._outcomes) + 2)
-        return max(0.05, rate)
-
-    def _returned(self, came_back: bool) -> None:
-        if came_back:
-            self.num_claimed += 1
-        else:
-            self.num_lapsed += 1
-        self._outcomes.append(came_back)
-
     def _seats(
-        self, holders: Sequence[Request], queued: Sequence[Request], num_free_seats: int
-    ) -> tuple[list[float], list[float]]:
+        self,
+        holders: Sequence[Request],
+        queued: Sequence[Request],
+        num_free_seats: int,
+        prompt_tokens: int | None = None,
+    ) -> tuple[list[float], list[float], float]:
         """When each seat is next free (a min-heap) after the queued requests take theirs,
-        and when each of those starts."""
+        when each of those starts (its prefill begins), and when the engine's prefill is
+        free for a new prompt of ``prompt_tokens`` after theirs (0 unless prefill is
+        serial: :attr:`ServiceEstimate.serial_prefill`).
+
+        Under stall-free prefill a loaded engine prefills one prompt at a time (the time its
+        decoders leave goes to the first prompt in line), so prompts form a line of their
+        own: a seat that frees does not start a prompt until the prompts ahead of it are
+        prefilled, and a burst admitted into free seats, or promised them, is started at
+        the rate the engine prefills, not the rate its seats free."""
         # An engine that prefills the prompts it holds together stalls its streams until
         # they are all prefilled (llama.cpp's server decodes nothing while it does).
         estimate = self._estimate()
         left = sum(prompt_left(r) for r in holders) if estimate.shared_prefill else 0
         stall = estimate.prefill_seconds(left) if left else 0.0
-        seats = [self.remaining_seconds(r, stall) for r in holders]
-        seats += [0.0] * num_free_seats
-        if not seats:
-            seats = [0.0]
+        lane = 0.0
+        if estimate.serial_prefill:
+            seats = []
+            for r in holders:  # in the order they were dispatched: the line's
+                if (tokens := prompt_left(r)) > 0:
+                    lane += self._lane_seconds(tokens)
+                seats.append(lane * (tokens > 0) + self._output_seconds(r))
+        else:
+            seats = [self.remaining_seconds(r, stall) for r in holders]
+        seats = seats + [0.0] * num_free_seats or [0.0]
         heapq.heapify(seats)
+        own_lane = lane  # (a short prompt passes the long ones being prefilled: its lane)
+        if estimate.serial_prefill and prompt_tokens is not None:
+            backlog = sum(ahead_in_lane(r, prompt_tokens, estimate) for r in holders)
+            own_lane = self._lane_seconds(backlog) if backlog else 0.0
         starts = []
         for request in queued:
             start = heapq.heappop(seats)
+            if estimate.serial_prefill:
+                start = max(start, lane)
+                lane = start + self._lane_seconds(request.num_prompt_tokens)
+                own_lane = lane
+                heapq.heappush(seats, lane + self._output_seconds(request))
+            else:
+                heapq.heappush(seats, start + self.service_seconds(request))
             starts.append(start)
-            heapq.heappush(seats, start + self.service_seconds(request))
-        return seats, starts
+        return seats, starts, own_lane if estimate.serial_prefill else 0.0
 
     def _alone(self, prompt_tokens: int, prefill: float, budget: float) -> float:
         """Its prompt served as fast as it can be on a busy engine: with nothing beside it,
@@ -451,6 +452,13 @@ class TTFTPredictor:
         own = self.prefill_seconds(prompt_tokens, 0)
         return prefill if own >= budget else own
 
+    def _output_seconds(self, request: Request) -> float:
+        """What a seat holder has left to decode (at least a token), in seconds."""
+        estimate = self._estimate()
+        produced = request.num_output_tokens
+        tokens = expected_output(request, estimate, produced) - produced
+        return max(1.0, tokens) * step_seconds(request, estimate) * self.correction
+
     def _own_output_seconds(self, request: Request | None = None) -> float:
         estimate = self._estimate()
         tokens = (
@@ -459,11 +467,6 @@ class TTFTPredictor:
             else expected_output(request, estimate, produced=0)
         )
         return tokens * estimate.step_seconds * self.correction
-
-    def _expire(self, now: float) -> None:
-        while self._promises and self._promises[0][0] < now - self.promise_grace_seconds:
-            heapq.heappop(self._promises)
-            self._returned(False)
 
 
 @dataclass(slots=True)

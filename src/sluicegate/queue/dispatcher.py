@@ -201,6 +201,8 @@ class Dispatcher:
                 promised=prediction.num_promised,
                 delayed=prediction.num_delayed,
             )
+        for r in ticket.requests:  # what its prefill is paced by (scheduler/prefill.py)
+            r.pace.first_token_due = r.arrival_time + objective
         # A booked request starts at once: its predicted wait says nothing of the queue's.
         ticket.predicted_wait_seconds = None if ticket.booked else prediction.wait_seconds
         ticket.predicted_ttft_seconds = prediction.ttft_seconds

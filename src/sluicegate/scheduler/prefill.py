@@ -24,6 +24,7 @@ sequences before either.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from sluicegate.scheduler.cost_model import (
     chunk_seconds,
     chunk_tokens,
 )
+from sluicegate.scheduler.prefill_rate import PrefillRate
 from sluicegate.scheduler.prefix_cache import PrefixHit
 from sluicegate.scheduler.request import Request
 
@@ -81,6 +83,10 @@ class PrefillConfig:
 #: shared CPU a slow step is followed by slow ones, measured lag-1 correlation 0.84).
 SLOWDOWN_WEIGHT = 0.3
 SLOWDOWN_RANGE = (0.8, 8.0)
+#: A prompt whose first token is due is paced to be prefilled in this share of the time
+#: left to it (the rest is slack: steps run longer than planned, and prompts ahead of it
+#: in line take theirs).
+PACE = 0.5
 #: Steps of prompt chunks alone are few (a long prompt's while nothing decodes), and
 #: what they miss is the fit's, not the machine's: each weighs more.
 IDLE_SLOWDOWN_WEIGHT = 0.5
@@ -122,20 +128,34 @@ class StepTimeBudget:
         floor: int,
         share: int = 0,
         seconds_to_objective: float | None = None,
+        objective_seconds: float | None = None,
     ) -> None:
         self._coefficients = cost.coefficients
         self.seconds_left = seconds_left
         self._floor = floor
         self._share = share
         self._to_objective = seconds_to_objective
+        #: The decoders' TPOT objective itself (real seconds): the longest a step may take.
+        self._objective = objective_seconds
         self._given = False
         #: The time left gave a prompt fewer tokens than it could have taken.
         self.limited = False
+        #: The step's first prompt was given more for its first token's due time.
+        self.hurried = False
 
-    def tokens_for(self, start: int, wanted: int) -> int:
+    def tokens_for(
+        self,
+        start: int,
+        wanted: int,
+        seconds_to_due: float | None = None,
+        *,
+        short: bool = False,
+    ) -> int:
         """Prefill tokens for one prompt whose next position is ``start`` (at most
-        ``wanted``): as many as the time left allows; the step's first prompt at least
-        the floor, and the share while it keeps the step within the objective."""
+        ``wanted``, the rest of its prompt): as many as the time left allows; the step's
+        first prompt at least the floor, and the share while it keeps the step within the
+        objective, and, when its first token is due in ``seconds_to_due``, what keeps it on
+        time (:meth:`_on_time`; ``short``: the prompt is short)."""
         if self.seconds_left is None or wanted <= 0:
             return max(0, wanted)
         if self._given:
@@ -149,9 +169,32 @@ class StepTimeBudget:
                 self._share,
                 self._to_objective,
             )
+            if (
+                seconds_to_due is not None
+                and (more := self._on_time(start, wanted, seconds_to_due, short)) > fits
+            ):
+                fits = more
+                self.hurried = True
         if fits < wanted:
             self.limited = True
         return max(0, min(wanted, fits))
+
+    def _on_time(self, start: int, wanted: int, seconds_to_due: float, short: bool) -> int:
+        """The tokens a step gives a prompt with ``wanted`` left whose first token is due
+        in ``seconds_to_due``.  On pace (at
+        steps as long as the decoders' objective, the longest they may be, what keeps this
+        step within it would prefill it in :data:`PACE` of the time left): the tokens that
+        keep it on that pace.  Behind: a short prompt all of them, in this step (one step
+        longer than the objective rather than a first token late: a short prompt's whole
+        prefill takes at most ``long_prompt_seconds``); a long one all that keeps the step
+        within the objective (it is served as fast as the streams beside it allow)."""
+        if self._to_objective is None or self._objective is None:
+            return 0
+        most = chunk_tokens(self._coefficients, start, self._to_objective)
+        steps = PACE * seconds_to_due / self._objective
+        if most > 0 and steps >= 1.0 and math.ceil(wanted / most) <= steps:
+            return min(most, math.ceil(wanted / steps))
+        return wanted if short else most
 
     def spend(self, start: int, num_tokens: int) -> None:
         """A prompt took ``num_tokens`` from ``start``."""
@@ -200,6 +243,11 @@ class PrefillPlanner:
         self._passed_since: dict[str, float] = {}
         #: Steps whose prefill the time budget cut short (it had more to give).
         self.num_limited_steps = 0
+        #: The engine's measured prefill rate when prompts wait (admission books by it).
+        self.rate = PrefillRate()
+        self._limited_tokens: int | None = None
+        #: Steps that gave a prompt more for its first token's due time.
+        self.num_hurried_steps = 0
         self._last_left: float | None = None
         #: Recent steps' measured over predicted time: steps with decoders, and steps of
         #: prompt chunks alone (big chunks deep in a prompt run slower than the fit of the
@@ -220,6 +268,9 @@ class PrefillPlanner:
         that scaling missed, which sets :attr:`step_fraction`: the next steps are aimed
         so that all but ``1 - overrun_quantile`` of them stay within the objective (never
         above ``headroom``).  Prompt chunks alone move :attr:`idle_slowdown`."""
+        if self._limited_tokens is not None and shape.num_chunks:
+            self.rate.observe(self._limited_tokens, seconds)
+        self._limited_tokens = None
         quantile = self.config.overrun_quantile
         if quantile <= 0 or not self.cost.calibrated:
             return
@@ -246,15 +297,23 @@ class PrefillPlanner:
     def step_target_seconds(self) -> float | None:
         """What a step with interactive decoders is aimed at, as the cost model counts
         (None: no time budget)."""
-        objective = self.step_objective_seconds()
-        return None if objective is None else self.step_fraction * objective
-
-    def step_objective_seconds(self) -> float | None:
-        """The interactive TPOT objective as the cost model counts (None: no budget)."""
         objective = self.config.tpot_objective_seconds
         if not self.config.stall_free or objective is None:
             return None
-        return objective / self.slowdown
+        return self.step_fraction * objective / self.slowdown
+
+    def step_objective_seconds(self) -> float | None:
+        """The longest a step with interactive decoders may be, as the cost model counts:
+        the TPOT objective, less what steps have overrun their prediction lately (the same
+        share the target is lowered by), so that all but ``1 - overrun_quantile`` of the
+        steps a prompt is given beyond the target stay within it (None: no budget)."""
+        objective = self.config.tpot_objective_seconds
+        if not self.config.stall_free or objective is None:
+            return None
+        return self._within(objective)
+
+    def _within(self, objective: float) -> float:
+        return objective * (self.step_fraction / self.config.headroom) / self.slowdown
 
     def idle_step_target_seconds(self) -> float | None:
         """What a step without decoders is aimed at, as the cost model counts: no more
@@ -288,12 +347,19 @@ class PrefillPlanner:
         if self.config.stall_free and objectives:
             objective = min(objectives) / self.slowdown  # as the cost model counts
             target = self.step_fraction * objective
-            to_objective = objective - decoding
+            to_objective = self._within(min(objectives)) - decoding
         if target is not None and self.cost.calibrated:
             left = target - decoding
         self._last_left = left
         share = int(prefill_per_decode * len(decoders))
-        return StepTimeBudget(self.cost, left, self.config.min_chunk_tokens, share, to_objective)
+        return StepTimeBudget(
+            self.cost,
+            left,
+            self.config.min_chunk_tokens,
+            share,
+            to_objective,
+            min(objectives) if self.config.stall_free and objectives else None,
+        )
 
     # --- the lanes ---
 
@@ -317,6 +383,16 @@ class PrefillPlanner:
         if self.config.long_prompt_tokens is not None or not self.cost.calibrated:
             return left > self.long_prompt_tokens()
         return chunk_seconds(self.cost.coefficients, start, left) > self.config.long_prompt_seconds
+
+    def tokens_for(
+        self, budget: StepTimeBudget, request: Request, start: int, wanted: int, now: float
+    ) -> int:
+        """The prompt tokens ``budget`` gives ``request`` from ``start`` (at most
+        ``wanted``), paced by its first token's due time; a long prompt's tail is not a
+        short prompt (it is not prefilled whole when late)."""
+        due = None if request.pace.first_token_due is None else request.pace.first_token_due - now
+        short = not self.is_long(request, 0)
+        return budget.tokens_for(start, wanted, due, short=short)
 
     def order(self, candidates: list[PrefillCandidate], now: float) -> list[PrefillCandidate]:
         """Interactive before batch; within a class, short prompts and long ones passed
@@ -366,6 +442,10 @@ class PrefillPlanner:
             self.phase_tokens["decode"][priority_class(request.priority)] += tokens
         if budget.limited:
             self.num_limited_steps += 1
+        # The next observed step is this one: it counts for the rate if the budget cut it.
+        self._limited_tokens = sum(given.values()) if budget.limited else None
+        if budget.hurried:
+            self.num_hurried_steps += 1
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -378,6 +458,10 @@ class PrefillPlanner:
             "slowdown": round(self.slowdown, 3),
             "idle_slowdown": round(self.idle_slowdown, 3),
             "budget_limited_steps": self.num_limited_steps,
+            "hurried_steps": self.num_hurried_steps,
+            "limited_tokens_per_second": None
+            if self.rate.tokens_per_second is None
+            else round(self.rate.tokens_per_second, 1),
             "lanes": {
                 lane: {"tokens": self.lane_tokens[lane], "started": self.lane_started[lane]}
                 for lane in LANES

@@ -136,7 +136,13 @@ def next_token_time(previous: float, now: float, interval: float, num_tokens: in
 
 @dataclass(slots=True)
 class Pace:
-    """How fast its tokens may come (``max_tokens_per_second``) and are read."""
+    """How fast its tokens may come (``max_tokens_per_second``) and are read, and when
+    the first is due."""
+
+    #: When its first token is due (monotonic: its arrival plus the TTFT objective it was
+    #: admitted on; None: no objective), set at admission: a prompt that would miss it at
+    #: its chunks' pace is given more of the step (scheduler/prefill.py).
+    first_token_due: float | None = None
 
     #: At most one output token per this many seconds (0 = no cap); set at arrival.
     min_token_interval_seconds: float = 0.0

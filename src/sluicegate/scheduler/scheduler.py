@@ -4,8 +4,7 @@ There are no prefill and decode phases: each request has ``num_computed_tokens``
 target (all of its known tokens), and every step hands out tokens under
 ``max_num_batched_tokens``: decoding sequences first, then prompts (running chunked
 prefills and waiting requests) in their lanes' order, within the time the decoders leave
-under their TPOT objective (stall-free prefill, ``scheduler/prefill.py``).  A prompt
-longer than that is prefilled in chunks over several steps.
+under their TPOT objective (stall-free prefill, ``scheduler/prefill.py``), in chunks.
 
 The scheduler owns a sequence's pause state (flow control asks; a paused sequence is
 skipped, and preempted when paused too long or when its slot is needed), its pace (one
@@ -184,7 +183,9 @@ class Scheduler:
             if not candidate.running and admitted:
                 self._refresh_hit(candidate)  # an admission before it may have taken it
             start = request.num_computed_tokens if candidate.running else candidate.start
-            num_new = time_left.tokens_for(start, min(request.num_tokens - start, budget))
+            num_new = self.prefill.tokens_for(
+                time_left, request, start, min(request.num_tokens - start, budget), now
+            )
             if num_new <= 0:
                 break  # the step's time is spent
             if candidate.running:
@@ -320,7 +321,7 @@ class Scheduler:
         self.prefill.observe(shape, plan.num_decoding, seconds)
         self.cost.observe(shape, seconds)
         self.seats.on_step(shape, plan.num_decoding, seconds)
-        if self.seats.update(self.capacity.num_holding):
+        if self.seats.update(self.capacity.num_holding, len(self.waiting)):
             self.capacity.set_seat_limit(self.seats.limit)
 
     # ------------------------------------------------------------ flow control
@@ -349,11 +350,8 @@ class Scheduler:
         return min(pending) if pending else None
 
     def preempt_long_pauses(self) -> int:
-        """Free the KV of sequences paused longer than ``pause_preempt_seconds``.
-
-        They keep their tokens and re-prefill when their readers catch up.  Returns how
-        many were preempted.
-        """
+        """Free the KV of sequences paused longer than ``pause_preempt_seconds`` (they
+        keep their tokens and re-prefill when their readers catch up); how many."""
         limit = self.config.pause_preempt_seconds
         if limit is None:
             return 0
@@ -384,9 +382,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self._counters.preemptions[reason.value] = (
-            self._counters.preemptions.get(reason.value, 0) + 1
-        )
+        counts = self._counters.preemptions
+        counts[reason.value] = counts.get(reason.value, 0) + 1
         self.idle.preempted(request)
 
     # ---------------------------------------------------------------- results

@@ -33,7 +33,15 @@ from sluicegate.scheduler.cost_model import (
     chunk_seconds,
 )
 from sluicegate.scheduler.prefill import first_prompt_tokens
+from sluicegate.scheduler.prefill_rate import PrefillRate
 from sluicegate.types import Clock
+
+#: Refused clients are booked on the fewest seats open over this long: they come back up
+#: to a minute later, and seats opened for a stretch of fast steps may be gone by then
+#: (on a shared CPU the limit moves by half within seconds).
+BOOKING_WINDOW_SECONDS = 30.0
+#: ... and on no more than the engine has sustained within the objective over this long.
+PROVEN_WINDOW_SECONDS = 120.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +71,8 @@ class PrefillTargets(Protocol):
     #: Measured over predicted step time lately, beside decoders and without any.
     slowdown: float
     idle_slowdown: float
+    #: The prefill rate measured while prompts waited (scheduler/prefill_rate.py).
+    rate: PrefillRate
 
     def step_target_seconds(self) -> float | None: ...
 
@@ -98,6 +108,12 @@ class ServiceEstimate:
     #: Prompts with more tokens than this to prefill are long (prefilled after short
     #: ones); None: one lane.
     long_prompt_tokens: int | None = None
+    #: Prompt tokens a second the engine has prefilled lately while prompts waited for it
+    #: (None: not measured).
+    prefill_tokens_per_second: float | None = None
+    #: The fewest seats open lately: what refused clients are booked on (None: as many as
+    #: now).
+    booking_seat_limit: int | None = None
     #: The engine prefills the prompts it holds together, in an order of its own (an
     #: upstream engine): a prompt admitted later can delay an earlier one's first token.
     shared_prefill: bool = False
@@ -122,11 +138,15 @@ class ServiceEstimate:
         # and the seat limit's prompt share while it keeps the step within the objective.
         share = int(self.prefill_per_decode * decoding)
         objective = self.prefill_objective_seconds if decoding > 0 else None
+        # A short prompt in a line is behind its first token's pace, and is prefilled in
+        # one step (scheduler/prefill.py): only a long one is cut in chunks.
+        threshold = self.long_prompt_tokens
+        whole = threshold is not None and total <= threshold
         seconds = 0.0
         done = 0
         while done < total:
             chunk = budget
-            if target is not None:
+            if target is not None and not whole:
                 to_objective = None if objective is None else objective - decode
                 fits = first_prompt_tokens(
                     cost, done, target - decode, self.min_prefill_chunk_tokens, share, to_objective
@@ -139,6 +159,13 @@ class ServiceEstimate:
             seconds += steps * (decode + chunk_seconds(cost, middle, round(size))) * slowdown
             done += length
         return seconds
+
+    @property
+    def serial_prefill(self) -> bool:
+        """The engine prefills its prompts one after another when loaded (stall-free
+        prefill gives the time its decoders leave to the first prompt in line), not
+        together and not each in its own seat's time."""
+        return self.prefill_step_seconds is not None and not self.shared_prefill
 
     @property
     def service_seconds(self) -> float:
@@ -184,6 +211,11 @@ class SeatLimiter:
         self._hold_until = 0.0
         self._mean_prompt = 128.0
         self._mean_output = 64.0
+        #: (time, limit) of the last ``BOOKING_WINDOW_SECONDS``' updates.
+        self._limits: deque[tuple[float, int]] = deque()
+        #: (time, sequences decoding on average) of recent feedback windows whose steps
+        #: met the objective: what the engine has shown it sustains.
+        self._proven: deque[tuple[float, int]] = deque()
         self.estimate = self._estimate()
 
     # --- inputs (the engine thread) ---
@@ -210,10 +242,15 @@ class SeatLimiter:
         self._mean_prompt = _ewma(self._mean_prompt, num_prompt_tokens, 0.05)
         self._mean_output = _ewma(self._mean_output, max(1, num_output_tokens), 0.05)
 
-    def update(self, num_holding: int) -> bool:
+    def update(self, num_holding: int, num_waiting: int = 0) -> bool:
         """Recompute at most every ``update_interval_seconds``; True if the limit changed.
 
-        ``num_holding``: sequences holding a seat now (is the limit what binds?).
+        ``num_holding``: sequences holding a seat now (is the limit what binds?);
+        ``num_waiting``: of them, those whose prompt has not started.  The limit grows back
+        only while seats are what binds: not while prompts wait for the engine's prefill
+        (under stall-free prefill a step stays within its target by giving prompts less,
+        so a short step is no sign of room, and more seats would only lengthen the line of
+        prompts and their first tokens' wait).
         """
         now = self._clock()
         if now < self._next_update:
@@ -233,11 +270,22 @@ class SeatLimiter:
                 measured is not None
                 and measured < self.config.headroom * objective
                 and num_holding >= self.limit
+                and num_waiting == 0
             ):
                 self.correction = min(1.5, self.correction * 1.05)
             target = math.floor(self.model_limit * self.correction)
             floor = max(1, min(self.config.min_seats, self.config.max_num_seqs))
             self.limit = max(floor, min(self.config.max_num_seqs, target))
+        self._limits.append((now, self.limit))
+        while self._limits and self._limits[0][0] < now - BOOKING_WINDOW_SECONDS:
+            self._limits.popleft()
+        measured = self.measured_step_seconds()
+        if objective is not None and measured is not None and measured <= objective:
+            # Sequences decoding at once, on average, within the objective: proven.
+            decoding = int(self._decoding / max(1, len(self._decode_steps)))
+            self._proven.append((now, decoding))
+        while self._proven and self._proven[0][0] < now - PROVEN_WINDOW_SECONDS:
+            self._proven.popleft()
         self.estimate = self._estimate()
         return self.limit != before
 
@@ -252,6 +300,18 @@ class SeatLimiter:
         objective is a request's mean over its life."""
         return self._mean_prompt / max(1.0, self._mean_output)
 
+    @property
+    def booking_limit(self) -> int:
+        """The seats refused clients are booked on: the fewest open lately, and no more
+        than the engine has shown it sustains within the objective lately (at least the
+        floor): a promise is made on measured capacity, not on the cost model's word."""
+        fewest = min((n for _, n in self._limits), default=self.limit)
+        floor = max(1, min(self.config.min_seats, self.config.max_num_seqs))
+        proven = max((n for _, n in self._proven), default=0)
+        if self.config.tpot_objective_seconds is None:
+            return fewest
+        return max(floor, min(fewest, proven))
+
     def measured_step_seconds(self) -> float | None:
         """Mean step time of recent steps with decodes, weighted by sequences decoding."""
         decoding = self._decoding
@@ -265,11 +325,9 @@ class SeatLimiter:
         tokens = num_seqs + min(prefill, self.config.max_num_batched_tokens)
         context = num_seqs * self._mean_context
         # Prompt chunks per step: a prompt's chunks over its answer's steps, at most one
-        # a step (stall-free prefill cuts prompts in chunks of about an eighth of the
-        # budget beside a full batch).
+        # a step (a full batch's typical prompt is short, and prefilled in one step when
+        # it has to be: scheduler/prefill.py).
         chunk = self.config.max_num_batched_tokens
-        if self._prefill is not None and self._prefill.step_target_seconds() is not None:
-            chunk = max(self.config.min_prefill_chunk_tokens, chunk // 8)
         chunks = min(1.0, num_seqs * math.ceil(self._mean_prompt / chunk) / self._mean_output)
         pairs = chunks * min(chunk, self._mean_prompt) * self._mean_prompt
         shape = StepShape(num_seqs, int(tokens), int(context))
@@ -289,6 +347,7 @@ class SeatLimiter:
             "mean_prompt_tokens": round(self._mean_prompt, 1),
             "mean_output_tokens": round(self._mean_output, 1),
             "start_rate_per_second": round(self.estimate.start_rate, 3),
+            "booking_seat_limit": self.booking_limit,
         }
 
     def _model_limit(self, budget_seconds: float) -> int:
@@ -302,6 +361,7 @@ class SeatLimiter:
         prefill = self._prefill
         return ServiceEstimate(
             seat_limit=self.limit,
+            booking_seat_limit=self.booking_limit,
             step_seconds=max(1e-4, self.predicted_step_seconds(self.limit)),
             mean_prompt_tokens=self._mean_prompt,
             mean_output_tokens=self._mean_output,
@@ -317,6 +377,7 @@ class SeatLimiter:
             min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
             prefill_per_decode=self.prefill_per_decode,
             long_prompt_tokens=None if prefill is None else prefill.long_prompt_tokens(),
+            prefill_tokens_per_second=None if prefill is None else prefill.rate.tokens_per_second,
         )
 
 
