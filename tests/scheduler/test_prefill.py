@@ -300,9 +300,11 @@ def test_requests_sharing_a_cached_prefix_admitted_in_one_step_get_their_own_slo
 def test_admission_predicts_the_chunks_the_scheduler_plans() -> None:
     """The service estimate's prefill time of a long prompt beside decoding streams is
     what the scheduler's own steps add up to (their predicted times), within 15%."""
-    sched, engine = calibrated(), FakeEngine()
+    clock = FakeClock()
+    sched, engine = calibrated(clock), FakeEngine()
     decoding(sched, engine, 3)
     long = make_request("long", 2000, 4)
+    long.pace.first_token_due = clock() + 1.0  # admitted on a 1 s objective: behind it
     sched.add_request(long)
     planned = 0.0
     while long.num_output_tokens == 0:

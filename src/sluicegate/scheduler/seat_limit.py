@@ -31,6 +31,7 @@ from sluicegate.scheduler.cost_model import (
     StepCostModel,
     StepShape,
     chunk_seconds,
+    chunk_tokens,
 )
 from sluicegate.scheduler.prefill import first_prompt_tokens
 from sluicegate.scheduler.prefill_rate import PrefillRate
@@ -139,7 +140,8 @@ class ServiceEstimate:
         share = int(self.prefill_per_decode * decoding)
         objective = self.prefill_objective_seconds if decoding > 0 else None
         # A short prompt in a line is behind its first token's pace, and is prefilled in
-        # one step (scheduler/prefill.py): only a long one is cut in chunks.
+        # one step (scheduler/prefill.py): only a long one is cut in chunks, of all that
+        # the objective leaves (it is behind its pace too).
         threshold = self.long_prompt_tokens
         whole = threshold is not None and total <= threshold
         seconds = 0.0
@@ -151,6 +153,8 @@ class ServiceEstimate:
                 fits = first_prompt_tokens(
                     cost, done, target - decode, self.min_prefill_chunk_tokens, share, to_objective
                 )
+                if to_objective is not None:
+                    fits = max(fits, chunk_tokens(cost, done, to_objective))
                 chunk = max(1, min(budget, fits))
             length = min(total - done, max(chunk, stretch))
             steps = -(-length // chunk)
