@@ -156,39 +156,34 @@ def test_the_limit_does_not_grow_while_prompts_wait_for_the_engine() -> None:
     assert seats.correction > 0.5
 
 
+def run(seats: SeatLimiter, clock: FakeClock, updates: int, steps: int, seconds: float) -> None:
+    """``updates`` times: ``steps`` steps of 16 sequences decoding in ``seconds`` each, then
+    0.6 s on and the limiter's update."""
+    for _ in range(updates):
+        for _ in range(steps):
+            seats.on_step(StepShape(16, 16, 1600), 16, seconds)
+        clock.advance(0.6)
+        seats.update(num_holding=0)
+
+
 def test_refused_clients_are_booked_on_seats_the_engine_has_shown_it_sustains() -> None:
     """The booking limit is the fewest seats open over the last 30 s, and no more than the
     sequences that have decoded together within the objective lately: the model's 16 seats
     are not promised before the engine has run them."""
     seats, clock = limiter(objective=0.050)
     assert seats.limit == 16 and seats.booking_limit == 8  # 8 decoded together so far
-    for _ in range(10):
-        for _ in range(20):
-            seats.on_step(StepShape(16, 16, 1600), 16, 0.045)
-        clock.advance(0.6)
-        seats.update(num_holding=0)
+    run(seats, clock, updates=10, steps=20, seconds=0.045)
     assert seats.limit == 16
     assert seats.booking_limit == 16 == seats.estimate.booking_seat_limit
     # A slow spell cuts the limit: bookings follow the cut at once, and stay there for the
     # booking window even after the limit is back.
-    for _ in range(5):
-        for _ in range(20):
-            seats.on_step(StepShape(16, 16, 1600), 16, 0.08)
-        clock.advance(0.6)
-        seats.update(num_holding=0)
+    run(seats, clock, updates=5, steps=20, seconds=0.08)
     cut = seats.limit
     assert cut < 16 and seats.booking_limit <= cut
-    for _ in range(7):  # fast again: the slow steps leave the feedback window
-        seats.on_step(StepShape(16, 16, 1600), 16, 0.045)
-        clock.advance(0.6)
-        seats.update(num_holding=0)
+    run(seats, clock, updates=7, steps=1, seconds=0.045)  # the slow steps leave the window
     seats.correction = 1.0
     clock.advance(0.6)
     seats.update(num_holding=0)
     assert seats.limit == 16 and seats.booking_limit <= cut
-    for _ in range(60):
-        for _ in range(5):
-            seats.on_step(StepShape(16, 16, 1600), 16, 0.045)
-        clock.advance(0.6)
-        seats.update(num_holding=0)
+    run(seats, clock, updates=60, steps=5, seconds=0.045)
     assert seats.booking_limit == 16

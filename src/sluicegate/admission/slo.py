@@ -283,11 +283,9 @@ class TTFTPredictor:
                 if begins - back > budget:
                     harms = True
                     break
-                if estimate.serial_prefill:
-                    lane = begins + mean_prefill
-                    heapq.heappush(seats, lane + self._own_output_seconds())
-                else:
-                    heapq.heappush(seats, begins + self.mean_service_seconds())
+                lane = self._seat_promised(
+                    seats, begins, lane, mean_prefill, estimate.serial_prefill
+                )
         quiet = idle and now - self._last_refusal > QUIET_AFTER_REFUSAL_SECONDS
         alone = (
             prefill if quiet else self._alone(prompt_tokens, prefill, objective_seconds - margin)
@@ -338,20 +336,15 @@ class TTFTPredictor:
         self.promises.forget(fingerprint)  # refused again: its new promise replaces the old
         seats, _, lane = self._seats(holders, queued_ahead, num_free_seats, prompt_tokens)
         estimate = self._estimate()
-        serial = estimate.serial_prefill
         booking = estimate.booking_seat_limit or estimate.seat_limit
         if len(seats) > booking:
             # Booked on the fewest seats open lately (scheduler/seat_limit.py): the first
             # seats to free beyond those are not taken again.
             seats = sorted(seats)[len(seats) - booking :]
-        mean_prefill = self._lane_seconds(int(self._estimate().mean_prompt_tokens))
+        mean_prefill = self._lane_seconds(int(estimate.mean_prompt_tokens))
         for promised in self.promises.held(self.promises.times(after=now)):
             begins = max(heapq.heappop(seats), promised - now, lane)
-            if serial:  # the promised prompts take the prefill line in turn
-                lane = begins + mean_prefill
-                heapq.heappush(seats, lane + self._own_output_seconds())
-            else:
-                heapq.heappush(seats, begins + self.mean_service_seconds())
+            lane = self._seat_promised(seats, begins, lane, mean_prefill, estimate.serial_prefill)
         slot = now + max(seats[0], lane)
         prefill = self.prefill_seconds(prompt_tokens)
         budget = max(0.0, objective_seconds - prefill - self.margin)
@@ -403,13 +396,9 @@ class TTFTPredictor:
         """When each seat is next free (a min-heap) after the queued requests take theirs,
         when each of those starts (its prefill begins), and when the engine's prefill is
         free for a new prompt of ``prompt_tokens`` after theirs (0 unless prefill is
-        serial: :attr:`ServiceEstimate.serial_prefill`).
-
-        Under stall-free prefill a loaded engine prefills one prompt at a time (the time its
-        decoders leave goes to the first prompt in line), so prompts form a line of their
-        own: a seat that frees does not start a prompt until the prompts ahead of it are
-        prefilled, and a burst admitted into free seats, or promised them, is started at
-        the rate the engine prefills, not the rate its seats free."""
+        serial: :attr:`ServiceEstimate.serial_prefill`).  A loaded stall-free engine
+        prefills one prompt at a time, so prompts form a line of their own: a burst
+        admitted into free seats, or promised them, starts at the rate it prefills."""
         # An engine that prefills the prompts it holds together stalls its streams until
         # they are all prefilled (llama.cpp's server decodes nothing while it does).
         estimate = self._estimate()
@@ -442,6 +431,18 @@ class TTFTPredictor:
                 heapq.heappush(seats, start + self.service_seconds(request))
             starts.append(start)
         return seats, starts, own_lane if estimate.serial_prefill else 0.0
+
+    def _seat_promised(
+        self, seats: list[float], begins: float, lane: float, prefill: float, serial: bool
+    ) -> float:
+        """A promised client takes a seat at ``begins`` (on ``seats``, until it frees); under
+        ``serial`` prefill its prompt takes ``prefill`` of the line: when the line is free."""
+        if not serial:
+            heapq.heappush(seats, begins + self.mean_service_seconds())
+            return lane
+        lane = begins + prefill
+        heapq.heappush(seats, lane + self._own_output_seconds())
+        return lane
 
     def _alone(self, prompt_tokens: int, prefill: float, budget: float) -> float:
         """Its prompt served as fast as it can be on a busy engine: with nothing beside it,

@@ -344,10 +344,10 @@ class PrefillPlanner:
         objectives = [o for r in decoders if (o := self.objective(r.priority)) is not None]
         target = self.idle_step_target_seconds() if not decoders else None
         decoding = self.cost.predict(shape)
-        if self.config.stall_free and objectives:
-            objective = min(objectives) / self.slowdown  # as the cost model counts
-            target = self.step_fraction * objective
-            to_objective = self._within(min(objectives)) - decoding
+        tightest = min(objectives) if self.config.stall_free and objectives else None
+        if tightest is not None:
+            target = self.step_fraction * tightest / self.slowdown  # as the cost model counts
+            to_objective = self._within(tightest) - decoding
         if target is not None and self.cost.calibrated:
             left = target - decoding
         self._last_left = left
@@ -358,7 +358,7 @@ class PrefillPlanner:
             self.config.min_chunk_tokens,
             share,
             to_objective,
-            min(objectives) if self.config.stall_free and objectives else None,
+            tightest,
         )
 
     # --- the lanes ---
@@ -390,9 +390,10 @@ class PrefillPlanner:
         """The prompt tokens ``budget`` gives ``request`` from ``start`` (at most
         ``wanted``), paced by its first token's due time; a long prompt's tail is not a
         short prompt (it is not prefilled whole when late)."""
-        due = None if request.pace.first_token_due is None else request.pace.first_token_due - now
-        short = not self.is_long(request, 0)
-        return budget.tokens_for(start, wanted, due, short=short)
+        due = request.pace.first_token_due
+        if due is None:
+            return budget.tokens_for(start, wanted)
+        return budget.tokens_for(start, wanted, due - now, short=not self.is_long(request, 0))
 
     def order(self, candidates: list[PrefillCandidate], now: float) -> list[PrefillCandidate]:
         """Interactive before batch; within a class, short prompts and long ones passed

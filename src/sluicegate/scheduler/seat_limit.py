@@ -104,8 +104,6 @@ class ServiceEstimate:
     slowdown: float = 1.0
     idle_slowdown: float = 1.0
     min_prefill_chunk_tokens: int = 4
-    #: Prompt tokens counted on beside each decoded token (the floor grows with it).
-    prefill_per_decode: float = 0.0
     #: Prompts with more tokens than this to prefill are long (prefilled after short
     #: ones); None: one lane.
     long_prompt_tokens: int | None = None
@@ -135,13 +133,11 @@ class ServiceEstimate:
         # step's target leaves after the decoders at the stretch's position (attention
         # makes a chunk dearer the further into the prompt it is).
         stretch = -(-total // 16)
-        # The scheduler's floor (scheduler/prefill.py): what a step always gives a prompt,
-        # and the seat limit's prompt share while it keeps the step within the objective.
-        share = int(self.prefill_per_decode * decoding)
         objective = self.prefill_objective_seconds if decoding > 0 else None
-        # A short prompt in a line is behind its first token's pace, and is prefilled in
-        # one step (scheduler/prefill.py): only a long one is cut in chunks, of all that
-        # the objective leaves (it is behind its pace too).
+        # A prompt in a line is behind its first token's pace (scheduler/prefill.py): a
+        # short one is prefilled in one step; a long one is cut in chunks of all that the
+        # objective leaves beside the decoders (more than the seat limit's prompt share),
+        # at least the scheduler's floor.
         threshold = self.long_prompt_tokens
         whole = threshold is not None and total <= threshold
         seconds = 0.0
@@ -151,7 +147,7 @@ class ServiceEstimate:
             if target is not None and not whole:
                 to_objective = None if objective is None else objective - decode
                 fits = first_prompt_tokens(
-                    cost, done, target - decode, self.min_prefill_chunk_tokens, share, to_objective
+                    cost, done, target - decode, self.min_prefill_chunk_tokens
                 )
                 if to_objective is not None:
                     fits = max(fits, chunk_tokens(cost, done, to_objective))
@@ -262,9 +258,9 @@ class SeatLimiter:
         self._next_update = now + self.config.update_interval_seconds
         before = self.limit
         objective = self.config.tpot_objective_seconds
+        measured = self.measured_step_seconds()
         if objective is not None and self.cost.calibrated:
             self.model_limit = self._model_limit(objective * self.config.headroom)
-            measured = self.measured_step_seconds()
             if measured is not None and measured > objective and now >= self._hold_until:
                 # Cut, then wait for the window to fill with steps taken after the cut
                 # (cutting again on the same slow steps would overshoot).
@@ -278,12 +274,10 @@ class SeatLimiter:
             ):
                 self.correction = min(1.5, self.correction * 1.05)
             target = math.floor(self.model_limit * self.correction)
-            floor = max(1, min(self.config.min_seats, self.config.max_num_seqs))
-            self.limit = max(floor, min(self.config.max_num_seqs, target))
+            self.limit = max(self._floor, min(self.config.max_num_seqs, target))
         self._limits.append((now, self.limit))
         while self._limits and self._limits[0][0] < now - BOOKING_WINDOW_SECONDS:
             self._limits.popleft()
-        measured = self.measured_step_seconds()
         if objective is not None and measured is not None and measured <= objective:
             # Sequences decoding at once, on average, within the objective: proven.
             decoding = int(self._decoding / max(1, len(self._decode_steps)))
@@ -310,11 +304,15 @@ class SeatLimiter:
         than the engine has shown it sustains within the objective lately (at least the
         floor): a promise is made on measured capacity, not on the cost model's word."""
         fewest = min((n for _, n in self._limits), default=self.limit)
-        floor = max(1, min(self.config.min_seats, self.config.max_num_seqs))
         proven = max((n for _, n in self._proven), default=0)
         if self.config.tpot_objective_seconds is None:
             return fewest
-        return max(floor, min(fewest, proven))
+        return max(self._floor, min(fewest, proven))
+
+    @property
+    def _floor(self) -> int:
+        """The fewest seats ever open (``min_seats``, within ``max_num_seqs``)."""
+        return max(1, min(self.config.min_seats, self.config.max_num_seqs))
 
     def measured_step_seconds(self) -> float | None:
         """Mean step time of recent steps with decodes, weighted by sequences decoding."""
@@ -379,7 +377,6 @@ class SeatLimiter:
             slowdown=1.0 if prefill is None else prefill.slowdown,
             idle_slowdown=1.0 if prefill is None else prefill.idle_slowdown,
             min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
-            prefill_per_decode=self.prefill_per_decode,
             long_prompt_tokens=None if prefill is None else prefill.long_prompt_tokens(),
             prefill_tokens_per_second=None if prefill is None else prefill.rate.tokens_per_second,
         )
