@@ -43,6 +43,12 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 # a later run found a warm cache that CI's fresh machine never has.
 _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="sluicegate-test-inductor-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE)
+# ... so each build would probe the CPU's vector instruction sets again (a small program
+# built and loaded for each of four, ~12 s of CPU of a 40 s build), which the product
+# does once a machine (the probe's builds stay in its cache). Inductor trusts the flags
+# /proc/cpuinfo lists instead: on this machine it picks the same one (avx512 with VNNI
+# and AMX) either way.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

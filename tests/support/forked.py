@@ -22,15 +22,19 @@ import weakref
 from multiprocessing import forkserver
 from pathlib import Path
 
-#: What serving the sim and upstream engines (with either store) imports, up to what it
-#: imports only when it serves (uvicorn's loop and protocols, anyio's backend).  No
-#: thread runs after these imports: forking the process that made them is safe.
+#: What serving the sim, upstream and embedded engines (with either store) imports, up to
+#: what it imports only when it serves (uvicorn's loop and protocols, anyio's backend).
+#: No Python thread runs after these imports (numpy's BLAS has an idle one of its own, as
+#: it had before torch was added here): forking the process that made them is safe.
+#: Torch reads no setting of a test's at import (its threads are set when an engine
+#: starts).
 PRELOAD = [
     "sluicegate.cli",
     "sluicegate.server",
     "sluicegate.api.app",
     "sluicegate.engine.factory",
     "sluicegate.engine.sim",
+    "sluicegate.engine.torch",
     "sluicegate.engine.upstream.core",
     "sluicegate.store.factory",
     "sluicegate.store.redis_store",

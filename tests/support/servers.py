@@ -42,17 +42,21 @@ def start_server(
     env: dict[str, str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
     port: int | None = None,
-    forked: bool = False,
+    forked: bool | None = None,
 ) -> ServerProcess:
     """``sluicegate serve`` with ``args`` on a free port (or ``port``), logging to
-    ``test-artifacts/server-<name>-<port>.log``; returns once it is ready.  ``forked``:
-    forked from a process that has imported the server (:mod:`tests.support.forked`:
-    0.2 s of CPU to start instead of 1.4), for a sim or upstream engine.
+    ``test-artifacts/server-<name>-<port>.log``; returns once it is ready.  Forked
+    (unless ``forked`` is false or a ``preexec_fn`` is given) from a process that has
+    imported the server, the embedded engine's included (:mod:`tests.support.forked`:
+    0.2 s of CPU to start instead of 1.4, and of 3.2 for the embedded engine);
+    ``tests/test_cli.py`` and ``tests/test_wheel.py`` start the command afresh.
 
     Stop it with :meth:`ServerProcess.stop`.
     """
     port = port or free_port()
     log_path = ARTIFACTS / f"server-{name}-{port}.log"
+    if forked is None:
+        forked = preexec_fn is None
     if not forked:
         return start_server_with_args(
             args,

@@ -167,8 +167,10 @@ def gguf_tokenizer(smollm2_path: str) -> list[tuple[str, Any, Any, Any]]:
     once: every GGUF written here carries them."""
     import gguf
 
+    from sluicegate.engine.torch.gguf_reader import FastGGUFReader
+
     fields = []
-    for name, field in gguf.GGUFReader(smollm2_path).fields.items():
+    for name, field in FastGGUFReader(smollm2_path).fields.items():
         if name.startswith("tokenizer."):
             types = field.types
             sub_type = types[1] if types[0] == gguf.GGUFValueType.ARRAY else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from sluicegate.engine.base import EngineLimits
 from sluicegate.engine.torch import TorchEngine
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
+from sluicegate.engine.torch.gguf_reader import FastGGUFReader
 from sluicegate.engine.torch.loader import load_checkpoint
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult, TokenLogprobs
@@ -116,7 +118,7 @@ def test_engine_identity(engine_f32: TorchEngine) -> None:
     assert args.rope_theta == 100000.0 and args.tie_word_embeddings
 
 
-def test_qk_unpermute_matches_transformers_gguf_loader(
+def test_qk_unpermute_matches_transformers_gguf_loader_and_the_library_reads_as_ours_does(
     engine_f32: TorchEngine, smollm2_path: str
 ) -> None:
     """An independent check of the rotary layout: transformers' own GGUF tensor processor
@@ -132,6 +134,17 @@ def test_qk_unpermute_matches_transformers_gguf_loader(
     processor: Any = LlamaTensorProcessor(config=heads)  # type: ignore[no-untyped-call]
     reader = GGUFReader(smollm2_path)
     tensors = {t.name: t for t in reader.tensors}
+    # The product's faster reader (FastGGUFReader) reads the same fields and tensors.
+    fast = FastGGUFReader(smollm2_path)
+    assert list(fast.fields) == list(reader.fields)
+    for name, field in reader.fields.items():
+        assert fast.fields[name].types == field.types
+        assert fast.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in fast.tensors] == [
+        (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in reader.tensors
+    ]
+    pairs = zip(fast.tensors, reader.tensors, strict=True)
+    assert all(np.array_equal(a.data, b.data) for a, b in pairs)
     state = engine_f32.model.state_dict()
     for layer in (0, 17, 29):
         wqkv = state[f"layers.{layer}.attention.wqkv.weight"]

@@ -85,9 +85,34 @@ class GGUFFile:
     tensors: dict[str, Any]  # name -> gguf.ReaderTensor
 
 
+class FastGGUFReader(GGUFReader):
+    """``gguf``'s reader, slicing a plain array over the file's memory map rather than the
+    ``numpy.memmap`` itself: it takes one slice per vocabulary entry (~250k for SmolLM2's
+    49k tokens and merges), and each slice of a ``memmap`` runs its Python
+    ``__array_finalize__``. SmolLM2's header in 0.8 s of CPU instead of 2.9 s; the same
+    fields and tensors (``tests/engine/torch/test_smollm2.py``)."""
+
+    def _get(
+        self,
+        offset: int,
+        dtype: Any,
+        count: int = 1,
+        override_order: Any = None,
+    ) -> Any:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        kind = np.dtype(dtype)
+        count = int(count)
+        arr = plain[offset : offset + kind.itemsize * count].view(dtype=kind)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
 def read_gguf(path: str | Path, with_tensors: bool = True) -> GGUFFile:
-    """Parse the file (about 2 s for SmolLM2, most of it the 49k-token vocabulary)."""
-    reader = GGUFReader(str(path))
+    """Parse the file (under a second of CPU for SmolLM2, most of it the 49k-token
+    vocabulary)."""
+    reader = FastGGUFReader(str(path))
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     tensors = {t.name: t for t in reader.tensors} if with_tensors else {}
     return GGUFFile(Path(path), metadata, tensors)
