@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -43,6 +44,10 @@ PRELOAD = [
     "uvicorn.protocols.websockets.websockets_sansio_impl",
     "anyio._backends._asyncio",
 ]
+
+#: prctl(2)'s option: a signal the process gets when its parent ends.
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
@@ -107,6 +112,16 @@ def fork_serve(args: list[str], log_path: Path, env: dict[str, str]) -> ForkedPr
 def _serve(args: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
     """The forked child: its output to its log, then the CLI, as ``python -m sluicegate
     serve`` runs it (its exit code is the CLI's)."""
+    # Ended with the fork server, which ends with its test process (a worker that
+    # pytest-timeout ends at once, its thread method, leaves no server running): the
+    # fork server ends once every holder of its "alive" pipe has, and multiprocessing
+    # hands that pipe to each child it forks, in case the child forks in turn.  A server
+    # does not: it lets go of it.
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
