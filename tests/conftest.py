@@ -44,7 +44,7 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="sluicegate-test-inductor-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE)
 # ... so each build would probe the CPU's vector instruction sets again (a small program
-# built and loaded for each of four, ~12 s of CPU of a 40 s build), which the product
+# built and loaded for each of four, ~9 s of CPU of a 40 s build), which the product
 # does once a machine (the probe's builds stay in its cache). Inductor trusts the flags
 # /proc/cpuinfo lists instead: on this machine it picks the same one (avx512 with VNNI
 # and AMX) either way.

@@ -65,7 +65,7 @@ def upstream_cancelled(upstream: ServerProcess) -> float:
 def start_upstream(name: str, *extra: str) -> ServerProcess:
     """A sim upstream (:data:`SLOW_SIM`, then ``extra``), forked
     (:mod:`tests.support.forked`)."""
-    return start_server([*SLOW_SIM, *extra], f"upstream-{name}", forked=True)
+    return start_server([*SLOW_SIM, *extra], f"upstream-{name}")
 
 
 def start_gateway(upstreams: list[ServerProcess], name: str, *extra: str) -> ServerProcess:
@@ -73,7 +73,7 @@ def start_gateway(upstreams: list[ServerProcess], name: str, *extra: str) -> Ser
     args = [*GATEWAY, *extra]
     for upstream in upstreams:
         args += ["--upstream", upstream.base_url]
-    return start_server(args, f"gateway-{name}", forked=True)
+    return start_server(args, f"gateway-{name}")
 
 
 @pytest.fixture(scope="package")

@@ -154,7 +154,6 @@ def served(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         failover = start_server(
             gateway_args([(sim.base_url, MODEL), (peer.base_url, peer.model)], tmp / "f.yaml"),
             "gateway-tf-failover",
-            forked=True,
         )
         stack.callback(failover.stop)
         peer.wait()

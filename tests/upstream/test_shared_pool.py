@@ -45,7 +45,6 @@ def pair(redis_url: str) -> Iterator[tuple[ServerProcess, ServerProcess, ServerP
             "static",
         ],
         "upstream-shared",
-        forked=True,
     )
     started = [upstream]
     try:

@@ -38,7 +38,7 @@ LOADED_SIM = [
 
 @pytest.fixture(scope="module")
 def load_server() -> Iterator[ServerProcess]:
-    server = start_server(LOADED_SIM, "web-load", forked=True)
+    server = start_server(LOADED_SIM, "web-load")
     yield server
     server.stop()
 

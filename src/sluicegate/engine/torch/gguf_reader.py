@@ -89,8 +89,9 @@ class FastGGUFReader(GGUFReader):
     """``gguf``'s reader, slicing a plain array over the file's memory map rather than the
     ``numpy.memmap`` itself: it takes one slice per vocabulary entry (~250k for SmolLM2's
     49k tokens and merges), and each slice of a ``memmap`` runs its Python
-    ``__array_finalize__``. SmolLM2's header in 0.8 s of CPU instead of 2.9 s; the same
-    fields and tensors (``tests/engine/torch/test_smollm2.py``)."""
+    ``__array_finalize__``. SmolLM2's header in ~0.9 s of CPU instead of ~3.3 s
+    (docs/engine-performance.md, "Start-up"); the same fields and tensors
+    (``tests/engine/torch/test_smollm2.py``)."""
 
     def _get(
         self,
