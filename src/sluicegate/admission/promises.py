@@ -70,12 +70,13 @@ class PromiseBook:
         self._returned(True)
 
     def book(self, time: float, fingerprint: bytes | None) -> None:
-        """Promise a seat at ``time`` to the client of ``fingerprint`` (replacing any
-        earlier promise to it: refused again, its new promise is the one it holds)."""
-        self.forget(fingerprint)
+        """Promise a seat at ``time`` to the client of ``fingerprint`` (its earlier promise,
+        if it was refused before, is :meth:`forget`-ten first: the new one is what it
+        holds)."""
         heapq.heappush(self._heap, (time, next(self._sequence), fingerprint))
 
     def forget(self, fingerprint: bytes | None) -> None:
+        """Drop the promises to ``fingerprint`` (its client was refused again)."""
         if fingerprint is None:
             return
         kept = [p for p in self._heap if p[2] != fingerprint]

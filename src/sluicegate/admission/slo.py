@@ -430,7 +430,7 @@ class TTFTPredictor:
             else:
                 heapq.heappush(seats, start + self.service_seconds(request))
             starts.append(start)
-        return seats, starts, own_lane if estimate.serial_prefill else 0.0
+        return seats, starts, own_lane
 
     def _seat_promised(
         self, seats: list[float], begins: float, lane: float, prefill: float, serial: bool

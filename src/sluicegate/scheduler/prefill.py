@@ -300,7 +300,7 @@ class PrefillPlanner:
         objective = self.config.tpot_objective_seconds
         if not self.config.stall_free or objective is None:
             return None
-        return self.step_fraction * objective / self.slowdown
+        return self._aim(objective)
 
     def step_objective_seconds(self) -> float | None:
         """The longest a step with interactive decoders may be, as the cost model counts:
@@ -312,8 +312,13 @@ class PrefillPlanner:
             return None
         return self._within(objective)
 
+    def _aim(self, objective: float) -> float:
+        """What a step beside decoders of ``objective`` is aimed at, as the cost model counts."""
+        return self.step_fraction * objective / self.slowdown
+
     def _within(self, objective: float) -> float:
-        return objective * (self.step_fraction / self.config.headroom) / self.slowdown
+        """The longest such a step may be, as the cost model counts."""
+        return self._aim(objective) / self.config.headroom
 
     def idle_step_target_seconds(self) -> float | None:
         """What a step without decoders is aimed at, as the cost model counts: no more
@@ -346,7 +351,7 @@ class PrefillPlanner:
         decoding = self.cost.predict(shape)
         tightest = min(objectives) if self.config.stall_free and objectives else None
         if tightest is not None:
-            target = self.step_fraction * tightest / self.slowdown  # as the cost model counts
+            target = self._aim(tightest)
             to_objective = self._within(tightest) - decoding
         if target is not None and self.cost.calibrated:
             left = target - decoding

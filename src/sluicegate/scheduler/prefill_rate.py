@@ -27,8 +27,6 @@ class PrefillRate:
 
     def __init__(self) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=WINDOW)
-        self._tokens = 0
-        self._seconds = 0.0
         #: None until enough such steps were seen.
         self.tokens_per_second: float | None = None
 
@@ -37,12 +35,7 @@ class PrefillRate:
         and took ``seconds``."""
         if seconds <= 0:
             return
-        if len(self._steps) == self._steps.maxlen:
-            old_tokens, old_seconds = self._steps[0]
-            self._tokens -= old_tokens
-            self._seconds -= old_seconds
         self._steps.append((num_prompt_tokens, seconds))
-        self._tokens += num_prompt_tokens
-        self._seconds += seconds
-        if len(self._steps) >= MIN_STEPS and self._seconds > 0:
-            self.tokens_per_second = max(1.0, self._tokens / self._seconds)
+        if len(self._steps) >= MIN_STEPS:
+            tokens = sum(n for n, _ in self._steps)
+            self.tokens_per_second = max(1.0, tokens / sum(s for _, s in self._steps))

@@ -304,9 +304,9 @@ class SeatLimiter:
         than the engine has shown it sustains within the objective lately (at least the
         floor): a promise is made on measured capacity, not on the cost model's word."""
         fewest = min((n for _, n in self._limits), default=self.limit)
-        proven = max((n for _, n in self._proven), default=0)
         if self.config.tpot_objective_seconds is None:
             return fewest
+        proven = max((n for _, n in self._proven), default=0)
         return max(self._floor, min(fewest, proven))
 
     @property
