@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sluicegate-installed
+COMPILED := $(VENV)/.sluicegate-compiled
 # The CPU build of PyTorch that lies on this machine's disk; an unpinned torch pulls CUDA.
 # pyproject.toml's torch extra pins the same (tests/test_cli.py checks the two agree).
 TORCH_SPEC := torch==2.13.0
@@ -32,7 +33,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test test-fast lint typecheck pytest pytest-fast install clean
+.PHONY: serve test test-fast lint typecheck pytest pytest-fast install bytecode clean
 
 install: $(STAMP)
 
@@ -51,6 +52,28 @@ $(STAMP): pyproject.toml Makefile
 	$(UV) $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) $(TORCH_SPEC) -e '.[test]' pip
 	$(UV) --no-deps $(MODEL_SPEC) $(EMBEDDING_SPEC)
 	touch $(STAMP)
+
+# The tests' bytecode, compiled once after an install, on every core, as a test run
+# starts (beside the type check, which keeps one core busy for ~30 s when cold); `make
+# serve` does without (the server compiles the few modules it imports as it starts).
+# Left to the tests, a fresh environment's three pytest workers compiled the same modules
+# at once as they collected (~15 s of CPU each), and the servers and compilers they
+# started compiled more: a fresh clone's first run took ~60 s longer than its second
+# (docs/testing.md). Compiled: the environment but for what no test imports in bulk
+# (packages' own tests, pip, setuptools, mypy's own, transformers' ~2,500 model files,
+# Pygments' lexers, ...) and for the clients that one test module imports in one process
+# (LiteLLM, OpenAI's Agents SDK and MCP under it: 3,600 files, 1,400 of them imported,
+# which that process compiles as it goes at no greater cost): 10,600 of the 20,100 files,
+# among them 6,900 of the 8,300 that a run imports. A file that does not compile (a
+# template, a Python 2 example in a package) is skipped: no import reads it.
+BYTECODE_SKIP := /site-packages/(.*/)?tests?/|/site-packages/(pip|setuptools|_distutils_hack|mypy|mypyc|fontTools|graphql|pygments/lexers)/|/transformers/models/|/site-packages/(litellm|agents|mcp)/|/sympy/physics/|/numpy/distutils/
+bytecode: $(COMPILED)
+
+$(COMPILED): $(STAMP)
+	$(BIN)/python -m compileall -qq -j 0 -x '$(BYTECODE_SKIP)' \
+		$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') src \
+		|| true
+	touch $(COMPILED)
 
 serve: $(STAMP)
 	$(BIN)/sluicegate serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
@@ -72,7 +95,7 @@ typecheck: $(STAMP)
 PYTEST_WORKERS ?= 3
 FAST_WORKERS ?= 3
 
-pytest: $(STAMP)
+pytest: $(COMPILED)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Every test not marked slow: none starts a process or loads the model (docs/testing.md).
@@ -80,7 +103,7 @@ pytest: $(STAMP)
 # runs out (--dist worksteal): the tests are short and many, and the longest wait on
 # timers, which a third worker overlaps; a module slow as a whole is not even imported
 # (tests/conftest.py).
-pytest-fast: $(STAMP)
+pytest-fast: $(COMPILED)
 	$(BIN)/python -m pytest -n $(FAST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 # pytest exits 5 when it collects no tests (or deselects them all), which fails these

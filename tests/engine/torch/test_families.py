@@ -26,8 +26,6 @@ from tests.support.servers import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
-transformers = pytest.importorskip("transformers")
-
 #: SmolLM2's vocabulary (the tokenizer the tiny models are written with).
 VOCAB = 49152
 ROPE_THETA = 10000.0
@@ -129,6 +127,8 @@ def tiny_model(family: str, multimodal: bool = False, **config_values: Any) -> A
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    # Imported here: at collection it took each pytest worker ~1 s of CPU.
+    transformers = pytest.importorskip("transformers")
     config = getattr(transformers, config_class)(**(values | extra | config_values))
     torch.manual_seed(0)
     if multimodal:
