@@ -37,6 +37,11 @@ _guard = slow_rule.ProcessGuard()
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("SLUICEGATE_TORCH_THREADS", "1")
 
+# The compiled decode step is the product's default, but its build takes minutes of CPU
+# for the full model: servers the tests start decode eagerly unless they ask for it
+# (tests/engine/torch/test_compiled.py builds it for a one-layer cut of the model).
+os.environ.setdefault("SLUICEGATE_ENGINE_COMPILE", "off")
+
 # Torch Inductor's cache (the compiled decode step's build, ~230 MB a run) in a directory
 # of this process's own, removed at its end: in its default place
 # (/tmp/torchinductor_<user>) every run left its build behind for good (28 GB here), and

@@ -31,12 +31,12 @@ class TorchSettings(BaseModel):
         "(a warm start in ~1 s instead of ~4.5 s; docs/admission.md).",
     )
     engine_compile: Literal["off", "decode"] = Field(
-        "off",
-        description="Torch engine: decode through a compiled step (AOTInductor; built once "
-        "per model and cache shape in a background process, cached under cache_dir; eager "
-        "until ready). 1.3-1.6x the eager decode speed through the server; logits differ "
-        "from eager in the last bits "
-        "(docs/engine-performance.md).",
+        "decode",
+        description="Torch engine: decode answers through a compiled step (AOTInductor; "
+        "built once per model and cache shape by a background process at idle priority, "
+        "cached under cache_dir, loaded in seconds at later starts; eager until ready). "
+        "Seeded answers keep their bits across preemption and resume either way "
+        "(docs/engine.md); off: always eager.",
     )
     kv_cache_memory: str = Field(
         "auto",

@@ -61,6 +61,15 @@ async def test_update_meta_sets_status_and_extra_and_finish_sets_finished(store:
         await store.update_meta("u", status=StreamStatus.FINISHED)
 
 
+async def test_compiled_from_is_kept_beside_the_rest_once_set(store: Store) -> None:
+    await store.put_meta("c", sample_meta())
+    assert (await store.get_meta("c")).compiled_from is None
+    await store.update_meta("c", compiled_from=17)
+    await store.update_meta("c", status=StreamStatus.CHECKPOINTED, extra={"k": 1})
+    got = await store.get_meta("c")
+    assert (got.compiled_from, got.extra, got.generated_token_ids) == (17, {"k": 1}, [10])
+
+
 async def test_put_meta_creates_a_stream_that_can_be_read_and_tailed(store: Store) -> None:
     await store.put_meta("fresh", sample_meta())
     result = await store.read("fresh", 0)

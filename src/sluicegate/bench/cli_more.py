@@ -112,8 +112,9 @@ def engine_peer_command(
         list[str] | None,
         typer.Option(
             "--config",
-            help="Our servers to measure, in order (repeat): sluicegate (defaults), "
-            "'sluicegate compiled', 'sluicegate q4', 'sluicegate one budget' "
+            help="Our servers to measure, in order (repeat): sluicegate (defaults: "
+            "the compiled decode step once built), 'sluicegate eager' "
+            "(--engine-compile off), 'sluicegate q4', 'sluicegate one budget' "
             "(--no-stall-free-prefill); default: the first three.",
         ),
     ] = None,

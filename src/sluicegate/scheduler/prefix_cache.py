@@ -170,6 +170,9 @@ class PrefixCache:
         computed = request.num_computed_tokens
         if not self.cache_answers:
             computed = min(computed, request.num_prompt_tokens)
+        if request.reuse.compiled_from is not None:
+            # A prompt computes these tokens eagerly, with other bits: not its prefix.
+            computed = min(computed, request.reuse.compiled_from)
         if request.kv_slot is not None and computed:
             keys = self.keys_of(request, computed)
             self.register(request.kv_slot, keys, request.all_token_ids[:computed])

@@ -179,8 +179,9 @@ class Pace:
 
 @dataclass(slots=True)
 class Reuse:
-    """What it reuses of computation already done: the prefix cache's blocks and prompt
-    lookup's drafts (both the scheduler's, on the engine thread)."""
+    """What it reuses of computation already done: the prefix cache's blocks, prompt
+    lookup's drafts and how its positions were computed (the scheduler's, on the engine
+    thread)."""
 
     #: Whose prefixes it may reuse: "" for everyone's, a tenant's name with
     #: ``prefix_cache_scope: tenant`` (its key chain starts from it).
@@ -192,6 +193,12 @@ class Reuse:
     num_cached_tokens: int = 0
     #: Its prompt-lookup drafting state (speculative decoding; made at its first draft).
     lookup: PromptLookup | None = None
+    #: Its answer's first position the engine computed through its compiled decode step
+    #: (None: every position so far eagerly).  Set by the engine's step result; a
+    #: re-prefill computes the positions from there through it again, so that they keep
+    #: their bits (``docs/engine.md``), and the prefix cache offers none of them: a later
+    #: prompt computes the same tokens eagerly.
+    compiled_from: int | None = None
 
 
 @dataclass(slots=True)

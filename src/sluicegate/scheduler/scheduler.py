@@ -292,6 +292,7 @@ class Scheduler:
             sampling=request.sampling,
             num_prompt_tokens=request.num_prompt_tokens,
             draft_token_ids=drafts or [],
+            compiled_from=request.reuse.compiled_from,
         )
 
     def _sits_out(self, request: Request, now: float) -> bool:
@@ -396,6 +397,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += seq.num_new_tokens
+            if (compiled_from := result.compiled_from.get(seq.request_id)) is not None:
+                request.reuse.compiled_from = compiled_from
             if seq.start_position < request.num_prompt_tokens:
                 self._remember(request)  # its prompt's blocks: for requests that share them
             if not seq.sample:

@@ -39,6 +39,9 @@ class ScheduledSequence:
     sampling: SamplingParams
     num_prompt_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)
+    #: Its answer's first position an engine computed through a compiled step
+    #: (``Reuse.compiled_from``): from there on its positions are computed that way again.
+    compiled_from: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -109,3 +112,6 @@ class StepResult:
     #: For sequences whose sampling asks for log probabilities: one per sampled token,
     #: the first token's then one per draft's, as ``draft_sampled_token_ids`` orders them.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    #: Sequences whose answer the engine began to compute through its compiled step in
+    #: this step: the first such position (kept as ``Reuse.compiled_from``).
+    compiled_from: dict[str, int] = field(default_factory=dict)

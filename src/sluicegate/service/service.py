@@ -185,6 +185,7 @@ class Service:
         max_tokens_per_second: float | None = None,
         *,
         output_token_ids: Sequence[int] = (),
+        compiled_from: int | None = None,
         resumed: bool = False,
         resume_token_sha256: str | None = None,
         request_charged: bool = False,
@@ -198,21 +199,20 @@ class Service:
 
         A ``resumed`` stream continues on this replica after ``output_token_ids`` (delivered
         elsewhere): it re-prefills them, and its tenant's rate limits are not charged again;
-        it keeps its resume token (``resume_token_sha256``).  A new request gets a new one.
+        it keeps its resume token (``resume_token_sha256``) and ``Reuse.compiled_from``.
         ``request_charged``: :meth:`charge_request` took its request as it arrived;
         ``rate_limits_charged``: a background job, whose buckets were charged at
         submission.  Raises the :class:`APIError` that refuses it.  A pipeline's request
         comes with its output stages (``chain``: the engine writes its head; the caller
         closes it if this raises) and arrived before its retrieval (``arrival_time``).
-        ``objective``: what the request stated for itself (its own TTFT objective, its
-        deadline: :mod:`~sluicegate.admission.request_objective`).
+        ``objective``: what the request stated for itself (its TTFT objective, its deadline).
         """
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             all_token_ids=[*prompt_ids, *output_token_ids],
-            reuse=Reuse(namespace=prefix_namespace(self.settings, tenant.name)),
+            reuse=Reuse(prefix_namespace(self.settings, tenant.name), compiled_from=compiled_from),
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time

@@ -226,8 +226,10 @@ class Store(abc.ABC):
         *,
         status: StreamStatus | None = None,
         extra: Mapping[str, JSONValue] | None = None,
+        compiled_from: int | None = None,
     ) -> None:
-        """Set the status (RUNNING or CHECKPOINTED) and/or replace ``extra``."""
+        """Set the status (RUNNING or CHECKPOINTED), replace ``extra`` and/or set
+        ``compiled_from`` (each left as it is when None)."""
 
     @abc.abstractmethod
     async def delete(self, stream_id: str) -> None:

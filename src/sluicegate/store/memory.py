@@ -157,6 +157,7 @@ class MemoryStore(Store):
         check_writable_status(meta.status)
         stream = self._writable(stream_id, None)
         stored = _copy_meta(meta)
+        stored.compiled_from = None  # set by update_meta only (as in Redis)
         if not stored.created_at_unix_seconds:
             stored.created_at_unix_seconds = time.time()
         stream.generated_token_ids = stored.generated_token_ids
@@ -178,6 +179,7 @@ class MemoryStore(Store):
         *,
         status: StreamStatus | None = None,
         extra: Mapping[str, JSONValue] | None = None,
+        compiled_from: int | None = None,
     ) -> None:
         if status is not None:
             check_writable_status(status)
@@ -189,6 +191,8 @@ class MemoryStore(Store):
             meta.status = status
         if extra is not None:
             meta.extra = copy.deepcopy(dict(extra))
+        if compiled_from is not None:
+            meta.compiled_from = int(compiled_from)
         self._touch(stream)
 
     async def delete(self, stream_id: str) -> None:
@@ -316,6 +320,7 @@ def _copy_meta(meta: StreamMeta) -> StreamMeta:
         extra=copy.deepcopy(meta.extra),
         created_at_unix_seconds=meta.created_at_unix_seconds,
         resume_token_sha256=meta.resume_token_sha256,
+        compiled_from=meta.compiled_from,
     )
 
 

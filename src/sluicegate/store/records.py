@@ -127,6 +127,11 @@ class StreamMeta:
     #: SHA-256 (hex) of the stream's resume token: in open mode, what a resume or cancel
     #: must present (empty: no token admits it).
     resume_token_sha256: str = ""
+    #: The embedded engine's first answer position computed by its compiled decode step
+    #: (None: none yet, or eager): a replica that takes the stream over computes the
+    #: positions from there on that way too, so the continuation keeps its bits.  Written by
+    #: :meth:`Store.update_meta` only.
+    compiled_from: int | None = None
 
 
 @dataclass(slots=True)

@@ -110,7 +110,8 @@ return {1, 0}
 """
 )
 
-#: ARGV[4] status ('' = unchanged), [5] extra json ('' = unchanged).
+#: ARGV[4] status ('' = unchanged), [5] extra json ('' = unchanged), [6] compiled_from
+#: ('' = unchanged).
 UPDATE_META_LUA = (
     _WRITE_PREAMBLE
     + """
@@ -127,22 +128,26 @@ end
 if ARGV[5] ~= '' then
   redis.call('HSET', KEYS[1], 'extra', ARGV[5])
 end
+if ARGV[6] ~= '' then
+  redis.call('HSET', KEYS[1], 'compiled_from', ARGV[6])
+end
 refresh()
 return {1, 0}
 """
 )
 
-#: KEYS: state, tokens, known.  Returns {1, meta json, status, extra json, {token ids}}.
+#: KEYS: state, tokens, known.  Returns {1, meta json, status, extra json, {token ids},
+#: compiled_from or false}.
 GET_META_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if redis.call('EXISTS', KEYS[3]) == 1 then return {-2} end
   return {-1}
 end
-local state = redis.call('HMGET', KEYS[1], 'meta', 'status', 'extra')
+local state = redis.call('HMGET', KEYS[1], 'meta', 'status', 'extra', 'compiled_from')
 if not state[1] then
   return {-5}
 end
-return {1, state[1], state[2], state[3], redis.call('LRANGE', KEYS[2], 0, -1)}
+return {1, state[1], state[2], state[3], redis.call('LRANGE', KEYS[2], 0, -1), state[4]}
 """
 
 #: KEYS: state, log, known.  ARGV[1] after_seq, [2] max events ('0' = all).

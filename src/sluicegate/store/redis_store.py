@@ -288,6 +288,7 @@ class RedisStore(Store):
             extra=extra,
             created_at_unix_seconds=fixed["created_at_unix_seconds"],
             resume_token_sha256=str(fixed.get("resume_token_sha256") or ""),
+            compiled_from=int(reply[5]) if len(reply) > 5 and reply[5] else None,
         )
 
     async def update_meta(
@@ -296,6 +297,7 @@ class RedisStore(Store):
         *,
         status: StreamStatus | None = None,
         extra: Mapping[str, JSONValue] | None = None,
+        compiled_from: int | None = None,
     ) -> None:
         if status is not None:
             check_writable_status(status)
@@ -304,6 +306,7 @@ class RedisStore(Store):
             *self._write_args(None),
             "" if status is None else status.value,
             b"" if extra is None else orjson.dumps(dict(extra)),
+            "" if compiled_from is None else int(compiled_from),
         ]
         try:
             reply = await self._connection.run(

@@ -128,6 +128,7 @@ class StreamSession:
         #: False once an append failed: the log stays a consistent prefix of the stream.
         self.logging = True
         self.log_finished = False
+        self._compiled_from = generation.request.reuse.compiled_from  # as stored
         self.stop_reason: StopReason | None = None
         self.done = False
         self._writer_back = asyncio.Event()
@@ -399,23 +400,19 @@ class StreamSession:
 
     def _stall_error(self) -> dict[str, dict[str, object]]:
         seconds = self.context.flow.config.stall_timeout_seconds
-        return {
-            "error": {
-                "message": (
-                    f"The client accepted no data for {seconds:g} seconds; the stream was "
-                    "closed and its generation cancelled."
-                ),
-                "type": "stream_stalled",
-                "param": None,
-                "code": "stream_stalled",
-            }
-        }
+        message = (
+            f"The client accepted no data for {seconds:g} seconds; the stream was closed "
+            "and its generation cancelled."
+        )
+        code = "stream_stalled"
+        return {"error": {"message": message, "type": code, "param": None, "code": code}}
 
     async def _publish(self, emission: Emission) -> bool:
         """Log an emission and hand it to the connection; False: stop producing."""
         seq: int | None = None
         if emission.logged and self.logging:
             try:
+                await self._record_compiled_from()
                 seq = await self.store.append(
                     self.stream_id,
                     emission.data,
@@ -458,6 +455,12 @@ class StreamSession:
             except StoreError as error:
                 logger.warning("stream %s: log not closed: %s", self.stream_id, error)
         return True
+
+    async def _record_compiled_from(self) -> None:
+        """Store ``Reuse.compiled_from`` before the tokens it concerns are logged."""
+        if (value := self.generation.request.reuse.compiled_from) != self._compiled_from:
+            await self.store.update_meta(self.stream_id, compiled_from=value)
+            self._compiled_from = value
 
     def _deliver(self, item: FeedItem) -> None:
         if self.feed is not None:

@@ -279,6 +279,7 @@ class SessionRegistry:
                     sampling,
                     fmt.max_tokens_per_second,
                     output_token_ids=generated,
+                    compiled_from=meta.compiled_from,
                     resumed=True,
                     resume_token_sha256=meta.resume_token_sha256,
                     upstream_call=(

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     """Run each engine test on the process's torch thread, where the engines compute: a
     second OpenMP team in the process throttles both (see ``TorchEngine``)."""
-    from sluicegate.engine.torch.runner import run_on_torch_thread
+    from sluicegate.engine.torch.torch_thread import run_on_torch_thread
 
     if pyfuncitem.get_closest_marker("caller_thread"):
         return None  # the test is about calling from other threads: run it as usual
@@ -45,6 +45,18 @@ def smollm2_path() -> str:
 #: (``SLUICEGATE_TORCH_THREADS``, one per pytest-xdist worker under ``make test``), else
 #: the engine's default.
 TEST_THREADS = int(os.environ.get("SLUICEGATE_TORCH_THREADS", "0")) or None
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 itself (``--dtype auto`` picks it): elsewhere
+    bfloat16 is emulated and its roundings fall otherwise at near ties, such as the first
+    token of the capital-of-France answer ("The" 25.33, "L" 25.24 in float32)."""
+    import torch
+
+    from sluicegate.engine.torch import loader
+    from sluicegate.engine.torch.packed_linear import packing_supported
+
+    return loader.native_bfloat16() and packing_supported(torch.bfloat16)
 
 
 def _smollm2_engine(

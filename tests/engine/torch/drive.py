@@ -12,6 +12,7 @@ every request under test has its slot.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -20,6 +21,7 @@ from sluicegate.engine.base import Engine, EngineLimits
 from sluicegate.scheduler.prompt_lookup import SpeculationConfig
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
+from sluicegate.scheduler.step import StepPlan, StepResult, TokenLogprobs
 
 #: Request ids of the slot holders start with this (to leave them out of recorded plans).
 HOLDER_ID_PREFIX = "hold-"
@@ -118,3 +120,41 @@ def generate(
     ]
     run_requests(engine, requests, max_num_batched_tokens, hold_slots, speculation)
     return [r.output_token_ids for r in requests]
+
+
+class RecordingEngine:
+    """Wraps an engine and remembers every plan it ran (slot holders left out: they are
+    not the requests under test)."""
+
+    def __init__(self, engine: LimitedEngine) -> None:
+        self.engine = engine
+        self.plans: list[list[int]] = []  # num_new_tokens per sequence, per step
+        self.chunks: dict[str, list[int]] = defaultdict(list)  # request -> num_new_tokens
+        self.slots: dict[int, set[str]] = defaultdict(set)  # KV slot -> requests it held
+        self.logprobs: dict[str, list[TokenLogprobs]] = {}  # of the tokens sampled
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    def step(self, plan: StepPlan) -> StepResult:
+        tested = [s for s in plan.sequences if not s.request_id.startswith(HOLDER_ID_PREFIX)]
+        self.plans.append([s.num_new_tokens for s in tested])
+        for s in tested:
+            self.chunks[s.request_id].append(s.num_new_tokens)
+            self.slots[s.kv_slot].add(s.request_id)
+        result = self.engine.step(plan)
+        for request_id, entries in result.logprobs.items():
+            self.logprobs.setdefault(request_id, []).extend(entries)
+        return result
+
+    def close(self) -> None:
+        self.engine.close()

@@ -30,10 +30,16 @@ from safetensors.torch import save_file
 
 from sluicegate.bench.scrape import admin_headers
 from sluicegate.engine.cpu_share import CpuShare
-from sluicegate.engine.torch.attention_batch import KEY_ALIGN, SequenceChunk, build_batch
+from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.compiled import CompiledDecode, main
+from sluicegate.engine.torch.decode_graph import MAX_ROWS, GraphRun
 from sluicegate.engine.torch.model import Transformer
+from sluicegate.scheduler.prompt_lookup import SpeculationConfig
+from sluicegate.scheduler.request import Request, SamplingParams
 from tests.engine.torch.conftest import TEST_THREADS
+from tests.engine.torch.drive import RecordingEngine, run_requests
+from tests.resume.conftest import Received, kill, owner, read_stream, resume, servers
+from tests.store.conftest import start_redis
 from tests.support.servers import ServerProcess, start_server
 
 if TYPE_CHECKING:
@@ -65,26 +71,27 @@ def cut_model(smollm2_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def serve(model: Path, cache: Path) -> ServerProcess:
-    return start_server(
-        [
-            "--model",
-            str(model),
-            "--dtype",
-            "float32",
-            "--engine-compile",
-            "decode",
-            "--max-num-seqs",
-            str(SLOTS),
-            "--max-model-len",
-            str(LENGTH),
-            "--cache-dir",
-            str(cache),
-            # The build competes for the CPU; these tests are not about admission.
-            "--ttft-slo-ms",
-            "60000",
-        ],
-        "compiled",
-    )
+    return start_server(server_args(model, cache), "compiled")
+
+
+def server_args(model: Path, cache: Path) -> list[str]:
+    return [
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--engine-compile",
+        "decode",
+        "--max-num-seqs",
+        str(SLOTS),
+        "--max-model-len",
+        str(LENGTH),
+        "--cache-dir",
+        str(cache),
+        # The build competes for the CPU; these tests are not about admission.
+        "--ttft-slo-ms",
+        "60000",
+    ]
 
 
 def complete(server: ServerProcess, seed: int) -> str:
@@ -150,6 +157,55 @@ def test_builds_in_the_background_then_decodes_compiled(
         batched = list(pool.map(lambda seed: complete(server, seed), [7, 8, 9, 7]))
     assert batched[0] == batched[3] == alone  # seeded: the same alone and batched
     assert len(set(batched[:3])) == 3
+    assert server.stats()["compiled"] == {"status": "ready", "inexact_replays": 0}
+
+
+def test_a_stream_taken_over_by_another_replica_keeps_its_bits(
+    compiled_server: tuple[ServerProcess, Path], cut_model: Path, tmp_path: Path
+) -> None:
+    """A seeded stream computed through the compiled step, its replica killed, goes on
+    on another replica (same package, shared Redis) with the log probabilities of an
+    uninterrupted run: the taker re-prefills the answer through the compiled step too."""
+    server, cache = compiled_server
+    wait_until_built(server)
+    redis = start_redis(tmp_path)
+    store = ["--store", f"redis://127.0.0.1:{redis.port}", "--lease-ttl-seconds", "1"]
+    args = [*server_args(cut_model, cache), *store, "--flush-interval-ms", "0"]
+    try:
+        with servers((args, "compiled-a"), (args, "compiled-b")) as (a, b):
+            for replica in (a, b):
+                wait_until_built(replica)  # loads the package the first server built
+            body = {
+                "model": str(a.stats()["model"]),
+                "prompt": "Once upon a time",
+                "max_tokens": 200,
+                "temperature": 0.8,
+                "seed": 5,
+                "logprobs": 2,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            whole = read_stream("POST", b.v1 + "/completions", json=body)
+            first = read_stream("POST", a.v1 + "/completions", json=body, stop_after_events=8)
+            kill(a)  # its client gone, it paused at the high-water mark: far from the end
+            stream_id = first.headers["x-sluicegate-stream-id"]
+            rest = resume(b, stream_id, first.last_event_id, headers=owner(first))
+            assert rest.done
+            metrics = httpx.get(b.base_url + "/metrics", timeout=10).text
+            assert 'sluicegate_stream_resumes_total{status="follow"} 1.0' in metrics
+    finally:
+        redis.kill()
+    assert token_logprobs(first) + token_logprobs(rest) == token_logprobs(whole)
+    assert len(token_logprobs(whole)) == 200
+
+
+def token_logprobs(received: Received) -> list[float]:
+    out: list[float] = []
+    for event in received.events:
+        chunk = event.json
+        if chunk and chunk.get("choices") and chunk["choices"][0].get("logprobs"):
+            out.extend(chunk["choices"][0]["logprobs"]["token_logprobs"])
+    return out
 
 
 def cut_engine(
@@ -234,6 +290,11 @@ def random_tokens(gen: torch.Generator, count: int) -> torch.Tensor:
     return torch.randint(100, 40000, (count,), generator=gen)
 
 
+def rows(tokens: list[int], positions: list[int], slots: list[int]) -> list[GraphRun]:
+    """One decode row per sequence."""
+    return [GraphRun(s, p, [t]) for t, p, s in zip(tokens, positions, slots, strict=True)]
+
+
 def test_matches_eager_and_writes_the_same_cache(engine: TorchEngine) -> None:
     model, handle = engine.model, engine.compiled
     assert handle is not None
@@ -252,7 +313,7 @@ def test_matches_eager_and_writes_the_same_cache(engine: TorchEngine) -> None:
             model.k_cache.copy_(saved[0])
             model.v_cache.copy_(saved[1])
             assert handle.accepts(model, positions)
-            got = handle.run(model, tokens, positions, slots)
+            got = handle.run(model, rows(tokens, positions, slots))
             torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
             torch.testing.assert_close(model.k_cache, eager_cache[0], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(model.v_cache, eager_cache[1], atol=1e-4, rtol=1e-4)
@@ -274,8 +335,7 @@ def test_a_row_does_not_depend_on_its_batch(engine: TorchEngine) -> None:
         def decode(rows: list[tuple[int, int, int]]) -> torch.Tensor:
             model.k_cache.copy_(saved[0])
             model.v_cache.copy_(saved[1])
-            tokens, positions, slots = (list(column) for column in zip(*rows, strict=True))
-            return handle.run(model, tokens, positions, slots)
+            return handle.run(model, [GraphRun(s, p, [t]) for t, p, s in rows])
 
         me = (7000, 20, 0)
         alone = decode([me])[0]
@@ -284,12 +344,130 @@ def test_a_row_does_not_depend_on_its_batch(engine: TorchEngine) -> None:
         assert torch.equal(decode([me, (1100, 9, 1), (500, 200, 2)])[0], alone)
 
 
-def test_accepts_only_the_compiled_key_range(engine: TorchEngine) -> None:
+def test_accepts_every_position_of_a_slot_but_the_first(engine: TorchEngine) -> None:
     model, handle = engine.model, engine.compiled
     assert handle is not None
-    assert handle.accepts(model, [1, LENGTH - KEY_ALIGN])
+    assert handle.accepts(model, [1, LENGTH - 1])  # the cache is a key block longer
     assert not handle.accepts(model, [0, 5])  # a one-token prompt: nothing to attend yet
-    assert not handle.accepts(model, [5, LENGTH - KEY_ALIGN + 1])  # the last key block
+
+
+def test_consecutive_positions_in_one_call_are_those_decoded_one_by_one(
+    engine: TorchEngine,
+) -> None:
+    """Positions of a sequence computed together (a re-prefill, drafts to verify), in one
+    call or across calls and beside other rows: the logits, keys and values of decoding
+    them one at a time, bit for bit."""
+    model, handle = engine.model, engine.compiled
+    assert handle is not None
+    gen = torch.Generator().manual_seed(5)
+    count = 2 * MAX_ROWS + 6  # three calls' worth
+    with torch.inference_mode():
+        prefill(model, random_tokens(gen, 20), 0)
+        prefill(model, random_tokens(gen, 45), 1)
+        saved = model.k_cache.clone(), model.v_cache.clone()
+        mine, other = random_tokens(gen, count).tolist(), random_tokens(gen, count).tolist()
+        one_by_one = torch.cat(
+            [
+                handle.run(
+                    model, [GraphRun(0, 20 + i, [mine[i]]), GraphRun(1, 45 + i, [other[i]])]
+                )[:1]
+                for i in range(count)
+            ]
+        )
+        decoded = (
+            model.k_cache[:, 0, :, : 20 + count].clone(),
+            model.v_cache[:, 0, :, : 20 + count].clone(),
+        )
+        layouts = {
+            "one run": [[GraphRun(0, 20, mine, count)]],
+            "pieces beside another sequence": [
+                [GraphRun(1, 45, other[:1], 0), GraphRun(0, 20, mine[:5], 5)],
+                [GraphRun(0, 25, mine[5:40], 35), GraphRun(1, 46, other[1:2], 0)],
+                [GraphRun(0, 60, mine[40:], count - 40)],
+            ],
+        }
+        for name, calls in layouts.items():
+            model.k_cache.copy_(saved[0])
+            model.v_cache.copy_(saved[1])
+            logits = torch.cat([handle.run(model, runs) for runs in calls])
+            assert torch.equal(logits, one_by_one), name
+            assert torch.equal(model.k_cache[:, 0, :, : 20 + count], decoded[0]), name
+            assert torch.equal(model.v_cache[:, 0, :, : 20 + count], decoded[1]), name
+        # The eager path computes them with other bits (why re-prefills replay them here).
+        model.k_cache.copy_(saved[0])
+        model.v_cache.copy_(saved[1])
+        eager = model(torch.tensor(mine), build_batch([SequenceChunk(0, 20, count, count)])[0])
+        assert not torch.equal(eager, one_by_one)
+
+
+#: Tokens of each answer in the tests driven by the scheduler.
+NUM_TOKENS = 24
+
+
+def seeded(seed: int, max_tokens: int = NUM_TOKENS) -> SamplingParams:
+    return SamplingParams(
+        max_tokens, seed, temperature=0.9, top_p=0.95, ignore_eos=True, logprobs=5
+    )
+
+
+def question(engine: TorchEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def test_answers_resumed_after_a_preemption_are_the_uninterrupted_ones(
+    engine: TorchEngine,
+) -> None:
+    """A seeded answer decoded through the compiled step, and one whose first tokens were
+    decoded eagerly before the step was ready: dropped half-way (KV gone, tokens and
+    ``compiled_from`` kept, as a preemption or a stream's record keeps them), each is
+    re-prefilled in chunks in another slot and goes on with the tokens and the log
+    probabilities (the logits, bit for bit) of the uninterrupted answer."""
+    prompt = question(engine, "Tell me about rivers.")
+    start = len(prompt)
+    recorder = RecordingEngine(engine)
+    compiled = Request("compiled", list(prompt), seeded(7))
+    run_requests(recorder, [compiled])
+    assert compiled.reuse.compiled_from == start  # its whole answer through the graph
+    # The same question, its first 5 tokens eager (no compiled step yet), then on.
+    handle, engine.compiled = engine.compiled, None
+    early = Request("early", list(prompt), seeded(8, max_tokens=5))
+    run_requests(recorder, [early])
+    engine.compiled = handle
+    assert early.reuse.compiled_from is None
+    switched = Request("switched", list(prompt), seeded(8))
+    switched.all_token_ids.extend(early.output_token_ids)
+    run_requests(recorder, [switched])
+    # The position of the last eager token: it was never computed before.
+    assert switched.reuse.compiled_from == start + 4
+    half = NUM_TOKENS // 2
+    for answer, logprobs in (
+        (compiled, recorder.logprobs["compiled"]),
+        (switched, recorder.logprobs["early"] + recorder.logprobs["switched"]),
+    ):
+        resumed = Request(f"resumed-{answer.request_id}", list(prompt), answer.sampling)
+        resumed.all_token_ids.extend(answer.output_token_ids[:half])
+        resumed.reuse.compiled_from = answer.reuse.compiled_from
+        # Re-prefilled in chunks of at most 8 positions, in slot 1 (slot 0 is held).
+        run_requests(recorder, [resumed], max_num_batched_tokens=8, hold_slots=1)
+        assert resumed.output_token_ids == answer.output_token_ids, answer.request_id
+        assert recorder.logprobs[resumed.request_id] == logprobs[half:], answer.request_id
+
+
+def test_drafts_verified_through_the_compiled_step_give_the_tokens_of_plain_decoding(
+    engine: TorchEngine,
+) -> None:
+    """Prompt-lookup drafts are verified through the compiled step, several positions of a
+    sequence in one call: the answer is the one decoded a token at a time."""
+    prompt = question(engine, "Repeat after me: " + "one two three four five six " * 6)
+    greedy = SamplingParams(NUM_TOKENS, 0, temperature=0.0, ignore_eos=True)
+    plain = Request("plain", list(prompt), greedy)
+    run_requests(engine, [plain])
+    drafted = Request("drafted", list(prompt), greedy)
+    scheduler = run_requests(engine, [drafted], speculation=SpeculationConfig(num_tokens=8))
+    counters = scheduler.make_stats().speculation
+    assert counters is not None and counters["proposed_tokens"] > 0, counters
+    assert drafted.output_token_ids == plain.output_token_ids
+    assert drafted.reuse.compiled_from == plain.reuse.compiled_from == len(prompt)
 
 
 def test_a_second_build_of_the_same_package_finds_it_done(

@@ -10,6 +10,7 @@ import pytest
 
 from sluicegate.engine.kv_budget import KVBudgetError
 from sluicegate.engine.torch import TorchEngine
+from sluicegate.engine.torch.attention_batch import cache_positions
 from tests.engine.torch.conftest import TEST_THREADS
 from tests.engine.torch.drive import generate
 
@@ -17,8 +18,8 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 #: SmolLM2-135M: 30 layers x (keys + values) x 3 KV heads x 64 dims, in float32.
 BYTES_PER_POSITION = 30 * 2 * 3 * 64 * 4
-MAX_MODEL_LEN = 256  # a multiple of KEY_ALIGN: no padding
-BYTES_PER_SLOT = BYTES_PER_POSITION * MAX_MODEL_LEN  # 11.25 MiB
+MAX_MODEL_LEN = 256  # a multiple of KEY_ALIGN: no padding, one block more (288)
+BYTES_PER_SLOT = BYTES_PER_POSITION * cache_positions(MAX_MODEL_LEN)  # 12.66 MiB
 
 
 def resident_bytes() -> int:
@@ -72,6 +73,6 @@ def test_a_budget_without_room_for_one_sequence_fails_to_load(
         load(smollm2_path, torch_cache_dir, 2**20)
     assert str(info.value) == (
         "kv_cache_memory of 1 MiB (1048576 bytes) holds no sequence: one sequence of "
-        "max_model_len 256 needs 11.25 MiB (11796480 bytes) of KV cache; raise "
+        "max_model_len 256 needs 12.66 MiB (13271040 bytes) of KV cache; raise "
         "--kv-cache-memory to at least that, or lower --max-model-len"
     )

@@ -15,6 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluicegate.engine.torch.attention_batch import cache_positions
 from tests.support.model_server import MAX_MODEL_LEN, MAX_NUM_SEQS, TEST_TIMEOUT_SECONDS
 from tests.support.servers import ServerProcess
 
@@ -61,8 +62,8 @@ def test_kv_cache_memory_is_reported(model_server: ServerProcess) -> None:
     # The default budget (auto) holds the slots asked for.
     assert kv["total_slots"] == MAX_NUM_SEQS
     # SmolLM2: 30 layers x (keys + values) x 3 KV heads x positions (a multiple of 32: no
-    # padding) x 64 dims, per slot.
-    per_slot_per_byte = 30 * 2 * 3 * MAX_MODEL_LEN * 64
+    # padding, and one block more) x 64 dims, per slot.
+    per_slot_per_byte = 30 * 2 * 3 * cache_positions(MAX_MODEL_LEN) * 64
     all_slots = MAX_NUM_SEQS * per_slot_per_byte
     assert kv["bytes"] in (all_slots * 2, all_slots * 4)  # bf16, f32
     text = httpx.get(model_server.base_url + "/metrics", timeout=5).text

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,18 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from sluicegate.engine.base import EngineLimits
 from sluicegate.engine.torch import TorchEngine
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.convert import hf_config_dict, to_hf_state_dict
 from sluicegate.engine.torch.gguf_reader import FastGGUFReader
 from sluicegate.engine.torch.loader import load_checkpoint
 from sluicegate.scheduler.request import Request, SamplingParams
-from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult, TokenLogprobs
-from tests.engine.torch.conftest import TEST_THREADS
-from tests.engine.torch.drive import HOLDER_ID_PREFIX, generate, greedy, run_requests
+from sluicegate.scheduler.step import ScheduledSequence, StepPlan, TokenLogprobs
+from tests.engine.torch.conftest import TEST_THREADS, native_bfloat16
+from tests.engine.torch.drive import RecordingEngine, generate, greedy, run_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+NATIVE_BFLOAT16 = native_bfloat16()
 
 PROMPTS = [
     "The capital of France is",
@@ -36,44 +36,6 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "1, 2, 3, 4,",
 ]
-
-
-class RecordingEngine:
-    """Wraps an engine and remembers every plan it ran (slot holders left out: they are
-    not the requests under test)."""
-
-    def __init__(self, engine: TorchEngine) -> None:
-        self.engine = engine
-        self.plans: list[list[int]] = []  # num_new_tokens per sequence, per step
-        self.chunks: dict[str, list[int]] = defaultdict(list)  # request -> num_new_tokens
-        self.slots: dict[int, set[str]] = defaultdict(set)  # KV slot -> requests it held
-        self.logprobs: dict[str, list[TokenLogprobs]] = {}  # of the tokens sampled
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.engine.eos_token_ids
-
-    @property
-    def limits(self) -> EngineLimits:
-        return self.engine.limits
-
-    def step(self, plan: StepPlan) -> StepResult:
-        tested = [s for s in plan.sequences if not s.request_id.startswith(HOLDER_ID_PREFIX)]
-        self.plans.append([s.num_new_tokens for s in tested])
-        for s in tested:
-            self.chunks[s.request_id].append(s.num_new_tokens)
-            self.slots[s.kv_slot].add(s.request_id)
-        result = self.engine.step(plan)
-        for request_id, entries in result.logprobs.items():
-            self.logprobs.setdefault(request_id, []).extend(entries)
-        return result
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def encode(engine: TorchEngine, text: str) -> list[int]:
@@ -375,7 +337,11 @@ def test_bfloat16_departs_from_float32_only_at_near_ties(
         logits = last_logits(engine_f32, prompt + a[:first])
         margin = float(logits[a[first]] - logits[b[first]])
         assert 0 <= margin < 0.5, f"bfloat16 overturned a float32 margin of {margin:.3f}"
-    assert identical >= len(prompts) // 2
+    if NATIVE_BFLOAT16:
+        # Where the CPU multiplies bfloat16 itself (and --dtype auto picks it), most agree;
+        # emulated (as on an AVX2 EPYC: 1 of 8 here, every departure within 0.13 logits)
+        # the roundings fall otherwise, at the ties alone.
+        assert identical >= len(prompts) // 2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -391,8 +357,11 @@ def test_paris(
     assert engine.model.dtype == getattr(torch, dtype)
     assert CHAT_QUESTIONS[0] == "What is the capital of France?"
     out = greedy_chat_answers[dtype][0]
-    assert "Paris" in engine.tokenizer.decode(out)
-    assert out[-1] in engine.eos_token_ids  # the chat answer ends by itself
+    if dtype == "float32" or NATIVE_BFLOAT16:
+        # Emulated bfloat16 may take "L'Étoile..." at the first token, a near tie
+        # (test_bfloat16_departs_from_float32_only_at_near_ties bounds its margin).
+        assert "Paris" in engine.tokenizer.decode(out)
+        assert out[-1] in engine.eos_token_ids  # the chat answer ends by itself
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -30,6 +30,15 @@ def align_keys(length: int) -> int:
     return -(-length // KEY_ALIGN) * KEY_ALIGN
 
 
+def cache_positions(max_model_len: int) -> int:
+    """Positions a slot of the KV cache is allocated with: ``max_model_len`` rounded up by
+    :func:`align_keys`, and one block more, so that the compiled decode step reads the
+    keys of any position below ``max_model_len`` as a slice short of the whole cache
+    (exported with the slice as long as the cache, the graph would not hold every
+    length)."""
+    return align_keys(max_model_len) + KEY_ALIGN
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     """One multi-token chunk of a flattened batch, attended on its own."""

@@ -20,20 +20,22 @@ build or the load has the other core).  The engine takes it into use between two
 steps.  Engines on one machine that need the same package build it once (the second build
 waits on a lock file and finds it done).  A build that fails is logged and the engine stays eager.
 
-**What changes against the eager engine** (why this is a flag): the graph is pure — it
-reads the KV cache and returns each layer's new keys and values, which the engine then
-writes in one copy per tensor — and it attends to the new token as an extra key rather
-than through the cache, reading each row's slot of the cache in place (no gathered copy,
-see :func:`_attend_in_place`), with scores and probabilities in float32 where the eager
-path rounds them to the model's dtype.  Its logits therefore differ from the eager
-path's in the last bits (greedy answers checked identical over 120 tokens).  It keeps
-the batch invariance of the eager engine among decode steps (a row's result does not
-depend on the other rows or on how long their contexts are; one row is computed as two,
-as in :func:`~sluicegate.engine.torch.packed_linear.linear_packed`), and prompts are
-always prefilled eagerly, so seeded output is identical alone or batched.  A sequence preempted
-and resumed is re-prefilled eagerly: its cached keys then carry the eager path's bits
-where the uninterrupted run had the graph's, and its seeded continuation can differ.
-Tokens decoded before the package is ready are eager ones.
+**The same bits whatever computes a position again.**  The graph is pure: it reads the
+KV cache and returns each layer's new keys and values, which the engine then writes in
+one copy per tensor; it attends to the new token as an extra key, reading each row's slot
+of the cache in place, with scores and probabilities in float32 where the eager path
+rounds them to the model's dtype.  So its logits differ from the eager path's in the last
+bits, and a position must be computed again the way it first was.  The engine keeps that
+rule (``TorchEngine._paths``): prompts are always prefilled eagerly; an answer goes
+through the graph from the first position it computes while the graph is ready
+(``Reuse.compiled_from``) to its end, whether a position is decoded, verified as a draft
+or re-prefilled after a preemption or on another replica.  Several consecutive positions
+of a sequence are computed in one call with the arithmetic of decoding them one by one
+(:class:`~sluicegate.engine.torch.decode_graph.DecodeGraph`), so a re-prefill costs about
+what a prompt of that length does, and a row's result does not depend on the other rows
+of its call or on their context lengths.  Seeded answers are therefore identical alone or
+batched, preempted or not, resumed here or on a replica with the same package
+(``tests/engine/torch/test_compiled.py``).
 """
 
 from __future__ import annotations
@@ -49,104 +51,24 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from sluicegate.engine.files import atomic_path
-from sluicegate.engine.torch.attention_batch import KEY_ALIGN, align_keys
+from sluicegate.engine.torch.attention_batch import align_keys, cache_positions
+from sluicegate.engine.torch.decode_graph import (
+    GRAPH_VERSION,
+    GraphRun,
+    build_package,
+    call_graph,
+    pack_calls,
+)
 from sluicegate.engine.torch.loader import build_model, cache_entry, load_checkpoint
-from sluicegate.engine.torch.model import Transformer, TransformerBlock
+from sluicegate.engine.torch.model import Transformer
 from sluicegate.engine.torch.model_args import ModelArgs
 
 log = logging.getLogger(__name__)
-
-#: Bumped whenever :class:`DecodeGraph` computes differently: old packages are not reused.
-GRAPH_VERSION = 3
-
-
-class DecodeGraph(nn.Module):
-    """A decode step of ``model`` as a pure function, for :func:`torch.export.export`.
-
-    ``forward(tokens [B], positions [B], slots [B], bias [B, 1, 1, L + 1], k_cache,
-    v_cache)`` returns ``logits [B, V]`` (float32), ``new_k`` and ``new_v``
-    ``[layers, B, KVH, hd]``.  Row ``b`` attends to keys ``[0, L)`` of its slot's cache
-    where ``bias`` is 0 (positions before its own) and to its own new key (``bias``'s last
-    column, 0); ``L`` is a multiple of :data:`KEY_ALIGN`.
-    """
-
-    def __init__(self, model: Transformer) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        bias: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        m = self.model
-        args = m.args
-        nh, nkv, hd = args.n_heads, args.n_kv_heads, args.head_dim
-        group = nh // nkv
-        rows = tokens.shape[0]
-        keys_len = bias.shape[-1] - 1
-        x = m.tok_embeddings(tokens)  # [B, D]
-        cos = m.rope_cos[positions][:, None, :]  # [B, 1, hd]
-        sin = m.rope_sin[positions][:, None, :]
-        new_k: list[Tensor] = []
-        new_v: list[Tensor] = []
-        for i, module in enumerate(m.layers):
-            layer = cast(TransformerBlock, module)
-            attention = layer.attention
-            q, k, v = attention.project(layer.attention_norm(x), cos, sin)
-            new_k.append(k)
-            new_v.append(v)
-            queries = q.reshape(rows, nkv, group, hd).float()
-            out = _attend_in_place(
-                queries,
-                k.float(),
-                v.float(),
-                k_cache[i, slots, :, :keys_len],
-                v_cache[i, slots, :, :keys_len],
-                bias,
-                attention.scale,
-            )
-            h = x + attention.wo(out.to(x.dtype).reshape(rows, nh * hd))  # [B, D]
-            x = h + layer.feed_forward(layer.ffn_norm(h))
-        logits = m.logits(x)
-        return logits, torch.stack(new_k), torch.stack(new_v)
-
-
-def _attend_in_place(
-    queries: Tensor,
-    key: Tensor,
-    value: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    bias: Tensor,
-    scale: float,
-) -> Tensor:
-    """Attention of ``queries`` ``[B, KVH, G, hd]`` over each row's cached ``keys`` and
-    ``values`` ``[B, KVH, L, hd]`` (its slot's, indexed) and its own new ``key`` and
-    ``value`` ``[B, KVH, hd]``, in float32; ``bias`` ``[B, 1, 1, L + 1]``.
-
-    Written as products and sums rather than matrix products, so that Inductor fuses the
-    slot indexing into the reductions: the cache is read in place, where two ``bmm`` calls
-    needed the live part of every slot gathered into a contiguous copy first (the whole
-    step, package against package, two runs: 1.01-1.16x at 1 row, 1.04-1.16x at 8 rows,
-    0.97-1.04x at 32 rows of 64-192 keys, 1.14-1.19x at 32 rows of 512 keys).
-    """
-    cached = (queries[:, :, :, None, :] * keys[:, :, None, :, :].float()).sum(-1)  # [B,KVH,G,L]
-    own = (queries * key[:, :, None, :]).sum(-1, keepdim=True)  # [B, KVH, G, 1]
-    probs = torch.softmax(torch.cat((cached, own), dim=-1) * scale + bias, dim=-1)
-    length = keys.shape[2]
-    out = (probs[..., :length, None] * values[:, :, None, :, :].float()).sum(-2)
-    return out + probs[..., length:] * value[:, :, None, :]  # [B, KVH, G, hd]
 
 
 def package_path(
@@ -198,38 +120,6 @@ def compiled_decode(
         build += ["--cache-dir", cache_dir]
     package = package_path(model_path, dtype, num_slots, max_model_len, cache_dir)
     return CompiledDecode(package, build)
-
-
-def build_package(model: Transformer, out: Path) -> None:
-    """Export and compile :class:`DecodeGraph` of ``model`` (caches set up, weights not
-    prepacked: ``build_model(..., pack=False)``) into ``out``."""
-    import torch._inductor.config as inductor_config
-    from torch.export import Dim, export
-
-    k_cache, v_cache = model.k_cache, model.v_cache
-    num_slots, cache_len = k_cache.shape[1], k_cache.shape[3]
-    if cache_len < 3 * KEY_ALIGN or num_slots < 2:
-        raise ValueError(f"the compiled decode step needs 2 slots of {3 * KEY_ALIGN} positions")
-    example_rows = 2
-    example = (
-        torch.zeros(example_rows, dtype=torch.long),
-        torch.full((example_rows,), 2 * KEY_ALIGN, dtype=torch.long),
-        torch.arange(example_rows),
-        torch.zeros(example_rows, 1, 1, 2 * KEY_ALIGN + 1),
-        k_cache,
-        v_cache,
-    )
-    batch = Dim("batch", min=1, max=num_slots)
-    keys = Dim("keys", min=KEY_ALIGN + 1, max=cache_len)
-    shapes = ({0: batch}, {0: batch}, {0: batch}, {0: batch, 3: keys}, None, None)
-    # Freezing makes the weights constants, packed for oneDNN (it needs grad off).  No
-    # precompiled headers: they pay from a machine's second build on (~1 s of CPU saved
-    # on a build of SmolLM2's first layer), and cost the first 9 s of its 50 s.
-    patch = {"freezing": True, "aot_inductor.precompile_headers": False}
-    with inductor_config.patch(patch), torch.no_grad():
-        program = export(DecodeGraph(model), example, dynamic_shapes=shapes)
-        with atomic_path(out, suffix=".pt2") as partial:  # the name must end in .pt2
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
 
 
 #: The build process (``-m`` would import this module twice: the package imports it).
@@ -356,36 +246,31 @@ class CompiledDecode:
             time.sleep(0.05)
         return self.status
 
-    def run(
-        self, model: Transformer, tokens: list[int], positions: list[int], slots: list[int]
-    ) -> Tensor:
-        """Decode one token of each row (positions >= 1, see :meth:`accepts`), write the new
-        keys and values into ``model``'s cache; return ``[B, V]`` float32 logits."""
-        rows = len(tokens)
-        padded = max(rows, 2)  # one row computed as two: see the module docstring
-        keys_len = align_keys(max(positions))
-        pos = torch.tensor(positions + positions[:1] * (padded - rows), dtype=torch.long)
-        slot = torch.tensor(slots + slots[:1] * (padded - rows), dtype=torch.long)
-        ids = torch.tensor(tokens + tokens[:1] * (padded - rows), dtype=torch.long)
-        visible = torch.arange(keys_len + 1)[None, :] < pos[:, None]  # [B, L + 1]
-        visible[:, keys_len] = True  # the row's own new key
-        bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-        logits, new_k, new_v = self._runner(
-            ids, pos, slot, bias[:, None, None, :], model.k_cache, model.v_cache
-        )
-        layers, _, kv_heads, length, head_dim = model.k_cache.shape
-        heads = torch.arange(kv_heads)
-        cache_rows = ((slot[:rows, None] * kv_heads + heads) * length + pos[:rows, None]).view(-1)
-        for cache, new in ((model.k_cache, new_k), (model.v_cache, new_v)):
-            cache.view(layers, -1, head_dim).index_copy_(
-                1, cache_rows, new[:, :rows].reshape(layers, rows * kv_heads, head_dim)
-            )
-        result: Tensor = logits[:rows]
-        return result
+    def run(self, model: Transformer, runs: list[GraphRun]) -> Tensor:
+        """Compute each run's positions (consecutive positions of one sequence, the first
+        >= 1: see :meth:`accepts`) in as few calls of the graph as they fit
+        (:func:`~sluicegate.engine.torch.decode_graph.pack_calls`), writing their keys and
+        values into ``model``'s cache; return the logits of each run's last
+        ``num_logits`` rows, run after run (``[N, V]`` float32)."""
+        parts: list[list[tuple[int, Tensor]]] = [[] for _ in runs]
+        for pieces in pack_calls(runs):
+            logits = call_graph(self._runner, model, [piece.rows for piece in pieces])
+            row = 0
+            for piece in pieces:
+                count = piece.rows.num_logits
+                if count:
+                    assert logits is not None
+                    parts[piece.run].append((piece.first_logit, logits[row : row + count]))
+                row += count
+        ordered = [rows for part in parts for _, rows in sorted(part, key=lambda p: p[0])]
+        if not ordered:
+            return torch.empty(0, model.args.vocab_size)
+        return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
 
     @staticmethod
     def accepts(model: Transformer, positions: list[int]) -> bool:
-        """Whether decode rows at ``positions`` fit the graph's key range."""
+        """Whether rows at ``positions`` fit the graph's key range (a row needs a key to
+        attend to before its own: position 0 is never one)."""
         return min(positions) >= 1 and align_keys(max(positions)) < model.k_cache.shape[3]
 
     def close(self) -> None:
@@ -443,7 +328,7 @@ def _build(args: argparse.Namespace, out: Path) -> None:
     checkpoint = load_checkpoint(args.model, getattr(torch, args.dtype), args.cache_dir)
     model = build_model(checkpoint.args, checkpoint.state_dict, pack=False)
     # The graph's caches are inputs: shaped like the engine's, never filled here.
-    length = align_keys(args.max_model_len)
+    length = cache_positions(args.max_model_len)
     shape = (
         checkpoint.args.n_layers,
         args.slots,

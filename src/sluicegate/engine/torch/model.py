@@ -26,6 +26,8 @@ decoded or re-prefilled after a preemption (the promise seeded resume rests on):
   scores are dot products over ``head_dim`` (independent of how many keys or queries share
   the call), masked keys get exactly 0 probability, and a zero term does not change a
   sum, so padding to a longer batch does not move a bit either;
+- a matrix product of fewer than four rows takes another kernel, so the query rows are
+  padded to :data:`MIN_ATTENTION_ROWS`;
 - except in one place: the softmax kernel takes a scalar path for rows shorter than a
   vector, so the key axis is always padded to a multiple of
   :data:`~sluicegate.engine.torch.attention_batch.KEY_ALIGN` (the cache is allocated that
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sluicegate.engine.torch.attention_batch import AnswerRows, AttentionBatch, align_keys
+from sluicegate.engine.torch.attention_batch import AnswerRows, AttentionBatch, cache_positions
 from sluicegate.engine.torch.model_args import (
     ModelArgs,
     apply_rope,
@@ -85,6 +87,14 @@ def soft_cap(x: Tensor, cap: float | None) -> Tensor:
 #: matrix (``heads x tile x keys``) for long chunks; rows are independent, so tiling does
 #: not change a bit of the result.
 PREFILL_QUERY_TILE = 256
+
+#: Fewest query rows :meth:`Attention.attend` hands a matrix product (fewer are padded with
+#: zero rows).  MKL's float32 products take their own kernels for one row and for two or
+#: three, whose sums round differently (measured on an AMD EPYC with AVX2, torch 2.13:
+#: a row's ``q·Kᵀ`` and ``P·V`` agree bit for bit at any count from 4 rows up, at head
+#: sizes 64-256, 64-2,048 keys and one or two threads, and differ below).  Decode attends
+#: with a group's query heads as the rows (3 for SmolLM2), a prompt chunk with many.
+MIN_ATTENTION_ROWS = 4
 
 
 class Attention(nn.Module):
@@ -195,11 +205,21 @@ class Attention(nn.Module):
         broadcastable to ``[..., Q, S]`` (0 or ``-inf``).  The one attention arithmetic of
         both decode and prefill (see the module docstring on batch invariance).
         """
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [..., Q, S]
+        rows = queries.shape[-2]
+        if rows < MIN_ATTENTION_ROWS:
+            # Zero queries up to the row count from which a row's bits no longer depend on
+            # it (their scores are 0, their probabilities uniform: nothing undefined).
+            pad = MIN_ATTENTION_ROWS - rows
+            queries = torch.cat(
+                [queries, queries.new_zeros(*queries.shape[:-2], pad, queries.shape[-1])], -2
+            )
+            if bias.dim() >= 2 and bias.shape[-2] == rows != 1:
+                bias = torch.cat([bias, bias.new_zeros(*bias.shape[:-2], pad, bias.shape[-1])], -2)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [..., Q', S]
         scores = soft_cap(scores.mul_(self.scale), self.softcap).add_(bias)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Q, S]
-        out: Tensor = torch.matmul(probs, values)  # [..., Q, hd]
-        return out
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [..., Q', S]
+        out: Tensor = torch.matmul(probs, values)  # [..., Q', hd]
+        return out if out.shape[-2] == rows else out[..., :rows, :]
 
 
 class FeedForward(nn.Module):
@@ -324,7 +344,7 @@ class Transformer(nn.Module):
         """
         args = self.args
         # Positions beyond max_model_len are never written: attention's padding only.
-        length = align_keys(max_model_len)
+        length = cache_positions(max_model_len)
         shape = (args.n_layers, max_num_seqs, args.n_kv_heads, length, args.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype)  # [NL, S, KVH, L, hd]
         self.v_cache = torch.zeros(shape, dtype=self.dtype)  # [NL, S, KVH, L, hd]

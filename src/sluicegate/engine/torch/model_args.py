@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sluicegate.engine.torch.attention_batch import align_keys
+from sluicegate.engine.torch.attention_batch import cache_positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,5 +168,5 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def kv_cache_bytes_per_slot(args: ModelArgs, max_model_len: int, dtype: torch.dtype) -> int:
     """Bytes of one slot of the KV cache: keys and values of every layer over
     ``max_model_len`` positions, padded as :meth:`Transformer.setup_caches` pads them."""
-    positions = align_keys(max_model_len)
+    positions = cache_positions(max_model_len)
     return args.n_layers * 2 * args.n_kv_heads * positions * args.head_dim * dtype.itemsize

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -22,6 +20,7 @@ from sluicegate.engine.sampling_defaults import recommended_sampling
 from sluicegate.engine.tokenizer import TextTokenizer
 from sluicegate.engine.torch.attention_batch import SequenceChunk, build_batch
 from sluicegate.engine.torch.compiled import CompiledDecode, compiled_decode, uncompiled
+from sluicegate.engine.torch.decode_graph import GraphRun
 from sluicegate.engine.torch.grammar_masks import GrammarMasks, apply_masks
 from sluicegate.engine.torch.loader import (
     build_model,
@@ -37,6 +36,7 @@ from sluicegate.engine.torch.model import Transformer
 from sluicegate.engine.torch.model_args import ModelArgs, kv_cache_bytes_per_slot
 from sluicegate.engine.torch.q4_load import load_q4
 from sluicegate.engine.torch.step_sampling import sample_step
+from sluicegate.engine.torch.torch_thread import run_on_torch_thread
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, StepResult
 from sluicegate.sizes import format_memory_size
 
@@ -44,59 +44,15 @@ _T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
-_torch_executor: ThreadPoolExecutor | None = None
-_torch_thread_ident: int | None = None
-_executor_lock = threading.Lock()
 
+@dataclass(slots=True, frozen=True)
+class StepPaths:
+    """How a sequence's positions of one step are computed: eagerly below ``split``,
+    through the compiled step from there on (``TorchEngine._paths``)."""
 
-#: glibc ``mallopt`` parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def keep_freed_memory(mmap_threshold: int = 256 << 20) -> bool:
-    """Serve buffers below ``mmap_threshold`` from malloc's heap and stop returning freed
-    heap memory to the OS (glibc only; returns whether it applied).
-
-    A decode step allocates and frees the same multi-megabyte temporaries (the gathered
-    KV of every layer, scores, logits) again and again.  glibc hands each one to a fresh
-    ``mmap`` and unmaps it on free, so every step pays page faults to zero-fill them:
-    measured here, gathering 64 sequences' keys took 0.89 ms with fresh pages and 0.26 ms
-    with reused ones, and that gather runs 60 times a step.  Memory stays at the
-    working set's high-water mark instead, which a server reaches anyway.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-    return ok and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1)
-
-
-def _init_torch_thread() -> None:
-    global _torch_thread_ident
-    _torch_thread_ident = threading.get_ident()
-    keep_freed_memory()
-
-
-def torch_thread() -> ThreadPoolExecutor:
-    """The process's one thread for tensor work (see :class:`TorchEngine`), started lazily."""
-    global _torch_executor
-    with _executor_lock:
-        if _torch_executor is None:
-            _torch_executor = ThreadPoolExecutor(
-                1, thread_name_prefix="sluicegate-torch", initializer=_init_torch_thread
-            )
-        return _torch_executor
-
-
-def run_on_torch_thread(fn: Callable[..., _T], *args: object) -> _T:
-    """``fn(*args)`` on the torch thread (directly when already there)."""
-    if threading.get_ident() == _torch_thread_ident:
-        return fn(*args)
-    return torch_thread().submit(fn, *args).result()
+    #: Its answer's first position computed through the compiled step (None: eager).
+    graph_from: int | None
+    split: int
 
 
 #: Default context when none is given: the KV cache is preallocated per slot, so a long
@@ -229,9 +185,13 @@ class TorchEngine:
         self._grammars: GrammarMasks | None = None
         #: The compiled decode step (``compile="decode"``), loaded or being built.
         self.compiled: CompiledDecode | None = None
+        #: Sequences whose positions the compiled step computed elsewhere (another replica,
+        #: an earlier start) recomputed eagerly here, the step not ready: their bits may
+        #: differ from the uninterrupted run's.
+        self.inexact_replays = 0
         eager = uncompiled(self.args, bool(self.q4_bytes), max_model_len)
         if compile == "decode" and eager:
-            logger.warning("--engine-compile decode: not with %s; decoding eagerly", eager)
+            logger.info("compiled decode step: not with %s; decoding eagerly", eager)
         elif compile == "decode":
             self.compiled = compiled_decode(
                 self.model_path,
@@ -288,7 +248,8 @@ class TorchEngine:
     @property
     def stats_sections(self) -> dict[str, object]:
         weights = {"answers": "q4" if self.q4_bytes else "full", "q4_bytes": self.q4_bytes}
-        return {"cpu": self.cpu_share.snapshot(), "weights": weights}
+        compiled = {"status": self.compile_status, "inexact_replays": self.inexact_replays}
+        return {"cpu": self.cpu_share.snapshot(), "weights": weights, "compiled": compiled}
 
     @property
     def caches_answers(self) -> bool:
@@ -347,54 +308,94 @@ class TorchEngine:
             self._grammars.release_slots(plan.freed_kv_slots)
         for source, dest, num_tokens in plan.kv_copies:
             model.copy_kv(source, dest, num_tokens)
-        chunks = [
-            SequenceChunk(
-                s.kv_slot,
-                s.start_position,
-                s.num_scheduled_tokens,
-                1 + len(s.draft_token_ids) if s.sample else 0,
-                s.num_prompt_tokens if self.q4_bytes else None,
-            )
-            for s in sequences
-        ]
         for s in sequences:
             ids = [*s.new_token_ids, *s.draft_token_ids]
             if ids and (max(ids) >= self.args.vocab_size or min(ids) < 0):
                 raise ValueError("token id out of the model's vocabulary")
         with torch.inference_mode():
-            logits, order = self._forward(model, sequences, chunks)  # [N, V]
+            paths = self._paths(sequences)
+            logits, order = self._forward(model, sequences, paths)  # [N, V]
             # Logit rows come out in batch order, so the sampled sequences are listed that
             # way: one row per sequence, one more per draft token (the output indices after).
             sampled = [sequences[i] for i in order if sequences[i].sample]
-            if not sampled:
-                return StepResult()
-            return sample_step(logits, sampled, self._mask_grammars)
+            result = sample_step(logits, sampled, self._mask_grammars) if sampled else StepResult()
+        for s, path in zip(sequences, paths, strict=True):
+            if path.graph_from is not None and s.compiled_from is None:
+                result.compiled_from[s.request_id] = path.graph_from
+        return result
+
+    def _paths(self, sequences: list[ScheduledSequence]) -> list[StepPaths]:
+        """Which of each sequence's positions this step computes through the compiled
+        step (:meth:`_poll` made it ready or not), which eagerly.
+
+        The rule that keeps a sequence's bits whatever computes it again: a position is
+        computed the way it first was.  Prompts are always prefilled eagerly; a sequence's
+        answer goes through the compiled step from the first position it computes for the
+        first time while the step is ready (``compiled_from``, kept on the request and in
+        its stream's record), and every position after that too, decoded, verified as a
+        draft or re-prefilled after a preemption or on another replica.
+        """
+        compiled = self.compiled
+        ready = compiled is not None and compiled.ready
+        paths = []
+        for s in sequences:
+            end = s.start_position + s.num_scheduled_tokens
+            graph_from = s.compiled_from
+            first_new = len(s.all_token_ids) - 1  # the last known token: never computed
+            if graph_from is None and ready and s.sample and first_new >= s.num_prompt_tokens:
+                graph_from = max(first_new, s.start_position)
+            if graph_from is not None and not ready:
+                # Computed through the compiled step elsewhere (another replica, an engine
+                # before a restart) but not ready here: eagerly, which may change its bits.
+                self.inexact_replays += 1
+                paths.append(StepPaths(None, end))
+                continue
+            split = end if graph_from is None else max(s.start_position, min(end, graph_from))
+            paths.append(StepPaths(graph_from, split))
+        return paths
 
     def _forward(
-        self, model: Transformer, sequences: list[ScheduledSequence], chunks: list[SequenceChunk]
+        self, model: Transformer, sequences: list[ScheduledSequence], paths: list[StepPaths]
     ) -> tuple[torch.Tensor, list[int]]:
-        """The step's logit rows and their order (indices into ``sequences``): single-token
-        rows first, through the compiled decode step when it is ready (:meth:`_share_cores`
-        polled it), then the others."""
-        decode = [i for i, c in enumerate(chunks) if c.length == 1]
-        compiled = self.compiled
-        positions = [chunks[i].start for i in decode]
-        if not (decode and compiled is not None and compiled.ready) or not compiled.accepts(
-            model, positions
-        ):
-            return self._eager(model, sequences, chunks, list(range(len(chunks))))
-        logits = compiled.run(
-            model,
-            [sequences[i].new_token_ids[0] for i in decode],
-            positions,
-            [chunks[i].slot for i in decode],
-        )
-        logits = logits[[j for j, i in enumerate(decode) if chunks[i].num_logits]]
-        rest = [i for i, c in enumerate(chunks) if c.length != 1]
-        if not rest:
-            return logits, decode
-        rest_logits, rest_order = self._eager(model, sequences, [chunks[i] for i in rest], rest)
-        return torch.cat((logits, rest_logits)), decode + rest_order
+        """The step's logit rows and their order (indices into ``sequences``): the eager
+        positions first (a sequence's eager positions come before its compiled ones,
+        which read them from the cache), then the compiled step's."""
+        eager: list[SequenceChunk] = []
+        eager_index: list[int] = []
+        runs: list[GraphRun] = []
+        run_index: list[int] = []
+        for i, (s, path) in enumerate(zip(sequences, paths, strict=True)):
+            end = s.start_position + s.num_scheduled_tokens
+            num_logits = 1 + len(s.draft_token_ids) if s.sample else 0
+            num_graph = end - path.split
+            if path.split > s.start_position:
+                eager.append(
+                    SequenceChunk(
+                        s.kv_slot,
+                        s.start_position,
+                        path.split - s.start_position,
+                        max(0, num_logits - num_graph),
+                        s.num_prompt_tokens if self.q4_bytes else None,
+                    )
+                )
+                eager_index.append(i)
+            if num_graph:
+                tokens = [*s.all_token_ids, *s.draft_token_ids][path.split : end]
+                runs.append(GraphRun(s.kv_slot, path.split, tokens, min(num_logits, num_graph)))
+                run_index.append(i)
+        parts: list[torch.Tensor] = []
+        order: list[int] = []
+        if eager:
+            logits, eager_order = self._eager(model, sequences, eager, eager_index)
+            parts.append(logits)
+            order.extend(eager_order)
+        if runs:
+            assert self.compiled is not None
+            parts.append(self.compiled.run(model, runs))
+            order.extend(i for i, run in zip(run_index, runs, strict=True) if run.num_logits)
+        if len(parts) == 1:
+            return parts[0], order
+        return torch.cat(parts), order
 
     @staticmethod
     def _eager(
@@ -403,14 +404,16 @@ class TorchEngine:
         chunks: list[SequenceChunk],
         index: list[int],
     ) -> tuple[torch.Tensor, list[int]]:
-        """``chunks`` (of ``sequences[index[k]]``) through the eager forward pass."""
+        """``chunks`` (of ``sequences[index[k]]``, each from its ``start_position``)
+        through the eager forward pass."""
         batch, order = build_batch(chunks)
         token_ids: list[int] = []
         for k in order:
-            token_ids.extend(sequences[index[k]].new_token_ids)
-            token_ids.extend(sequences[index[k]].draft_token_ids)
+            s = sequences[index[k]]
+            tokens = [*s.all_token_ids, *s.draft_token_ids]
+            token_ids.extend(tokens[chunks[k].start : chunks[k].start + chunks[k].length])
         logits = model(torch.tensor(token_ids, dtype=torch.long), batch)  # [N, V]
-        return logits, [index[k] for k in order]
+        return logits, [index[k] for k in order if chunks[k].num_logits]
 
     def _mask_grammars(self, logits: torch.Tensor, sampled: list[ScheduledSequence]) -> None:
         """Structured output: forbid, in each constrained sequence's rows (one, and one
