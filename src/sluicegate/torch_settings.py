@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 
 from sluicegate.sizes import parse_memory_size
 
@@ -17,9 +17,9 @@ class TorchSettings(BaseModel):
     weights: Literal["auto", "full", "q4"] = Field(
         "full",
         description="Torch engine: the weights answers' tokens are computed with: q4 "
-        "(4-bit, PyTorch's int4 CPU kernel; bfloat16 only; a GGUF's own 4-bit blocks where "
-        "it has them, else quantised at load), full (the dtype's) or auto (q4 for a 4-bit "
-        "GGUF in bfloat16). Prompts always use the dtype's (docs/engine.md).",
+        "(4-bit, PyTorch's int4 CPU kernel with bfloat16 activations, in either dtype; a "
+        "GGUF's own 4-bit blocks where it has them, else quantised at load), full (the "
+        "dtype's) or auto (q4 for a 4-bit GGUF). Prompts always use the dtype's (docs/engine.md).",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."
@@ -59,12 +59,6 @@ class TorchSettings(BaseModel):
                 raise ValueError(f"kv_cache_memory {exc}") from None
             return value.strip()
         return value
-
-    @model_validator(mode="after")
-    def _check_weights(self) -> TorchSettings:
-        if self.weights == "q4" and self.dtype == "float32":
-            raise ValueError("weights q4 runs in bfloat16: use --dtype bfloat16 (or auto)")
-        return self
 
     @property
     def kv_cache_memory_bytes(self) -> int | None:

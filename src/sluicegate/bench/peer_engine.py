@@ -225,7 +225,7 @@ def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> Peer
 CONFIGS: dict[str, list[str]] = {
     "sluicegate": [],
     "sluicegate eager": ["--engine-compile", "off"],
-    "sluicegate q4": ["--dtype", "bfloat16", "--weights", "q4"],
+    "sluicegate q4": ["--weights", "q4"],
     "sluicegate one budget": ["--no-stall-free-prefill"],
 }
 #: Measured when no configuration is named.

@@ -92,12 +92,19 @@ def engine_bf16(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngin
 
 @pytest.fixture(scope="session")
 def engine_q4(smollm2_path: str, torch_cache_dir: Path) -> Iterator[TorchEngine]:
-    """SmolLM2 in bfloat16 with 4-bit weights for answers (the GGUF's own blocks)."""
+    """SmolLM2 with 4-bit weights for answers (the GGUF's own blocks), in the dtype
+    ``--dtype auto`` picks here (:func:`q4_dtype`): bfloat16 where this CPU multiplies it,
+    float32 elsewhere (its prompts are several times faster there)."""
     from sluicegate.engine.torch.q4 import supported
 
     if not supported():
         pytest.skip("no int4 CPU kernel in this torch")
-    yield from _smollm2_engine(smollm2_path, torch_cache_dir, "bfloat16", weights="q4")
+    yield from _smollm2_engine(smollm2_path, torch_cache_dir, q4_dtype(), weights="q4")
+
+
+def q4_dtype() -> str:
+    """The dtype of :func:`engine_q4`."""
+    return "bfloat16" if native_bfloat16() else "float32"
 
 
 @pytest.fixture(params=["float32", "bfloat16"])

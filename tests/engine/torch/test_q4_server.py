@@ -1,6 +1,6 @@
 """``--weights q4`` through the real server: SmolLM2's GGUF served with its own 4-bit
-blocks for answers, asked through the official client; and refused in one line where it
-cannot run."""
+blocks for answers (bfloat16 activations inside a float32 server), asked through the
+official client."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import openai
 import pytest
 
 from sluicegate.engine.torch.q4 import supported
-from tests.engine.torch.conftest import native_bfloat16
 from tests.support.servers import ServerProcess, start_server
-from tests.test_server import assert_one_line_failure, serve
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,7 +27,8 @@ MODEL = "SmolLM2-135M-Instruct"
 def q4_server(torch_cache_dir: Path) -> Iterator[ServerProcess]:
     server = start_server(
         [
-            *("--weights", "q4", "--dtype", "bfloat16", "--cache-dir", str(torch_cache_dir)),
+            *("--weights", "q4", "--cache-dir", str(torch_cache_dir)),
+            *("--dtype", "float32"),  # the kernel casts; every machine has float32
             *("--max-num-seqs", "4", "--max-model-len", "512", "--admission", "static"),
         ],
         "q4",
@@ -62,16 +61,10 @@ def test_answers_through_4_bit_weights(q4_server: ServerProcess) -> None:
             max_tokens=24,
             temperature=0,
         )
-        if native_bfloat16():  # the prompt goes through bfloat16 (see the helper)
-            assert "Paris" in (reply.choices[0].message.content or "")
+        assert "Paris" in (reply.choices[0].message.content or "")
         # Seeded answers are the same alone, streamed, and beside others.
         alone = ask(client, 7)
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(lambda s: ask(client, s), [7, 8, 9]))
         assert together[0] == alone == ask(client, 7, stream=True)
         assert len(set(together)) == 3
-
-
-def test_4_bit_weights_in_float32_are_refused_in_one_line() -> None:
-    code, stderr = serve("--weights", "q4", "--dtype", "float32", timeout=30)
-    assert_one_line_failure(code, stderr, "bfloat16")

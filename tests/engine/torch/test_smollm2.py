@@ -23,7 +23,7 @@ from sluicegate.engine.torch.gguf_reader import FastGGUFReader
 from sluicegate.engine.torch.loader import load_checkpoint
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.step import ScheduledSequence, StepPlan, TokenLogprobs
-from tests.engine.torch.conftest import TEST_THREADS, native_bfloat16
+from tests.engine.torch.conftest import TEST_THREADS, native_bfloat16, q4_dtype
 from tests.engine.torch.drive import RecordingEngine, generate, greedy, run_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -215,8 +215,8 @@ def answers(recorder: RecordingEngine, requests: list[Request]) -> list[Answer]:
     return [(r.output_token_ids, recorder.logprobs.get(r.request_id)) for r in requests]
 
 
-#: The engines that must be batch-invariant bit for bit: each dtype, and bfloat16 with
-#: 4-bit weights (where an answer's tokens take other weights than its prompt's).
+#: The engines that must be batch-invariant bit for bit: each dtype, and 4-bit weights
+#: (where an answer's tokens take other weights than its prompt's).
 ENGINES = {"float32": "engine_f32", "bfloat16": "engine_bf16", "q4": "engine_q4"}
 
 
@@ -448,12 +448,16 @@ def test_step_runs_on_another_thread(engine_f32: TorchEngine) -> None:
 
 
 def test_4_bit_weights_keep_a_calibration_of_their_own(
-    engine_bf16: TorchEngine, engine_q4: TorchEngine
+    request: pytest.FixtureRequest, engine_q4: TorchEngine
 ) -> None:
     """An answer's token costs otherwise with 4-bit weights: a saved calibration of the
-    full weights must not be reused for them (nor the other way round)."""
-    assert engine_bf16.calibration_path() != engine_q4.calibration_path()
-    assert engine_bf16.calibration_path().parent == engine_q4.calibration_path().parent
+    full weights (of the same dtype) must not be reused for them (nor the other way
+    round)."""
+    full: TorchEngine = request.getfixturevalue(
+        "engine_bf16" if q4_dtype() == "bfloat16" else "engine_f32"
+    )
+    assert full.calibration_path() != engine_q4.calibration_path()
+    assert full.calibration_path().parent == engine_q4.calibration_path().parent
 
 
 def test_4_bit_weights_keep_the_perplexity_of_a_text(engine_q4: TorchEngine) -> None:

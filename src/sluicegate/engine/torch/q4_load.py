@@ -48,15 +48,12 @@ def load_q4(
         raise ValueError(f"weights must be one of {WEIGHTS_CHOICES}, not {weights!r}")
     if weights == "full":
         return 0
-    runnable = model.dtype == torch.bfloat16 and supported()
-    if not runnable:
+    if not supported():
         if weights == "auto":
             return 0
         raise ValueError(
-            "4-bit weights run with bfloat16 activations on PyTorch's int4 CPU kernel "
-            f"(this engine computes in {str(model.dtype).removeprefix('torch.')}"
-            f"{'' if supported() else ', and this PyTorch lacks the kernel'}): "
-            "use --dtype bfloat16 or --weights full"
+            "4-bit weights run on PyTorch's int4 CPU kernel, which this PyTorch lacks: "
+            "use --weights full"
         )
     path = Path(model_path)
     exact = gguf_q4_parts(path, model, cache_dir) if path.suffix.lower() == ".gguf" else {}
@@ -79,14 +76,13 @@ def attach_q4(model: Transformer, exact: dict[str, Q4Parts]) -> int:
     GGUF's own blocks) where given, else the loaded weight quantised; the output
     projection only from its own blocks.  Returns the bytes they take."""
     start = time.perf_counter()
-    dtype = model.dtype
     total = 0
     for i, layer in enumerate(model.layers):
         for name in _GGUF_PROJECTIONS:
             module = layer.get_submodule(name)
             assert isinstance(module, Linear)
             parts = exact.get(f"layers.{i}.{name}")
-            packed = Q4Weight.pack(quantize(module.weight) if parts is None else parts, dtype)
+            packed = Q4Weight.pack(quantize(module.weight) if parts is None else parts)
             module.q4 = packed
             total += packed.nbytes
     # The output projection only from a file's own 4-bit blocks: SmolLM2's (8-bit in its
@@ -94,7 +90,7 @@ def attach_q4(model: Transformer, exact: dict[str, Q4Parts]) -> int:
     # 34.9 (bench perplexity), the projections' own blocks left it at 32.6.
     parts = exact.get("output")
     if parts is not None:
-        model.output_q4 = Q4Weight.pack(parts, dtype)
+        model.output_q4 = Q4Weight.pack(parts)
         total += model.output_q4.nbytes
     log.info(
         "4-bit weights: %.0f MB (%d of %d projections from the file's own blocks), in %.1f s",

@@ -108,7 +108,7 @@ class TorchEngine:
         ``cache_dir``: where converted GGUF weights are cached (default ``~/.cache/sluicegate``).
         ``compile``: ``"off"`` or ``"decode"``, single-token rows through the compiled decode
         step once its package is built (:mod:`~sluicegate.engine.torch.compiled`).
-        ``weights``: ``"full"``, ``"q4"`` or ``"auto"`` (q4 for a 4-bit GGUF in bfloat16):
+        ``weights``: ``"full"``, ``"q4"`` or ``"auto"`` (q4 for a 4-bit GGUF):
         answers' projections through 4-bit weights (:mod:`~sluicegate.engine.torch.q4`).
         """
         if compile not in ("off", "decode"):
