@@ -91,6 +91,36 @@ async def test_100_concurrent_streams_each_get_their_own_text() -> None:
         assert (await app.stats())["kv_cache"]["used_blocks"] == 0
 
 
+async def test_a_stream_outlives_a_stall_past_its_lease() -> None:
+    """The replica stalls longer than the lease's TTL (a machine busy with other work, a
+    long pause of the process): nobody took its streams meanwhile, so they go on, whole,
+    instead of ending in "another replica continues this stream"."""
+    settings = {"sim_step_base_ms": 5.0, "lease_ttl_seconds": 0.2}  # 200 tokens: ~1 s
+    async with serve_in_process(admission="static", **settings) as app:
+        client = app.openai(max_retries=0)
+        messages = [{"role": "user", "content": "a stall"}]
+        assert app.state.ready is not None
+        sessions = app.state.ready.sessions
+
+        async def stall() -> None:
+            # Once the stream has logged a few events (this client reads it only whole).
+            await wait_until(lambda: any(s.last_seq >= 3 for s in sessions), "events")
+            time.sleep(0.5)  # noqa: ASYNC251 -- the point: the loop stalls, no renewal for 2.5 TTLs
+
+        stalling = asyncio.create_task(stall())
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=200, seed=7, stream=True
+        )  # type: ignore[call-overload]
+        text = ""
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        await stalling
+        assert text == expected_chat(messages, 7, 200)
+        reclaimed = (await app.metrics()).total("sluicegate_stream_leases_reclaimed_total")
+        assert reclaimed >= 1
+
+
 async def idle(app: InProcessApp) -> bool:
     return (await app.stats())["live_requests"] == 0
 

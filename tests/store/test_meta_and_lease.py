@@ -154,6 +154,29 @@ async def test_a_lease_its_owner_stops_renewing_is_taken_over(store: Store) -> N
     assert [e.data for e in (await store.read("t", 0)).events] == [b"1", b"2"]
 
 
+async def test_a_lease_that_lapsed_while_nobody_took_it_is_taken_back(store: Store) -> None:
+    """Its owner stalled past the TTL (a busy machine): the stream goes on, unless another
+    replica took it meanwhile (even one that has let it go since) or it is finished."""
+    for stream_id in ("lapsed", "taken", "done"):
+        await store.put_meta(stream_id, sample_meta())
+        assert await store.acquire_lease(stream_id, "slow-replica", 0.2)
+        assert await store.append(stream_id, b"1", owner="slow-replica") == 1
+    await store.finish("done", owner="slow-replica")
+    await asyncio.sleep(0.3)
+    assert await store.acquire_lease("taken", "other", 5.0)
+    assert await store.release_lease("taken", "other")
+    for stream_id in ("lapsed", "taken", "done"):
+        with pytest.raises(LeaseLost):
+            await store.append(stream_id, b"2", owner="slow-replica")
+    assert await store.renew_lease("lapsed", "slow-replica", 5.0)
+    assert await store.lease_owner("lapsed") == "slow-replica"
+    assert await store.append("lapsed", b"2", owner="slow-replica") == 2
+    assert not await store.renew_lease("taken", "slow-replica", 5.0)
+    assert not await store.renew_lease("done", "slow-replica", 5.0)
+    assert await store.lease_owner("taken") is None
+    assert not await store.renew_lease("lapsed", "other", 5.0)
+
+
 async def test_lease_ttls_and_owners_are_checked(store: Store) -> None:
     with pytest.raises(ValueError, match="ttl_seconds"):
         await store.acquire_lease("x", "a", 0.0)

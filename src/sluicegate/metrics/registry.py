@@ -403,6 +403,12 @@ class Metrics:
             ["status"],
             registry=r,
         )
+        self.stream_leases_reclaimed_total = Counter(
+            p + "stream_leases_reclaimed",
+            "Generation leases that lapsed while nobody else took the stream (this replica "
+            "stalled past their TTL: a busy machine) and were taken back, the stream going on.",
+            registry=r,
+        )
         self.streams_checkpointed_total = Counter(
             p + "streams_checkpointed",
             "Streams stopped with their state saved for any replica to continue, by reason "

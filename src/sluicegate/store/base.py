@@ -249,7 +249,14 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def renew_lease(self, stream_id: str, owner: str, ttl_seconds: float) -> bool:
-        """Extend ``owner``'s lease; False if it no longer holds it (stop generating)."""
+        """Extend ``owner``'s lease; False if another owner took it (stop generating).
+
+        A lease that lapsed while nobody else took the stream (its owner stalled past the
+        TTL: a busy machine, a long pause of the process) is taken back, unless the
+        stream is finished: the owner is still the last to have taken it, so no other
+        replica wrote to it since.  A fenced write that raised :class:`LeaseLost` may
+        renew and try once more.
+        """
 
     @abc.abstractmethod
     async def release_lease(self, stream_id: str, owner: str) -> bool:

@@ -54,6 +54,9 @@ class _Stream:
     finished: bool = False
     meta: StreamMeta | None = None
     generated_token_ids: list[int] = field(default_factory=list)
+    #: Who took the generation lease last: a lease that lapsed while nobody else took it
+    #: can be taken back by its owner (:meth:`MemoryStore.renew_lease`).
+    taker: str | None = None
     #: Set (and replaced) on every append/finish/expiry, to wake tails.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -212,12 +215,19 @@ class MemoryStore(Store):
         if holder is not None and holder.owner != owner:
             return False
         self._leases[stream_id] = _Lease(owner, self._clock() + ttl_ms / 1000.0)
+        if (stream := self._streams.get(stream_id)) is not None:
+            stream.taker = owner
         return True
 
     async def renew_lease(self, stream_id: str, owner: str, ttl_seconds: float) -> bool:
         ttl_ms = check_ttl(ttl_seconds)
         holder = self._live_lease(stream_id)
-        if holder is None or holder.owner != owner:
+        if holder is None:
+            stream = self._streams.get(stream_id)
+            if stream is None or stream.finished or stream.taker != owner:
+                return False
+            holder = self._leases[stream_id] = _Lease(owner, 0.0)  # lapsed: taken back
+        elif holder.owner != owner:
             return False
         holder.expires_at = self._clock() + ttl_ms / 1000.0
         return True

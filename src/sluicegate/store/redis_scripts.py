@@ -3,7 +3,7 @@
 Keys of stream ``X`` share the hash tag ``{X}`` (one Redis Cluster slot), and every
 write script gets them in this order::
 
-    KEYS[1] state   hash: last_seq, finished, gap_floor, meta, status, extra
+    KEYS[1] state   hash: last_seq, finished, gap_floor, meta, status, extra, taker
     KEYS[2] log     stream: event seq N has entry id "N-0" and field d=<bytes>;
                     finish adds the end marker "LAST-1" (field e), so entry ids, and
                     hence seqs, survive a failover and XREAD wakes on the end too
@@ -188,22 +188,37 @@ if state[2] == '1' then finished = 1 end
 return {1, last, finished, resumable, entries}
 """
 
-#: KEYS[1] lease.  ARGV[1] owner, [2] ttl ms.  1 if the owner holds it now.
+#: KEYS[1] lease, [2] state.  ARGV[1] owner, [2] ttl ms.  1 if the owner holds it now;
+#: the state records who took it last ('taker').
 ACQUIRE_LEASE_LUA = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return 1
-end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+if not taken then
+  if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+  end
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
 end
-return 0
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'taker', ARGV[1])
+end
+return 1
 """
 
-#: KEYS[1] lease.  ARGV[1] owner, [2] ttl ms.
+#: KEYS[1] lease, [2] state.  ARGV[1] owner, [2] ttl ms.  A lease that lapsed while
+#: nobody else took it (the owner is still the state's taker) is taken back, unless the
+#: stream is finished.
 RENEW_LEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if holder then
+  return 0
+end
+local state = redis.call('HMGET', KEYS[2], 'taker', 'finished')
+if state[1] == ARGV[1] and state[2] ~= '1' then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return 1
 end
 return 0

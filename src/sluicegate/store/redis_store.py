@@ -362,11 +362,12 @@ class RedisStore(Store):
     async def _lease_call(
         self, operation: str, script: Any, stream_id: str, args: list[str | int]
     ) -> bool:
-        lease_key = self._keys(stream_id)[4]
+        keys = self._keys(stream_id)
+        lease_and_state = [keys[4], keys[0]]
         try:
             reply = await self._connection.run(
                 operation,
-                lambda c: script(keys=[lease_key], args=args, client=c),
+                lambda c: script(keys=lease_and_state, args=args, client=c),
                 idempotent=True,
             )
         except StoreUnavailable as error:

@@ -261,6 +261,26 @@ def superseded_notice(stream_id: str) -> bytes:
     )
 
 
+def moved_notice(stream_id: str) -> bytes:
+    """The last event of a stream whose lease another replica took (this one stalled)."""
+    return error_event(
+        "stream_moved",
+        "Another replica continues this stream. Resume it with GET "
+        f"/v1/streams/{stream_id} (with Last-Event-ID) on any replica.",
+        stream_id=stream_id,
+    )
+
+
+def stall_error(stall_timeout_seconds: float) -> dict[str, dict[str, object]]:
+    """What a client that accepted nothing for too long is told as it is cut off."""
+    message = (
+        f"The client accepted no data for {stall_timeout_seconds:g} seconds; the stream "
+        "was closed and its generation cancelled."
+    )
+    code = "stream_stalled"
+    return {"error": {"message": message, "type": code, "param": None, "code": code}}
+
+
 def is_final_event(data: bytes) -> bool:
     """Whether a logged event ends its stream (it carries the ``[DONE]`` message)."""
     return data.endswith(DONE)

@@ -45,10 +45,13 @@ from sluicegate.stream.events import (
     StreamFormat,
     drain_notice,
     error_event,
+    moved_notice,
     replay_error,
+    stall_error,
     superseded_notice,
 )
 from sluicegate.stream.feed import FEED_MAX_WAITING, Emission, Feed, FeedItem
+from sluicegate.stream.fenced_log import FencedLog
 from sluicegate.stream.flow import FlowController, StreamFlow
 from sluicegate.stream.log_reads import REPLAY_BATCH_EVENTS, Transform
 from sluicegate.stream.response_events import ResponseEvents
@@ -76,6 +79,8 @@ class SessionContext:
     detached_grace_seconds: float
     #: This process's identity in the store's leases.
     owner: str
+    #: How long a lease lasts unrenewed (renewed at a third of it).
+    lease_ttl: float
     #: This replica's live sessions, by stream id.
     sessions: dict[str, StreamSession] = field(default_factory=dict)
 
@@ -100,6 +105,14 @@ class StreamSession:
         self.generation = generation
         generation.resumable = True
         self.stream_id = generation.request_id
+        #: Its log, written under the lease (``fenced_log.py``).
+        self.log = FencedLog(
+            context.store,
+            self.stream_id,
+            context.owner,
+            context.lease_ttl,
+            context.service.metrics.stream_leases_reclaimed_total,
+        )
         self.tenant_name = tenant_name
         self.format = fmt
         #: A Responses API stream: its events are made from the chat chunks (``responses``:
@@ -241,7 +254,7 @@ class StreamSession:
         if not self.generation.ended:
             self.stop_reason = "evicted"
         self.service.evicted(self.generation)
-        return sse_data(self._stall_error())
+        return sse_data(stall_error(self.context.flow.config.stall_timeout_seconds))
 
     # --- stopping ---
 
@@ -369,7 +382,7 @@ class StreamSession:
                 emissions.append(Emission(notice, logged=False))
             return emissions
         if self.stop_reason == "evicted":
-            stalled = self._stall_error()
+            stalled = stall_error(self.context.flow.config.stall_timeout_seconds)
             end = sse_data(stalled) if responses is None else responses.fail(stalled["error"])
             return [Emission(text + end + DONE, num_tokens, committed, final=True)]
         ending = writer.finish(output)
@@ -386,26 +399,11 @@ class StreamSession:
 
     def _notice(self) -> bytes | None:
         """Why a stream stopped while a client may be reading it; None: nobody is."""
-        sid = self.stream_id
-        resume = f"Resume it with GET /v1/streams/{sid} (with Last-Event-ID) on any replica."
         if self.stop_reason == "detached":
             return None
         if self.stop_reason == "lease_lost":
-            return error_event(
-                "stream_moved",
-                f"Another replica continues this stream. {resume}",
-                stream_id=sid,
-            )
+            return moved_notice(self.stream_id)
         return sse_data(drain_notice(self.stream_id)) + DONE
-
-    def _stall_error(self) -> dict[str, dict[str, object]]:
-        seconds = self.context.flow.config.stall_timeout_seconds
-        message = (
-            f"The client accepted no data for {seconds:g} seconds; the stream was closed "
-            "and its generation cancelled."
-        )
-        code = "stream_stalled"
-        return {"error": {"message": message, "type": code, "param": None, "code": code}}
 
     async def _publish(self, emission: Emission) -> bool:
         """Log an emission and hand it to the connection; False: stop producing."""
@@ -413,12 +411,7 @@ class StreamSession:
         if emission.logged and self.logging:
             try:
                 await self._record_compiled_from()
-                seq = await self.store.append(
-                    self.stream_id,
-                    emission.data,
-                    token_ids=emission.committed_token_ids,
-                    owner=self.context.owner,
-                )
+                seq = await self.log.append(emission.data, emission.committed_token_ids)
             except LeaseLost:
                 self.lease_lost()
                 self._deliver(FeedItem(self._notice() or b"", None, 0))
@@ -450,7 +443,7 @@ class StreamSession:
             self._deliver(FeedItem(emission.data, seq, emission.num_tokens))
         if emission.final and seq is not None:
             try:
-                await self.store.finish(self.stream_id, owner=self.context.owner)
+                await self.log.finish()
                 self.log_finished = True
             except StoreError as error:
                 logger.warning("stream %s: log not closed: %s", self.stream_id, error)

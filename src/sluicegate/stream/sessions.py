@@ -70,7 +70,7 @@ class SessionRegistry:
         #: This process's identity in the store's leases.
         owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.context = SessionContext(
-            service, store, flow, flush_policy, detached_grace_seconds, owner
+            service, store, flow, flush_policy, detached_grace_seconds, owner, lease_ttl_seconds
         )
         self._sessions = self.context.sessions
         #: Background responses whose start this process stored, until their job ends (a
@@ -116,8 +116,14 @@ class SessionRegistry:
 
     async def _renew_leases(self) -> None:
         interval = self.lease_ttl_seconds / 3.0
+        loop = asyncio.get_running_loop()
+        renewed_at = loop.time()
         while True:
             await asyncio.sleep(interval)
+            # Later than the TTL (the loop stalled: a busy machine): the leases lapsed, and
+            # those that nobody took meanwhile are taken back (Store.renew_lease).
+            late = loop.time() - renewed_at > self.lease_ttl_seconds
+            renewed_at = loop.time()
             sessions = [s for s in self._sessions.values() if s.stop_reason is None]
             if not sessions:
                 continue
@@ -127,6 +133,8 @@ class SessionRegistry:
             for session, renewed in zip(sessions, results, strict=True):
                 if renewed is False:
                     session.lease_lost()
+                elif late and renewed is True:
+                    self.service.metrics.stream_leases_reclaimed_total.inc()
             await self._cancels_asked(sessions)
 
     async def _cancels_asked(self, sessions: list[StreamSession]) -> None:
