@@ -276,3 +276,70 @@ async def test_after_its_patience_the_calibration_empties_cached_slots_and_finis
     assert left.done  # every shape, the four-slot ones after the patience
     assert scheduler.kv.prefix is not None and scheduler.kv.prefix.num_cached_slots == 0
     assert scheduler.kv.prefix.stats.evictions == 1
+
+
+class BuildingSim(SimEngine):
+    """The sim with a compiled decode step that builds until :attr:`finish` is set, then
+    comes into use at its next step (as the torch engine's does, at a step, empty or not);
+    each warm-up step is logged with the status it ran under."""
+
+    def __init__(self) -> None:
+        super().__init__(step_base_ms=1.0, step_per_token_ms=0.0)
+        self.status = "building"
+        self.finish = False
+        self.warm_steps: list[str] = []
+
+    @property
+    def compile_status(self) -> str:
+        return self.status
+
+    def step(self, plan: StepPlan) -> StepResult:
+        if self.finish:
+            self.status = "ready"
+        if any(s.request_id.startswith("warm-up") for s in plan.sequences):
+            self.warm_steps.append(self.status)
+        return super().step(plan)
+
+
+async def test_a_build_leaves_nothing_it_slowed_behind() -> None:
+    """While the compiled step builds, the calibration left waits past its deadline (it
+    would only time the engine beside the compiler); once the build is over, seen by an
+    idle core too, the steps the scheduler learnt from beside it are forgotten, the seat
+    limit's feedback starts again, and the calibration left runs, every shape of it
+    after the build."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512),
+        eos_token_ids=SimEngine().eos_token_ids,
+    )
+    sim = BuildingSim()
+    engine_core = EmbeddedCore(
+        sim,
+        sim.tokenizer,
+        scheduler,
+        asyncio.get_running_loop(),
+        warm=WarmUp(repeats=1, background=True),
+    )
+    observations, engine_core._calibrating = start_calibration(sim, 4, 512, 256, repeats=1)
+    scheduler.calibrate(observations)
+    left = engine_core._calibrating
+    assert left is not None and sim.warm_steps
+    first_fit = len(sim.warm_steps)
+    engine_core._calibration_ends_at = time.monotonic() - 1.0  # already due
+    stream = RequestStream("a")
+    engine_core.add_request(request("a", "a prompt beside the build", 24), stream)
+    engine_core.start_thread()
+    try:
+        await drain(stream)
+        await asyncio.sleep(1.2)  # two idle wake-ups past the deadline
+        assert engine_core.stats().sections["calibration"] != {"complete": True}
+        assert len(sim.warm_steps) == first_fit and not left.measured
+        assert len(scheduler.cost._window) > 0  # the request's steps, beside the build
+        scheduler.seats.correction = 0.25  # as the feedback cuts on steps a build slowed
+        sim.finish = True  # nothing runs: the idle core must see it
+        await wait_until(lambda: engine_core.stats().sections["calibration"] == {"complete": True})
+    finally:
+        await engine_core.close()
+    assert left.done
+    assert set(sim.warm_steps[first_fit:]) == {"ready"}
+    assert len(scheduler.cost._window) == 0
+    assert scheduler.seats.correction == 1.0

@@ -96,8 +96,27 @@ def test_decode_steps_are_relearnt_when_the_engine_computes_them_faster() -> Non
     for n in range(1, 33):
         model.observe(decode(n), 0.03 + 0.002 * n)
     assert model.predict(decode(8)) == pytest.approx(0.046, rel=0.05)
-    model.forget_decode_steps()
+    model.observe(prefill, 2.0)  # beside the build: slower, and forgotten with it
+    model.forget_steps(decode_anchors=True)
     for n in (1, 4, 8, 16, 32, 2, 24, 12):  # the compiled step: half the time
         model.observe(decode(n), 0.015 + 0.001 * n)
     assert model.predict(decode(8)) == pytest.approx(0.023, rel=0.1)
     assert model.predict(prefill) == pytest.approx(0.5, rel=0.15)
+
+
+def test_steps_beside_a_build_are_forgotten_when_it_ends() -> None:
+    """A build that failed: every thread is back, decoding as before; the slow steps seen
+    beside it go, the warm-up's anchors (decode ones included) stay."""
+    model = StepCostModel(refit_every=32)
+
+    def decode(n: int) -> StepShape:
+        return StepShape(n, n, n * 200)
+
+    model.calibrate([(decode(n), 0.03 + 0.002 * n) for n in (1, 4, 16)])
+    for n in range(1, 65):  # one thread beside a compiler: three times slower
+        model.observe(decode(n % 32 + 1), 3 * (0.03 + 0.002 * (n % 32 + 1)))
+    assert model.predict(decode(8)) > 2 * 0.046  # the window outweighs the anchors
+    model.forget_steps(decode_anchors=False)
+    for n in (1, 4, 8, 16, 32, 2, 24, 12):
+        model.observe(decode(n), 0.03 + 0.002 * n)
+    assert model.predict(decode(8)) == pytest.approx(0.046, rel=0.05)

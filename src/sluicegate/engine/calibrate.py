@@ -210,6 +210,11 @@ class Remaining:
             if self.saved is not None:
                 _save(self.saved, self.timings())
 
+    def forget_decode(self) -> None:
+        """The engine decodes otherwise now (its compiled step): the first fit's decode
+        shapes no longer stand for the ones not measured here."""
+        self.first = [(s, t) for s, t in self.first if s.num_batched_tokens != s.num_seqs]
+
     def release(self, engine: Engine) -> None:
         """Hand back the slots the steps wrote (clean, as a warm-up leaves them)."""
         if self._used:

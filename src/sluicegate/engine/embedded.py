@@ -31,6 +31,7 @@ from sluicegate.scheduler.capacity import DispatchCapacity
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus
 from sluicegate.scheduler.scheduler import Scheduler
 from sluicegate.scheduler.seat_limit import ServiceEstimate
+from sluicegate.scheduler.step import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class EmbeddedCore:
             # Nothing to compute (idle, or every sequence paused or throttled): sleep until a
             # command, a long pause due for preemption, or a throttled sequence's next token.
             block = not self.scheduler.has_schedulable_work
-            if self._calibrating is not None and time.monotonic() >= self._calibration_ends_at:
+            if self._calibration_expired():
                 self._end_calibration()
             if block and self._idle_calibration_fits():
                 # Idle: measure the next calibration step, unless a command came.
@@ -246,6 +247,8 @@ class EmbeddedCore:
             running = self._drain_commands(block, timeout)
             if not running or not self.scheduler.has_schedulable_work:
                 self._batch_size = 0
+                if running and self._calibrating is not None:
+                    self._follow_compiled_step()
                 self._publish_stats()
                 continue
             plan = self.scheduler.schedule()
@@ -278,6 +281,22 @@ class EmbeddedCore:
                 )
             self._publish_stats()
         self._fail_batch(list(self.scheduler.requests), reason="server shutting down")
+
+    def _follow_compiled_step(self) -> None:
+        """Idle while the calibration left waits for the compiled step's build or load:
+        an empty step lets the engine see it end (it follows the build as it steps)."""
+        if self.engine.compile_status in ("building", "loading"):
+            self.engine.step(StepPlan())
+            self._compiled_step_changed()
+
+    def _calibration_expired(self) -> bool:
+        """Is the calibration left past its deadline?  Not while the compiled step builds
+        or loads (the calibration waits for it: its deadlines count from the end)."""
+        return (
+            self._calibrating is not None
+            and time.monotonic() >= self._calibration_ends_at
+            and self.engine.compile_status not in ("building", "loading")
+        )
 
     def _idle_calibration_fits(self) -> bool:
         """Is there a calibration step to take now: no request held, the compiled step
@@ -334,13 +353,26 @@ class EmbeddedCore:
 
     def _compiled_step_changed(self) -> bool:
         """Whether the torch engine's compiled decode step came into use (or failed) in the
-        step just run.  From then on decode steps take less time than the cost model
-        learnt: it relearns them."""
+        step just run.  Its build or load is over: the engine has every thread again, and
+        decodes faster once the step is in use.  What the steps beside the build taught
+        the scheduler is forgotten (:meth:`Scheduler.engine_changed`; on two cores a
+        five-minute build left a seat limit of 2 behind it), and the calibration left,
+        which waited for the build, gets its time from now."""
         status = self.engine.compile_status
         if status == self._compile_status:
             return False
-        if status == "ready":
-            self.scheduler.cost.forget_decode_steps()
+        under_way = ("building", "loading")
+        if self._compile_status in under_way and status not in under_way:
+            self.scheduler.engine_changed(decode=status == "ready")
+            now = time.monotonic()
+            self._calibration_evicts_at = max(
+                self._calibration_evicts_at, now + CALIBRATION_PATIENCE_SECONDS
+            )
+            self._calibration_ends_at = max(
+                self._calibration_ends_at, now + CALIBRATION_WITHIN_SECONDS
+            )
+            if self._calibrating is not None and status == "ready":
+                self._calibrating.forget_decode()
         self._compile_status = status
         return True
 

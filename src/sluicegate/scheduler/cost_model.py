@@ -139,17 +139,20 @@ class StepCostModel:
             if self._since_fit >= self._refit_every:
                 self._fit()
 
-    def forget_decode_steps(self) -> None:
-        """Drop every decode-only step seen (anchors included): the engine now computes
-        them another way (its compiled decode step became ready).  The next few refit them;
-        prefill and mixed steps keep their history."""
+    def forget_steps(self, *, decode_anchors: bool) -> None:
+        """Drop every step seen since the warm-up: the engine now computes otherwise (its
+        compiled decode step's build ended: it has every thread again, and with
+        ``decode_anchors`` it decodes through the compiled step, so the warm-up's
+        decode-only anchors go too).  The coefficients stand until the next few steps refit
+        them with the anchors left."""
         with self._lock:
 
             def prefill(row: tuple[Features, float]) -> bool:
                 return row[0][2] != row[0][1]  # more batched tokens than sequences
 
-            self._anchors = [r for r in self._anchors if prefill(r)]
-            self._window = deque(filter(prefill, self._window), maxlen=self._window.maxlen)
+            if decode_anchors:
+                self._anchors = [r for r in self._anchors if prefill(r)]
+            self._window.clear()
             self._since_fit = max(0, self._refit_every - 8)  # refit after 8 new steps
 
     def predict(self, shape: StepShape) -> float:

@@ -259,6 +259,16 @@ class PrefillPlanner:
         #: The fraction of the tightest TPOT objective a step with decoders is aimed at.
         self.step_fraction = config.headroom
 
+    def restart(self) -> None:
+        """Forget the measured slowdowns and prefill rate (the engine now computes
+        otherwise: see :meth:`Scheduler.engine_changed`)."""
+        self.rate = PrefillRate()
+        self._limited_tokens = None
+        self.slowdown = 1.0
+        self.idle_slowdown = 1.0
+        self._overruns.clear()
+        self.step_fraction = self.config.headroom
+
     # --- the budget ---
 
     def observe(self, shape: StepShape, num_decoding: int, seconds: float) -> None:

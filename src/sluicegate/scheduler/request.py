@@ -37,6 +37,15 @@ class FinishReason(enum.StrEnum):
     #: The answer ended with tool calls (``message.tool_calls``).
     TOOL_CALLS = "tool_calls"
 
+    @classmethod
+    def of_status(cls, status: RequestStatus) -> FinishReason:
+        """Why a request that ended with ``status`` and no reason of its own finished."""
+        return {
+            RequestStatus.FINISHED_STOPPED: cls.STOP,
+            RequestStatus.FINISHED_LENGTH: cls.LENGTH,
+            RequestStatus.FINISHED_ABORTED: cls.ABORT,
+        }.get(status, cls.ERROR)
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -251,3 +260,9 @@ class Request:
     def max_total_tokens(self) -> int:
         """Worst-case context length: prompt plus every token it may still generate."""
         return self.num_prompt_tokens + self.sampling.max_tokens
+
+    def is_stop_token(self, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+        """The one stop-token check: end of sequence (unless ignored) or a stop token id."""
+        sampling = self.sampling
+        eos = not sampling.ignore_eos and token_id in eos_token_ids
+        return eos or token_id in sampling.stop_token_ids

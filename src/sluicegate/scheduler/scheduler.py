@@ -315,6 +315,15 @@ class Scheduler:
         self.seats.update(self.capacity.num_holding)
         self.capacity.set_seat_limit(self.seats.limit)
 
+    def engine_changed(self, *, decode: bool) -> None:
+        """The engine computes otherwise now (a compiled step's build or load ended; with
+        ``decode``, that step is in use): the steps before taught nothing that holds."""
+        self.cost.forget_steps(decode_anchors=decode)
+        self.prefill.restart()
+        self.seats.restart()
+        self.seats.update(self.capacity.num_holding, len(self.waiting))
+        self.capacity.set_seat_limit(self.seats.limit)
+
     def record_step(self, plan: StepPlan, seconds: float) -> None:
         """A step ran in ``seconds``: learn from it, and move the seat limit if due."""
         shape = StepShape.of(plan)
@@ -412,7 +421,7 @@ class Scheduler:
             logprobs = result.logprobs.get(seq.request_id)
             for k, token_id in enumerate(tokens):
                 request.all_token_ids.append(token_id)
-                stop = self._is_stop_token(request, token_id)
+                stop = request.is_stop_token(token_id, self.eos_token_ids)
                 reason = self._after_token(request, stop)
                 end = reason is not None
                 event = TokenEvent(request, token_id, end, stop, request.num_output_tokens)
@@ -442,13 +451,6 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_STOPPED if stopped else _LENGTH)
         return reason
 
-    def _is_stop_token(self, request: Request, token_id: int) -> bool:
-        """The one stop-token check: end of sequence (unless ignored) or a stop token id."""
-        sampling = request.sampling
-        return (
-            not sampling.ignore_eos and token_id in self.eos_token_ids
-        ) or token_id in sampling.stop_token_ids
-
     def _check_length(self, request: Request) -> FinishReason | None:
         if request.num_output_tokens >= request.sampling.max_tokens:
             return FinishReason.LENGTH
@@ -472,11 +474,7 @@ class Scheduler:
         self.idle.finished(request)
         self.capacity.release(request.request_id)
         if request.finish_reason is None:
-            request.finish_reason = {
-                RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-                RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
-                RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-            }.get(status, FinishReason.ERROR)
+            request.finish_reason = FinishReason.of_status(status)
         del self.requests[request.request_id]
 
     # ------------------------------------------------------------------ stats

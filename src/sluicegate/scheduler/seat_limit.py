@@ -238,6 +238,18 @@ class SeatLimiter:
         if not self._decode_steps:
             self._weighted_seconds = 0.0  # no drift left behind by the subtractions
 
+    def restart(self) -> None:
+        """Forget the measured steps and the feedback drawn from them (the engine now
+        computes otherwise: see :meth:`Scheduler.engine_changed`); the next update sizes
+        the limit from the cost model alone."""
+        self.correction = 1.0
+        self._decode_steps.clear()
+        self._weighted_seconds = 0.0
+        self._decoding = 0
+        self._hold_until = 0.0
+        self._proven.clear()
+        self._next_update = 0.0
+
     def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self._mean_prompt = _ewma(self._mean_prompt, num_prompt_tokens, 0.05)
         self._mean_output = _ewma(self._mean_output, max(1, num_output_tokens), 0.05)

@@ -245,13 +245,16 @@ def test_prompt_only_steps_take_the_package_into_use_on_one_thread_until_then(
     compiled_server: tuple[ServerProcess, Path], cut_model: Path
 ) -> None:
     """Steps without a decode row (one-token answers) follow the load too, and the engine
-    computes on one thread while it runs (the cores are shared with it)."""
+    computes on one thread while it runs (the cores are shared with it); before it (the
+    start-up calibration's steps) on every thread, as it will serve."""
     from sluicegate.engine.calibrate import _prefill
 
     engine = cut_engine(compiled_server, cut_model, num_threads=2)
     # Every thread once ready, whatever else runs on the machine (test_cpu_share.py).
     engine.cpu_share = CpuShare(2, busy_seconds=lambda: None)
     try:
+        engine.step(_prefill(0, 8, num_decoding=0, context=0))
+        assert engine.call(torch.get_num_threads) == 2 and engine.compile_status == "loading"
         engine.warmed_up()
         threads = []
         deadline = time.monotonic() + 60

@@ -232,6 +232,13 @@ class CompiledDecode:
         return False
 
     @property
+    def under_way(self) -> bool:
+        """Whether a build or a load runs now beside the engine (not before :meth:`start`:
+        the start-up calibration must time the engine as it serves once the step is in
+        use, on every thread)."""
+        return self._began and self.status in ("building", "loading")
+
+    @property
     def ready(self) -> bool:
         """Whether the compiled step is in use (as of the last :meth:`poll`)."""
         return self._runner is not None

@@ -258,8 +258,9 @@ class TorchEngine:
         return not self.q4_bytes
 
     def _share_cores(self) -> None:
-        """One intra-op thread while the compiled step builds or loads; else as many as
-        other processes leave room for (:mod:`~sluicegate.engine.cpu_share`).
+        """One intra-op thread while the compiled step builds or loads (from
+        :meth:`warmed_up` on: the start-up calibration before it times every thread); else
+        as many as other processes leave room for (:mod:`~sluicegate.engine.cpu_share`).
 
         Measured here on two cores: beside a process that wants a core (even one that runs
         only on idle CPU time), the engine's two threads wait on each other and a step takes
@@ -268,10 +269,8 @@ class TorchEngine:
         compiled = self.compiled
         if compiled is not None:
             compiled.poll()  # every step, whatever its rows, follows the build and the load
-        if compiled is not None and compiled.status in ("building", "loading"):
-            wanted = 1
-        else:
-            wanted = self.cpu_share.poll()
+        under_way = compiled is not None and compiled.under_way
+        wanted = 1 if under_way else self.cpu_share.poll()
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 
@@ -299,11 +298,11 @@ class TorchEngine:
 
     def _step(self, plan: StepPlan) -> StepResult:
         model = self.model
+        self._share_cores()  # an empty plan too: an idle engine's way to follow the build
         if plan.is_empty:
             return StepResult()
         sequences = plan.sequences
         self._validate(sequences)
-        self._share_cores()
         if self._grammars is not None:
             self._grammars.release_slots(plan.freed_kv_slots)
         for source, dest, num_tokens in plan.kv_copies:
