@@ -35,6 +35,9 @@ from sluicegate.scheduler.step import StepPlan
 
 logger = logging.getLogger(__name__)
 
+#: A compiled decode step's statuses while its build or load is under way.
+UNDER_WAY = ("building", "loading")
+
 
 @dataclass(slots=True)
 class _Add:
@@ -285,7 +288,7 @@ class EmbeddedCore:
     def _follow_compiled_step(self) -> None:
         """Idle while the calibration left waits for the compiled step's build or load:
         an empty step lets the engine see it end (it follows the build as it steps)."""
-        if self.engine.compile_status in ("building", "loading"):
+        if self.engine.compile_status in UNDER_WAY:
             self.engine.step(StepPlan())
             self._compiled_step_changed()
 
@@ -295,7 +298,7 @@ class EmbeddedCore:
         return (
             self._calibrating is not None
             and time.monotonic() >= self._calibration_ends_at
-            and self.engine.compile_status not in ("building", "loading")
+            and self.engine.compile_status not in UNDER_WAY
         )
 
     def _idle_calibration_fits(self) -> bool:
@@ -303,11 +306,7 @@ class EmbeddedCore:
         not building or loading, and enough slots that nothing holds for the next shape
         (the prefix cache's count too once it may empty them)?"""
         remaining = self._calibrating
-        if (
-            remaining is None
-            or self.scheduler.requests
-            or self.engine.compile_status in ("building", "loading")
-        ):
+        if remaining is None or self.scheduler.requests or self.engine.compile_status in UNDER_WAY:
             return False
         kv = self.scheduler.kv
         if time.monotonic() >= self._calibration_evicts_at:
@@ -361,8 +360,7 @@ class EmbeddedCore:
         status = self.engine.compile_status
         if status == self._compile_status:
             return False
-        under_way = ("building", "loading")
-        if self._compile_status in under_way and status not in under_way:
+        if self._compile_status in UNDER_WAY and status not in UNDER_WAY:
             self.scheduler.engine_changed(decode=status == "ready")
             now = time.monotonic()
             self._calibration_evicts_at = max(
