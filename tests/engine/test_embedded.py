@@ -6,14 +6,16 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import pytest
 
 from sluicegate.engine.base import CoreHooks, StepStats
-from sluicegate.engine.calibrate import start_calibration
+from sluicegate.engine.calibrate import Remaining, start_calibration
 from sluicegate.engine.embedded import EmbeddedCore, WarmUp
 from sluicegate.engine.output import RequestOutput, RequestStream
 from sluicegate.engine.sim import SimEngine, sim_text_bytes
+from sluicegate.scheduler.cost_model import StepShape
 from sluicegate.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 from sluicegate.scheduler.step import StepPlan, StepResult
@@ -199,30 +201,43 @@ class WatchedSim(SimEngine):
         return super().step(plan)
 
 
+S = TypeVar("S", bound=SimEngine)
+
+
+def calibrating_core(
+    make_sim: Callable[[Scheduler], S], *, prefix_caching: bool, warm: WarmUp | None = None
+) -> tuple[Scheduler, S, EmbeddedCore, Remaining, list[tuple[StepShape, float]]]:
+    """A core on four slots whose first fit ran, not started: its sim (made from the
+    scheduler), the calibration left and the first fit's steps."""
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        prefix_caching=prefix_caching,
+    )
+    scheduler = Scheduler(config, eos_token_ids=SimEngine().eos_token_ids)
+    sim = make_sim(scheduler)
+    loop = asyncio.get_running_loop()
+    engine_core = EmbeddedCore(sim, sim.tokenizer, scheduler, loop, warm=warm)
+    observations, engine_core._calibrating = start_calibration(sim, 4, 512, 256, repeats=1)
+    scheduler.calibrate(observations)
+    left = engine_core._calibrating
+    assert left is not None
+    return scheduler, sim, engine_core, left, observations
+
+
 async def test_the_calibration_left_runs_only_while_nothing_is_held() -> None:
     """With ``WarmUp(background=True)`` the core serves on a first fit, then measures the
     rest one step at a time while no request is held, in slots the prefix cache does not
     keep; what does not fit before its deadline is given up, and the core refits from
     what it measured."""
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, prefix_caching=True
-        ),
-        eos_token_ids=SimEngine().eos_token_ids,
-    )
-    sim = WatchedSim(lambda: sorted(scheduler.requests))
-    engine_core = EmbeddedCore(
-        sim,
-        sim.tokenizer,
-        scheduler,
-        asyncio.get_running_loop(),
+    # Before the thread runs (start() would start it): the first fit, and steps left.
+    scheduler, sim, engine_core, left, observations = calibrating_core(
+        lambda s: WatchedSim(lambda: sorted(s.requests)),
+        prefix_caching=True,
         warm=WarmUp(repeats=1, background=True),
     )
-    # Before the thread runs (start() would start it): the first fit, and steps left.
-    observations, engine_core._calibrating = start_calibration(sim, 4, 512, 256, repeats=1)
-    scheduler.calibrate(observations)
-    left = engine_core._calibrating
-    assert left is not None and not left.done
+    assert not left.done
     # Never emptying cached slots, and given up after a second.
     engine_core._calibration_evicts_at = float("inf")
     engine_core._calibration_ends_at = time.monotonic() + 1.0
@@ -251,18 +266,9 @@ async def test_the_calibration_left_runs_only_while_nothing_is_held() -> None:
 
 
 async def test_after_its_patience_the_calibration_empties_cached_slots_and_finishes() -> None:
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, prefix_caching=True
-        ),
-        eos_token_ids=SimEngine().eos_token_ids,
+    scheduler, _, engine_core, left, _ = calibrating_core(
+        lambda s: WatchedSim(lambda: sorted(s.requests)), prefix_caching=True
     )
-    sim = WatchedSim(lambda: sorted(scheduler.requests))
-    engine_core = EmbeddedCore(sim, sim.tokenizer, scheduler, asyncio.get_running_loop())
-    observations, engine_core._calibrating = start_calibration(sim, 4, 512, 256, repeats=1)
-    scheduler.calibrate(observations)
-    left = engine_core._calibrating
-    assert left is not None
     engine_core._calibration_evicts_at = time.monotonic() + 0.3
     engine_core._calibration_ends_at = time.monotonic() + 60.0
     stream = RequestStream("a")
@@ -307,22 +313,10 @@ async def test_a_build_leaves_nothing_it_slowed_behind() -> None:
     idle core too, the steps the scheduler learnt from beside it are forgotten, the seat
     limit's feedback starts again, and the calibration left runs, every shape of it
     after the build."""
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512),
-        eos_token_ids=SimEngine().eos_token_ids,
+    scheduler, sim, engine_core, left, _ = calibrating_core(
+        lambda _: BuildingSim(), prefix_caching=False, warm=WarmUp(repeats=1, background=True)
     )
-    sim = BuildingSim()
-    engine_core = EmbeddedCore(
-        sim,
-        sim.tokenizer,
-        scheduler,
-        asyncio.get_running_loop(),
-        warm=WarmUp(repeats=1, background=True),
-    )
-    observations, engine_core._calibrating = start_calibration(sim, 4, 512, 256, repeats=1)
-    scheduler.calibrate(observations)
-    left = engine_core._calibrating
-    assert left is not None and sim.warm_steps
+    assert sim.warm_steps
     first_fit = len(sim.warm_steps)
     engine_core._calibration_ends_at = time.monotonic() - 1.0  # already due
     stream = RequestStream("a")
