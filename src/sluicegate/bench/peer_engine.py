@@ -220,7 +220,7 @@ def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> Peer
 
 #: Our servers, by label: the defaults (the compiled decode step: built once, then loaded
 #: at start; measured once ready), always eager (``--engine-compile off``), 4-bit weights
-#: for answers (``--weights q4``, eager), and one token budget a step instead of
+#: for answers (``--weights q4``, compiled too), and one token budget a step instead of
 #: stall-free prefill (what stall-free prefill costs in throughput).
 CONFIGS: dict[str, list[str]] = {
     "sluicegate": [],

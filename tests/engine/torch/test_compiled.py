@@ -241,6 +241,29 @@ def engine(compiled_server: tuple[ServerProcess, Path], cut_model: Path) -> Iter
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def q4_engine(cut_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchEngine]:
+    """The cut model with 4-bit weights for its answers (``--weights q4``), its compiled
+    step built with them (by the engine's own background build, as a server's is)."""
+    from sluicegate.engine.torch import TorchEngine
+
+    engine = TorchEngine(
+        str(cut_model),
+        dtype="float32",
+        max_num_seqs=SLOTS,
+        max_model_len=LENGTH,
+        cache_dir=str(tmp_path_factory.mktemp("q4-cache")),
+        compile="decode",
+        weights="q4",
+        num_threads=TEST_THREADS,
+    )
+    assert engine.q4_bytes and engine.compile_status == "building"
+    engine.warmed_up()
+    assert engine.compiled is not None and engine.compiled.wait(600) == "ready"
+    yield engine
+    engine.close()
+
+
 def test_prompt_only_steps_take_the_package_into_use_on_one_thread_until_then(
     compiled_server: tuple[ServerProcess, Path], cut_model: Path
 ) -> None:
@@ -280,9 +303,18 @@ def prefill(model: Transformer, tokens: torch.Tensor, slot: int) -> None:
 
 
 def eager_decode(
-    model: Transformer, tokens: list[int], positions: list[int], slots: list[int]
+    model: Transformer,
+    tokens: list[int],
+    positions: list[int],
+    slots: list[int],
+    answers: bool = False,
 ) -> torch.Tensor:
-    chunks = [SequenceChunk(s, p, 1, 1) for s, p in zip(slots, positions, strict=True)]
+    """One token of each sequence through the eager step; ``answers``: as an answer's (its
+    prompt ends before it), which takes 4-bit weights where the model has them."""
+    chunks = [
+        SequenceChunk(s, p, 1, 1, p if answers else None)
+        for s, p in zip(slots, positions, strict=True)
+    ]
     batch, order = build_batch(chunks)
     assert order == list(range(len(chunks)))
     logits: torch.Tensor = model(torch.tensor(tokens), batch)
@@ -324,9 +356,39 @@ def test_matches_eager_and_writes_the_same_cache(engine: TorchEngine) -> None:
             positions = [p + 1 for p in positions]
 
 
-def test_a_row_does_not_depend_on_its_batch(engine: TorchEngine) -> None:
+def test_with_4_bit_weights_the_graph_computes_answers_through_them(
+    q4_engine: TorchEngine,
+) -> None:
+    """The graph's rows are answers': with ``--weights q4`` it gives the eager step's
+    logits for answer tokens (the int4 kernel) within rounding, and not those of the
+    full weights (what prompts take)."""
+    model, handle = q4_engine.model, q4_engine.compiled
+    assert handle is not None
+    gen = torch.Generator().manual_seed(5)
+    slots, lengths = [1, 3], [30, 90]
+    with torch.inference_mode():
+        for slot, n in zip(slots, lengths, strict=True):
+            prefill(model, random_tokens(gen, n), slot)
+        saved = model.k_cache.clone(), model.v_cache.clone()
+        tokens = random_tokens(gen, 2).tolist()
+        expected = {}
+        for answers in (True, False):
+            model.k_cache.copy_(saved[0])
+            model.v_cache.copy_(saved[1])
+            expected[answers] = eager_decode(model, tokens, lengths, slots, answers)
+        model.k_cache.copy_(saved[0])
+        model.v_cache.copy_(saved[1])
+        got = handle.run(model, rows(tokens, lengths, slots))
+    torch.testing.assert_close(got, expected[True], atol=2e-2, rtol=1e-2)
+    # 4-bit weights move the logits far more than the graph's arithmetic does.
+    assert (got - expected[False]).abs().max() > 10 * (got - expected[True]).abs().max()
+
+
+@pytest.mark.parametrize("which", ["engine", "q4_engine"])
+def test_a_row_does_not_depend_on_its_batch(which: str, request: pytest.FixtureRequest) -> None:
     """Alone (one row, computed as two), beside a short context and beside one long enough
-    to widen the key range: the same bits."""
+    to widen the key range: the same bits (with full weights and with 4-bit ones)."""
+    engine: TorchEngine = request.getfixturevalue(which)
     model, handle = engine.model, engine.compiled
     assert handle is not None
     gen = torch.Generator().manual_seed(4)
@@ -417,14 +479,17 @@ def question(engine: TorchEngine, text: str) -> list[int]:
     return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
+@pytest.mark.parametrize("which", ["engine", "q4_engine"])
 def test_answers_resumed_after_a_preemption_are_the_uninterrupted_ones(
-    engine: TorchEngine,
+    which: str, request: pytest.FixtureRequest
 ) -> None:
     """A seeded answer decoded through the compiled step, and one whose first tokens were
     decoded eagerly before the step was ready: dropped half-way (KV gone, tokens and
     ``compiled_from`` kept, as a preemption or a stream's record keeps them), each is
     re-prefilled in chunks in another slot and goes on with the tokens and the log
-    probabilities (the logits, bit for bit) of the uninterrupted answer."""
+    probabilities (the logits, bit for bit) of the uninterrupted answer; with full
+    weights and with 4-bit ones (which an answer's eager positions take as well)."""
+    engine: TorchEngine = request.getfixturevalue(which)
     prompt = question(engine, "Tell me about rivers.")
     start = len(prompt)
     recorder = RecordingEngine(engine)

@@ -64,6 +64,9 @@ class AnswerRows:
 
     answer: Tensor  # [A] int64 row indices
     prompt: Tensor  # [T - A] int64 row indices
+    #: Every row is an answer's, however many there are (the compiled decode step's rows,
+    #: whose count the graph does not know when it is traced).
+    every: bool = False
 
     @staticmethod
     def of(flags: Sequence[bool]) -> AnswerRows:
@@ -75,15 +78,18 @@ class AnswerRows:
 
     @property
     def all(self) -> bool:
-        return self.prompt.numel() == 0
+        return self.every or self.prompt.numel() == 0
 
     @property
     def none(self) -> bool:
-        return self.answer.numel() == 0
+        return not self.every and self.answer.numel() == 0
 
 
 #: A batch without answer rows marked (no 4-bit weights): every row takes the full weights.
 NO_ANSWERS = AnswerRows.of(())
+
+#: A batch of answer rows only: with 4-bit weights every row takes them.
+ALL_ANSWERS = AnswerRows(NO_ANSWERS.answer, NO_ANSWERS.prompt, every=True)
 
 
 @dataclass(slots=True)

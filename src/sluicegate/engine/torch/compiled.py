@@ -67,6 +67,7 @@ from sluicegate.engine.torch.decode_graph import (
 from sluicegate.engine.torch.loader import build_model, cache_entry, load_checkpoint
 from sluicegate.engine.torch.model import Transformer
 from sluicegate.engine.torch.model_args import ModelArgs
+from sluicegate.engine.torch.q4_load import load_q4
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,16 @@ def package_path(
     num_slots: int,
     max_model_len: int,
     cache_dir: str | None,
+    q4: bool = False,
 ) -> Path:
-    """Where the package for this model file, dtype and cache shape lives."""
+    """Where the package for this model file, dtype, answers' weights and cache shape
+    lives."""
     entry = cache_entry(
         Path(model_path),
         cache_dir,
         "compiled",
         dtype,
+        *(["q4"] if q4 else []),
         num_slots,
         max_model_len,
         torch.__version__,
@@ -92,11 +96,9 @@ def package_path(
     return entry.with_name(f"{entry.name}.pt2")
 
 
-def uncompiled(args: ModelArgs, q4: bool, max_model_len: int) -> str | None:
+def uncompiled(args: ModelArgs, max_model_len: int) -> str | None:
     """Why a model is not decoded by the compiled step (None: it can be): its graph is
-    the Llama block's in the model's dtype, over the whole context."""
-    if q4:
-        return "4-bit weights"
+    the Llama block's, over the whole context."""
     if args.gemma:
         return "Gemma's layout"
     if args.sliding_window is not None and args.sliding_window < max_model_len:
@@ -111,14 +113,16 @@ def compiled_decode(
     max_model_len: int,
     num_threads: int,
     cache_dir: str | None,
+    q4: bool = False,
 ) -> CompiledDecode:
-    """The compiled decode step of an engine: its package, and how to build it."""
+    """The compiled decode step of an engine: its package, and how to build it (``q4``:
+    the engine's answers take 4-bit weights, and so do the graph's rows)."""
     build = ["--model", model_path, "--dtype", str(dtype).removeprefix("torch.")]
     build += ["--slots", str(num_slots), "--max-model-len", str(max_model_len)]
-    build += ["--threads", str(num_threads)]
+    build += ["--threads", str(num_threads), "--weights", "q4" if q4 else "full"]
     if cache_dir is not None:
         build += ["--cache-dir", cache_dir]
-    package = package_path(model_path, dtype, num_slots, max_model_len, cache_dir)
+    package = package_path(model_path, dtype, num_slots, max_model_len, cache_dir, q4)
     return CompiledDecode(package, build)
 
 
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--cache-dir")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--weights", choices=["full", "q4"], default="full")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -334,6 +339,8 @@ def _build(args: argparse.Namespace, out: Path) -> None:
     start = time.perf_counter()
     checkpoint = load_checkpoint(args.model, getattr(torch, args.dtype), args.cache_dir)
     model = build_model(checkpoint.args, checkpoint.state_dict, pack=False)
+    # The engine's own 4-bit weights (the same file's blocks, or the same rounding).
+    load_q4(model, args.weights, args.model, args.cache_dir)
     # The graph's caches are inputs: shaped like the engine's, never filled here.
     length = cache_positions(args.max_model_len)
     shape = (

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from sluicegate.engine.files import atomic_path
-from sluicegate.engine.torch.attention_batch import KEY_ALIGN
+from sluicegate.engine.torch.attention_batch import ALL_ANSWERS, KEY_ALIGN
 from sluicegate.engine.torch.model import Transformer, TransformerBlock
 
 #: Bumped whenever :class:`DecodeGraph` computes differently: old packages are not reused.
@@ -98,7 +98,9 @@ class DecodeGraph(nn.Module):
     positions of its own block, then to its own new key (the last column).  Positions of
     its block from ``fresh_from[b]`` on are computed by this call (rows ``fresh_row[b]``,
     ``fresh_row[b] + 1``, ...): their keys and values come from those rows.  A decode row
-    has ``fresh_from == positions``.
+    has ``fresh_from == positions``.  Every row is an answer's, so with 4-bit weights
+    (``--weights q4``) every projection takes them (:data:`ALL_ANSWERS`), as the eager
+    step does for answer rows.
     """
 
     def __init__(self, model: Transformer) -> None:
@@ -135,7 +137,7 @@ class DecodeGraph(nn.Module):
         for i, module in enumerate(m.layers):
             layer = cast(TransformerBlock, module)
             attention = layer.attention
-            q, k, v = attention.project(layer.attention_norm(x), cos, sin)
+            q, k, v = attention.project(layer.attention_norm(x), cos, sin, ALL_ANSWERS)
             new_k.append(k)
             new_v.append(v)
             select = fresh[:, :, None, None]  # [B, K, 1, 1]
@@ -149,9 +151,9 @@ class DecodeGraph(nn.Module):
                 bias,
                 attention.scale,
             )
-            h = x + attention.wo(out.to(x.dtype).reshape(rows, nh * hd))  # [B, D]
-            x = h + layer.feed_forward(layer.ffn_norm(h))
-        logits = m.logits(x[logit_rows])
+            h = x + attention.wo(out.to(x.dtype).reshape(rows, nh * hd), ALL_ANSWERS)  # [B, D]
+            x = h + layer.feed_forward(layer.ffn_norm(h), ALL_ANSWERS)
+        logits = m.logits(x[logit_rows], ALL_ANSWERS)
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 

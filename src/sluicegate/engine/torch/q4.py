@@ -14,7 +14,9 @@ share the call (the 4-bit one measured bit-identical from 1 to 128 rows), so an 
 token gets the same bits decoded, batched, or re-prefilled, and seeded output stays
 identical across preemption.  A prompt's token and an answer's token at the same position
 compute differently, so with 4-bit weights a slot's answer positions are not offered to
-the prefix cache (a later prompt containing them computes them as a prompt).
+the prefix cache (a later prompt containing them computes them as a prompt).  The
+compiled decode step computes answers only, all of them through the same kernel
+(AOTInductor calls it from the graph: :mod:`~sluicegate.engine.torch.decode_graph`).
 
 **Exact from GGUF.**  The kernel dequantises ``(q - 8) * scale + zero`` per group of 32
 inputs; a GGUF ``Q4_1`` block (``q * d + m``) is ``scale = d``, ``zero = m + 8d`` and a

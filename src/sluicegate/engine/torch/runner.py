@@ -189,7 +189,7 @@ class TorchEngine:
         #: an earlier start) recomputed eagerly here, the step not ready: their bits may
         #: differ from the uninterrupted run's.
         self.inexact_replays = 0
-        eager = uncompiled(self.args, bool(self.q4_bytes), max_model_len)
+        eager = uncompiled(self.args, max_model_len)
         if compile == "decode" and eager:
             logger.info("compiled decode step: not with %s; decoding eagerly", eager)
         elif compile == "decode":
@@ -200,6 +200,7 @@ class TorchEngine:
                 self.max_model_len,
                 self.num_threads,
                 cache_dir,
+                q4=bool(self.q4_bytes),
             )
         #: Seconds spent loading weights and tokenizer (a warm cache makes this small).
         self.load_seconds = time.perf_counter() - start
