@@ -15,12 +15,11 @@ class TorchSettings(BaseModel):
 
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Torch engine dtype.")
     weights: Literal["auto", "full", "q4"] = Field(
-        "auto",
+        "full",
         description="Torch engine: the weights answers' tokens are computed with: q4 "
         "(4-bit, PyTorch's int4 CPU kernel with bfloat16 activations, in either dtype; a "
         "GGUF's own 4-bit blocks where it has them, else quantised at load), full (the "
-        "dtype's) or auto (q4 for a 4-bit GGUF, unless bfloat16 runs on AMX tiles here). "
-        "Prompts always use the dtype's (docs/engine.md).",
+        "dtype's) or auto (q4 for a 4-bit GGUF). Prompts always use the dtype's (docs/engine.md).",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="Torch intra-op threads (default: chosen for this machine)."

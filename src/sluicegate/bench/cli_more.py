@@ -113,9 +113,9 @@ def engine_peer_command(
         typer.Option(
             "--config",
             help="Our servers to measure, in order (repeat): sluicegate (defaults: "
-            "the compiled decode step once built), 'sluicegate full' (--weights full), "
-            "'sluicegate q4', 'sluicegate eager' (--engine-compile off), 'sluicegate one "
-            "budget' (--no-stall-free-prefill); default: sluicegate, full and eager.",
+            "the compiled decode step once built), 'sluicegate eager' "
+            "(--engine-compile off), 'sluicegate q4', 'sluicegate one budget' "
+            "(--no-stall-free-prefill); default: the first three.",
         ),
     ] = None,
     out: OutOption = Path("bench-engine-peer"),

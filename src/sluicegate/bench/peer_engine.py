@@ -219,19 +219,17 @@ def _measure(label: str, base_url: str, seconds: float, max_tokens: int) -> Peer
 
 
 #: Our servers, by label: the defaults (the compiled decode step: built once, then loaded
-#: at start; measured once ready; 4-bit weights for a 4-bit GGUF unless bfloat16 runs on
-#: AMX), full weights (``--weights full``), 4-bit weights for answers (``--weights q4``),
-#: always eager (``--engine-compile off``), and one token budget a step instead of
+#: at start; measured once ready), always eager (``--engine-compile off``), 4-bit weights
+#: for answers (``--weights q4``, compiled too), and one token budget a step instead of
 #: stall-free prefill (what stall-free prefill costs in throughput).
 CONFIGS: dict[str, list[str]] = {
     "sluicegate": [],
-    "sluicegate full": ["--weights", "full"],
-    "sluicegate q4": ["--weights", "q4"],
     "sluicegate eager": ["--engine-compile", "off"],
+    "sluicegate q4": ["--weights", "q4"],
     "sluicegate one budget": ["--no-stall-free-prefill"],
 }
 #: Measured when no configuration is named.
-DEFAULT_CONFIGS = ("sluicegate", "sluicegate full", "sluicegate eager")
+DEFAULT_CONFIGS = ("sluicegate", "sluicegate eager", "sluicegate q4")
 
 
 def wait_compiled(base_url: str, timeout: float = 900.0) -> bool:

@@ -55,15 +55,6 @@ def supported() -> bool:
     )
 
 
-def auto_prefers_full(dtype: torch.dtype) -> bool:
-    """Whether ``--weights auto`` keeps full weights although the source is 4-bit: on a CPU
-    whose bfloat16 products run on AMX tiles, where the prepacked bfloat16 projections are
-    as fast as the int4 kernel from ~8 decode rows and twice as fast at 32 (measured on a
-    Xeon with AMX; docs/engine.md).  Elsewhere (AVX-512 without AMX, AVX2 in float32) 4-bit
-    weights measured faster at one stream and as fast or faster at 8 and 32."""
-    return dtype == torch.bfloat16 and bool(torch.cpu.get_capabilities().get("amx_bf16", False))
-
-
 @dataclass(slots=True)
 class Q4Parts:
     """A weight ``[N, K]`` as 4-bit codes: ``w = codes * scale + minimum`` per group of

@@ -16,14 +16,7 @@ from sluicegate.engine.torch.gguf_reader import PERMUTED_ARCHS, read_gguf
 from sluicegate.engine.torch.loader import cache_entry
 from sluicegate.engine.torch.model import Transformer
 from sluicegate.engine.torch.packed_linear import Linear
-from sluicegate.engine.torch.q4 import (
-    Q4Parts,
-    Q4Weight,
-    auto_prefers_full,
-    gguf_parts,
-    quantize,
-    supported,
-)
+from sluicegate.engine.torch.q4 import Q4Parts, Q4Weight, gguf_parts, quantize, supported
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +42,8 @@ def load_q4(
 ) -> int:
     """Give ``model``'s projections 4-bit weights if ``weights`` asks for them here:
     ``q4`` always (a clear error if they cannot run), ``auto`` when the source is a
-    GGUF whose projections are 4-bit, they can run and this CPU does not prefer full
-    weights (:func:`~sluicegate.engine.torch.q4.auto_prefers_full`); ``full`` never.
-    Returns the bytes they take (0: none)."""
+    GGUF whose projections are 4-bit and they can run; ``full`` never.  Returns the
+    bytes they take (0: none)."""
     if weights not in WEIGHTS_CHOICES:
         raise ValueError(f"weights must be one of {WEIGHTS_CHOICES}, not {weights!r}")
     if weights == "full":
@@ -63,8 +55,6 @@ def load_q4(
             "4-bit weights run on PyTorch's int4 CPU kernel, which this PyTorch lacks: "
             "use --weights full"
         )
-    if weights == "auto" and auto_prefers_full(model.dtype):
-        return 0
     path = Path(model_path)
     exact = gguf_q4_parts(path, model, cache_dir) if path.suffix.lower() == ".gguf" else {}
     if weights == "auto" and not _covers(exact, model):
