@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import orjson
 
+from sluicegate.bench.peer_engine import wait_compiled
 from sluicegate.bench.server_process import start_server_with_args
 
 #: The configurations compared, by label: the server flags of each.
@@ -252,6 +253,9 @@ def run(
         slug = label.replace(" ", "-")
         server = start_server_with_args(args, out / f"server-{slug}.log")
         try:
+            # Measured as it serves once warm: the compiled decode step in use (its first
+            # build takes minutes, on one thread of the engine's two meanwhile).
+            wait_compiled(server.base_url)
             server.wait_calibrated()
             quiet_load = Load(streams, stream_tokens, probe_interval_seconds, None, words)
             quiet = asyncio.run(run_phase(server.base_url, phase_seconds, quiet_load))
