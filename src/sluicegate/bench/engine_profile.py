@@ -33,7 +33,13 @@ from sluicegate.engine.torch.runner import TorchEngine
 from sluicegate.scheduler.request import Request, SamplingParams
 from sluicegate.scheduler.scheduler import Scheduler, SchedulerConfig
 
-PROJECTION_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear"}
+PROJECTION_OPS = {
+    "mkldnn::_linear_pointwise",
+    "aten::mm",
+    "aten::addmm",
+    "aten::linear",
+    "aten::_weight_int4pack_mm_for_cpu",
+}
 ATTENTION_OPS = {
     "aten::bmm",
     "aten::_softmax",
@@ -139,7 +145,8 @@ def _descendants(event: Any) -> list[Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     head = (
-        f"{report['model']}, {report['dtype']}, {report['threads']} torch threads, "
+        f"{report['model']}, {report['dtype']}, {report['weights']} weights, compiled "
+        f"step {report['engine_compile']}, {report['threads']} torch threads, "
         f"{report['prompt_tokens']}-token prompts; per decode step, milliseconds."
     )
     sizes = list(report["batch"])
@@ -176,6 +183,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=192)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--weights", default="full", choices=["full", "q4", "auto"])
+    parser.add_argument(
+        "--engine-compile",
+        default="off",
+        choices=["off", "decode"],
+        help="decode: through the compiled step (waits for its build; the categories "
+        "then lump the graph's kernels into 'Python': read the totals)",
+    )
     parser.add_argument("--json", default=None, help="Write the report here too.")
     args = parser.parse_args(argv)
     engine = TorchEngine(
@@ -184,10 +199,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_num_seqs=max(args.batch),
         max_model_len=1024,
         num_threads=args.threads,
+        weights=args.weights,
+        compile=args.engine_compile,
     )
+    if engine.compiled is not None:
+        engine.warmed_up()  # its build (or load) starts after the warm-up
+        if engine.compiled.wait(1800) != "ready":
+            raise SystemExit(f"the compiled decode step is {engine.compiled.status}")
     report: dict[str, Any] = {
         "model": engine.model_name,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "weights": "q4" if engine.q4_bytes else "full",
+        "engine_compile": engine.compile_status,
         "threads": torch.get_num_threads(),
         "prompt_tokens": args.prompt_tokens,
         "batch": {},
