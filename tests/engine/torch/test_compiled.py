@@ -260,6 +260,7 @@ def q4_engine(cut_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     assert engine.q4_bytes and engine.compile_status == "building"
     engine.warmed_up()
     assert engine.compiled is not None and engine.compiled.wait(600) == "ready"
+    assert engine.compiled.min_rows == 1  # the int4 kernel needs no second row
     yield engine
     engine.close()
 
@@ -386,8 +387,8 @@ def test_with_4_bit_weights_the_graph_computes_answers_through_them(
 
 @pytest.mark.parametrize("which", ["engine", "q4_engine"])
 def test_a_row_does_not_depend_on_its_batch(which: str, request: pytest.FixtureRequest) -> None:
-    """Alone (one row, computed as two), beside a short context and beside one long enough
-    to widen the key range: the same bits (with full weights and with 4-bit ones)."""
+    """Alone (one row: computed as two with full weights, as one with 4-bit ones), beside a
+    short context and beside one long enough to widen the key range: the same bits."""
     engine: TorchEngine = request.getfixturevalue(which)
     model, handle = engine.model, engine.compiled
     assert handle is not None

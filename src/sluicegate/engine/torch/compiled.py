@@ -123,7 +123,7 @@ def compiled_decode(
     if cache_dir is not None:
         build += ["--cache-dir", cache_dir]
     package = package_path(model_path, dtype, num_slots, max_model_len, cache_dir, q4)
-    return CompiledDecode(package, build)
+    return CompiledDecode(package, build, min_rows=1 if q4 else 2)
 
 
 #: The build process (``-m`` would import this module twice: the package imports it).
@@ -137,8 +137,11 @@ class CompiledDecode:
     calibration is over); every method runs on the engine's torch thread.
     """
 
-    def __init__(self, package: Path, build_args: list[str] | None) -> None:
+    def __init__(self, package: Path, build_args: list[str] | None, min_rows: int = 2) -> None:
         self.package = package
+        #: Rows a call computes at least (:func:`~.decode_graph.call_graph`): 1 with 4-bit
+        #: weights, whose kernel computes a row alike at any row count.
+        self.min_rows = min_rows
         self.status = "building"
         self._runner: Any = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -265,7 +268,8 @@ class CompiledDecode:
         ``num_logits`` rows, run after run (``[N, V]`` float32)."""
         parts: list[list[tuple[int, Tensor]]] = [[] for _ in runs]
         for pieces in pack_calls(runs):
-            logits = call_graph(self._runner, model, [piece.rows for piece in pieces])
+            rows = [piece.rows for piece in pieces]
+            logits = call_graph(self._runner, model, rows, self.min_rows)
             row = 0
             for piece in pieces:
                 count = piece.rows.num_logits

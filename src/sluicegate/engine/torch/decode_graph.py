@@ -232,9 +232,12 @@ def build_package(model: Transformer, out: Path) -> None:
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
 
 
-def call_graph(runner: Any, model: Transformer, pieces: list[GraphRun]) -> Tensor | None:
-    """One call of the loaded graph (``runner``): the rows of ``pieces``, then their keys
-    and values written into ``model``'s cache; the logits wanted (None: none were)."""
+def call_graph(
+    runner: Any, model: Transformer, pieces: list[GraphRun], min_rows: int = 2
+) -> Tensor | None:
+    """One call of the loaded graph (``runner``): the rows of ``pieces`` (at least
+    ``min_rows``, padded), then their keys and values written into ``model``'s cache; the
+    logits wanted (None: none were)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -251,9 +254,10 @@ def call_graph(runner: Any, model: Transformer, pieces: list[GraphRun]) -> Tenso
         fresh_row.extend([first] * count)
         wanted.extend(range(first + count - piece.num_logits, first + count))
     rows = len(ids)
-    # One row is computed as two (see the module docstring of compiled.py); a padding
-    # row repeats the first, and its keys and values are not written.
-    pad = max(0, 2 - rows)
+    # With full weights one row is computed as two: oneDNN takes another kernel for a
+    # one-row product (packed_linear.linear_packed). A padding row repeats the first, and
+    # its keys and values are not written.
+    pad = max(0, min_rows - rows)
     columns = (ids, positions, slots, fresh_from, fresh_row)
     ids, positions, slots, fresh_from, fresh_row = (c + c[:1] * pad for c in columns)
     pos = torch.tensor(positions, dtype=torch.long)
