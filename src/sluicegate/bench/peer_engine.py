@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -166,16 +167,31 @@ async def _prompt_rate(base_url: str, count: int, prompt_words: int) -> tuple[fl
                 "stream_options": {"include_usage": True},
                 "cache_prompt": False,  # llama-server: do not reuse an earlier prompt
             }
-            started = time.monotonic()
-            prompt_tokens = 0
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        usage = orjson.loads(line[6:]).get("usage")
-                        if usage:
-                            prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            rates.append(prompt_tokens / (time.monotonic() - started))
+            for attempt in range(2):
+                try:
+                    rate, prompt_tokens = await _one_prompt(client, body)
+                    break
+                except httpx.RemoteProtocolError as error:
+                    # A kept-alive connection the server closed as the request went out
+                    # (seen with llama-server): asked again on a new one, timed afresh.
+                    if attempt:
+                        raise
+                    print(f"prompt rate: {error!r}; asking again", flush=True)
+            rates.append(rate)
     return statistics.median(rates), prompt_tokens
+
+
+async def _one_prompt(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, int]:
+    """One prompt's tokens per second to its first token, and its length in tokens."""
+    started = time.monotonic()
+    prompt_tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                usage = orjson.loads(line[6:]).get("usage")
+                if usage:
+                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    return prompt_tokens / (time.monotonic() - started), prompt_tokens
 
 
 async def _own_decode_rate(base_url: str, max_tokens: int, count: int = 3) -> float:
