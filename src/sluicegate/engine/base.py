@@ -21,6 +21,10 @@ from sluicegate.scheduler.request import Request
 from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.scheduler.step import StepPlan, StepResult
 
+#: :attr:`Engine.compile_status` while the compiled decode step's build or load runs
+#: beside the engine (it computes on one thread meanwhile).
+COMPILE_UNDER_WAY = ("building", "loading")
+
 
 @dataclass(slots=True, frozen=True)
 class EngineLimits:

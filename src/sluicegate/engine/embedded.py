@@ -20,7 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sluicegate.engine.base import CoreFeatures, CoreHooks, CoreStats, Engine, StepStats
+from sluicegate.engine.base import (
+    COMPILE_UNDER_WAY,
+    CoreFeatures,
+    CoreHooks,
+    CoreStats,
+    Engine,
+    StepStats,
+)
 from sluicegate.engine.calibrate import Remaining, start_calibration, warm_up
 from sluicegate.engine.deliveries import Deliveries, Delivery
 from sluicegate.engine.output import RequestStream
@@ -34,9 +41,6 @@ from sluicegate.scheduler.seat_limit import ServiceEstimate
 from sluicegate.scheduler.step import StepPlan
 
 logger = logging.getLogger(__name__)
-
-#: A compiled decode step's statuses while its build or load is under way.
-UNDER_WAY = ("building", "loading")
 
 
 @dataclass(slots=True)
@@ -288,9 +292,13 @@ class EmbeddedCore:
     def _follow_compiled_step(self) -> None:
         """Idle while the calibration left waits for the compiled step's build or load:
         an empty step lets the engine see it end (it follows the build as it steps)."""
-        if self.engine.compile_status in UNDER_WAY:
+        if self._compiled_step_under_way:
             self.engine.step(StepPlan())
             self._compiled_step_changed()
+
+    @property
+    def _compiled_step_under_way(self) -> bool:
+        return self.engine.compile_status in COMPILE_UNDER_WAY
 
     def _calibration_expired(self) -> bool:
         """Is the calibration left past its deadline?  Not while the compiled step builds
@@ -298,7 +306,7 @@ class EmbeddedCore:
         return (
             self._calibrating is not None
             and time.monotonic() >= self._calibration_ends_at
-            and self.engine.compile_status not in UNDER_WAY
+            and not self._compiled_step_under_way
         )
 
     def _idle_calibration_fits(self) -> bool:
@@ -306,7 +314,7 @@ class EmbeddedCore:
         not building or loading, and enough slots that nothing holds for the next shape
         (the prefix cache's count too once it may empty them)?"""
         remaining = self._calibrating
-        if remaining is None or self.scheduler.requests or self.engine.compile_status in UNDER_WAY:
+        if remaining is None or self.scheduler.requests or self._compiled_step_under_way:
             return False
         kv = self.scheduler.kv
         if time.monotonic() >= self._calibration_evicts_at:
@@ -360,7 +368,7 @@ class EmbeddedCore:
         status = self.engine.compile_status
         if status == self._compile_status:
             return False
-        if self._compile_status in UNDER_WAY and status not in UNDER_WAY:
+        if self._compile_status in COMPILE_UNDER_WAY and status not in COMPILE_UNDER_WAY:
             self.scheduler.engine_changed(decode=status == "ready")
             now = time.monotonic()
             self._calibration_evicts_at = max(

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sluicegate.engine.base import COMPILE_UNDER_WAY
 from sluicegate.engine.torch.attention_batch import align_keys, cache_positions
 from sluicegate.engine.torch.decode_graph import (
     GRAPH_VERSION,
@@ -243,7 +244,7 @@ class CompiledDecode:
         """Whether a build or a load runs now beside the engine (not before :meth:`start`:
         the start-up calibration must time the engine as it serves once the step is in
         use, on every thread)."""
-        return self._began and self.status in ("building", "loading")
+        return self._began and self.status in COMPILE_UNDER_WAY
 
     @property
     def ready(self) -> bool:
@@ -254,7 +255,7 @@ class CompiledDecode:
         """Poll until the build and the load are over or ``timeout`` seconds have passed
         (for benchmarks and tests; the engine polls once a step); the status then."""
         deadline = time.monotonic() + timeout
-        while not self.poll() and self.status in ("building", "loading"):
+        while not self.poll() and self.status in COMPILE_UNDER_WAY:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
