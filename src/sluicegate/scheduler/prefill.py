@@ -243,31 +243,26 @@ class PrefillPlanner:
         self._passed_since: dict[str, float] = {}
         #: Steps whose prefill the time budget cut short (it had more to give).
         self.num_limited_steps = 0
-        #: The engine's measured prefill rate when prompts wait (admission books by it).
-        self.rate = PrefillRate()
-        self._limited_tokens: int | None = None
         #: Steps that gave a prompt more for its first token's due time.
         self.num_hurried_steps = 0
         self._last_left: float | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget the measured slowdowns and prefill rate (at the start, and when the
+        engine computes otherwise: see :meth:`Scheduler.engine_changed`)."""
+        #: The engine's measured prefill rate when prompts wait (admission books by it).
+        self.rate: PrefillRate = PrefillRate()
+        self._limited_tokens: int | None = None
         #: Recent steps' measured over predicted time: steps with decoders, and steps of
         #: prompt chunks alone (big chunks deep in a prompt run slower than the fit of the
         #: small ones beside decoders says: their scores outgrow the caches).
-        self.slowdown = 1.0
-        self.idle_slowdown = 1.0
+        self.slowdown: float = 1.0
+        self.idle_slowdown: float = 1.0
         #: What the slowdown left unpredicted in recent steps with a prompt chunk.
         self._overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)
         #: The fraction of the tightest TPOT objective a step with decoders is aimed at.
-        self.step_fraction = config.headroom
-
-    def restart(self) -> None:
-        """Forget the measured slowdowns and prefill rate (the engine now computes
-        otherwise: see :meth:`Scheduler.engine_changed`)."""
-        self.rate = PrefillRate()
-        self._limited_tokens = None
-        self.slowdown = 1.0
-        self.idle_slowdown = 1.0
-        self._overruns.clear()
-        self.step_fraction = self.config.headroom
+        self.step_fraction: float = self.config.headroom
 
     # --- the budget ---
 

@@ -197,26 +197,32 @@ class SeatLimiter:
         self._clock = clock
         self.limit = config.max_num_seqs
         self.model_limit = config.max_num_seqs
-        #: Feedback factor on the model limit, in [0.25, 1.5].
-        self.correction = 1.0
-        self._next_update = 0.0
-        #: (time, seconds, decoding sequences) of recent steps with decodes, and their
-        #: running sums, so that the event loop reads the mean without iterating a deque
-        #: the engine thread is changing.
-        self._decode_steps: deque[tuple[float, float, int]] = deque()
-        self._weighted_seconds = 0.0
-        self._decoding = 0
         self._mean_context = 256.0
-        #: No cut before this time: the measured window must first see the last cut.
-        self._hold_until = 0.0
         self._mean_prompt = 128.0
         self._mean_output = 64.0
         #: (time, limit) of the last ``BOOKING_WINDOW_SECONDS``' updates.
         self._limits: deque[tuple[float, int]] = deque()
+        self.restart()
+        self.estimate = self._estimate()
+
+    def restart(self) -> None:
+        """Forget the measured steps and the feedback drawn from them (at the start, and
+        when the engine computes otherwise: see :meth:`Scheduler.engine_changed`); the
+        next update sizes the limit from the cost model alone."""
+        #: Feedback factor on the model limit, in [0.25, 1.5].
+        self.correction: float = 1.0
+        self._next_update: float = 0.0
+        #: (time, seconds, decoding sequences) of recent steps with decodes, and their
+        #: running sums, so that the event loop reads the mean without iterating a deque
+        #: the engine thread is changing.
+        self._decode_steps: deque[tuple[float, float, int]] = deque()
+        self._weighted_seconds: float = 0.0
+        self._decoding: int = 0
+        #: No cut before this time: the measured window must first see the last cut.
+        self._hold_until: float = 0.0
         #: (time, sequences decoding on average) of recent feedback windows whose steps
         #: met the objective: what the engine has shown it sustains.
         self._proven: deque[tuple[float, int]] = deque()
-        self.estimate = self._estimate()
 
     # --- inputs (the engine thread) ---
 
@@ -237,18 +243,6 @@ class SeatLimiter:
             self._decoding -= old_decoding
         if not self._decode_steps:
             self._weighted_seconds = 0.0  # no drift left behind by the subtractions
-
-    def restart(self) -> None:
-        """Forget the measured steps and the feedback drawn from them (the engine now
-        computes otherwise: see :meth:`Scheduler.engine_changed`); the next update sizes
-        the limit from the cost model alone."""
-        self.correction = 1.0
-        self._decode_steps.clear()
-        self._weighted_seconds = 0.0
-        self._decoding = 0
-        self._hold_until = 0.0
-        self._proven.clear()
-        self._next_update = 0.0
 
     def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self._mean_prompt = _ewma(self._mean_prompt, num_prompt_tokens, 0.05)
